@@ -1,0 +1,38 @@
+# Everything goes through .venv, made on demand from the system python3 (3.11+).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv proto run test lint bench chaos clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,dev]'
+	touch $(STAMP)
+
+# Regenerates gen/ from proto/; the output is committed and never edited by hand.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=gen --pyi_out=gen proto/worker_protocol.proto
+
+# Development run: sockets and journal under ./.run, UDP on 127.0.0.1:5555, one worker per CPU.
+run: $(STAMP)
+	mkdir -p .run
+	$(BIN)/controller --config packaging/dev.json --workers auto
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy .
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .run build *.egg-info

@@ -1,0 +1,1 @@
+"""Job controller: trio controller, worker protocol over Unix sockets, UDP front door."""

@@ -1,0 +1,3 @@
+from controller.shell.main import main
+
+raise SystemExit(main())

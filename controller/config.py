@@ -1,0 +1,196 @@
+"""The one place the configuration is read and validated (DESIGN.md section 2).
+
+The file is a JSON object; every key is optional and has the default below.
+Anything wrong (an unreadable file, bad JSON, an unknown key, a wrong type, a
+value out of range) is one `ConfigError` whose message names the file and the
+key; the commands print it and exit with status 2. Command-line flags are
+applied on top with `Config.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.wire import DEFAULT_MAX_EXTRA_SIZE
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class ConfigError(Exception):
+    """A configuration problem, already phrased for the operator."""
+
+
+@dataclass(frozen=True)
+class ClientAddress:
+    host: str = "0.0.0.0"
+    port: int = 5555
+
+
+@dataclass(frozen=True)
+class Config:
+    socket_dir: Path = Path("/run/controller")
+    client_address: ClientAddress = field(default_factory=ClientAddress)
+    allowed_clients: tuple[IPNetwork, ...] = (
+        ipaddress.ip_network("127.0.0.0/8"),
+        ipaddress.ip_network("::1/128"),
+    )
+    timeout_task_placement: float = 30.0
+    max_retries: int = 3
+    task_timeout: float = 0.0
+    dial_timeout: float = 2.0
+    result_retention: float = 3600.0
+    notify_retries: int = 8
+    max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE
+    journal: Path | None = Path("/var/lib/controller/journal.sqlite3")
+    allowed_uids: tuple[int, ...] = (0,)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with `changes` applied (flags override the file)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def main_socket(self) -> Path:
+        return self.socket_dir / "main.sock"
+
+    def worker_socket(self, worker_id: int) -> Path:
+        return self.socket_dir / f"{worker_id}.sock"
+
+
+# --- converters: each takes the JSON value and returns the typed one or raises ValueError ---
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _seconds(value: Any) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"must be a number of seconds, got {value!r}")
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value!r}")
+    return float(value)
+
+
+def _positive_seconds(value: Any) -> float:
+    seconds = _seconds(value)
+    if seconds == 0:
+        raise ValueError("must be more than 0")
+    return seconds
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"must be a whole number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"must not be negative, got {value!r}")
+    return value
+
+
+def _size(value: Any) -> int:
+    size = _count(value)
+    if size == 0:
+        raise ValueError("must be more than 0")
+    return size
+
+
+def _path(value: Any) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"must be a non-empty path string, got {value!r}")
+    return Path(value)
+
+
+def _optional_path(value: Any) -> Path | None:
+    return None if value is None else _path(value)
+
+
+def _client_address(value: Any) -> ClientAddress:
+    if not isinstance(value, dict):
+        raise ValueError(f'must be an object like {{"host": "0.0.0.0", "port": 5555}}, got {value!r}')
+    unknown = set(value) - {"host", "port"}
+    if unknown:
+        raise ValueError(f"unknown member {sorted(unknown)[0]!r} (expected host, port)")
+    host = value.get("host", ClientAddress.host)
+    port = value.get("port", ClientAddress.port)
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be a non-empty string, got {host!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be a whole number from 0 to 65535, got {port!r}")
+    return ClientAddress(host, port)
+
+
+def _networks(value: Any) -> tuple[IPNetwork, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f'must be a list of CIDR strings like ["127.0.0.0/8"], got {value!r}')
+    networks = []
+    for item in value:
+        if not isinstance(item, str):
+            raise ValueError(f"each entry must be a CIDR string, got {item!r}")
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"{item!r} is not an IP network in CIDR form") from None
+    return tuple(networks)
+
+
+def _uids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of numeric uids, got {value!r}")
+    return tuple(_count(item) for item in value)
+
+
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "socket_dir": _path,
+    "client_address": _client_address,
+    "allowed_clients": _networks,
+    "timeout_task_placement": _positive_seconds,
+    "max_retries": _count,
+    "task_timeout": _seconds,
+    "dial_timeout": _positive_seconds,
+    "result_retention": _seconds,
+    "notify_retries": _count,
+    "max_extra_size": _size,
+    "journal": _optional_path,
+    "allowed_uids": _uids,
+}
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    """Validate an already-decoded JSON value; `source` names it in errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the configuration must be a JSON object")
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        convert = _CONVERTERS.get(key)
+        if convert is None:
+            known = ", ".join(sorted(_CONVERTERS))
+            raise ConfigError(f"{source}: unknown key {key!r} (known keys: {known})")
+        try:
+            values[key] = convert(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: key {key!r} {exc}") from None
+    return Config(**values)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read the JSON file at `path` (None: all defaults)."""
+    if path is None:
+        return Config()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{path}: cannot read the configuration file: {reason}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+    return parse_config(data, str(path))

@@ -1,0 +1,42 @@
+"""The pure controller core: plain synchronous Python, no trio, no sockets, no clock."""
+
+from controller.core.model import (
+    Action,
+    Dial,
+    DialDone,
+    Event,
+    IllegalTransition,
+    PulseReceived,
+    Reply,
+    SubmitTask,
+    Task,
+    TaskAccepted,
+    TaskFinished,
+    TaskState,
+    WatchPid,
+    Worker,
+    WorkerExited,
+    WorkerState,
+)
+from controller.core.scheduler import Core, Counters
+
+__all__ = [
+    "Action",
+    "Core",
+    "Counters",
+    "Dial",
+    "DialDone",
+    "Event",
+    "IllegalTransition",
+    "PulseReceived",
+    "Reply",
+    "SubmitTask",
+    "Task",
+    "TaskAccepted",
+    "TaskFinished",
+    "TaskState",
+    "WatchPid",
+    "Worker",
+    "WorkerExited",
+    "WorkerState",
+]

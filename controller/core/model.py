@@ -1,0 +1,253 @@
+"""States, the transition tables, and the events and actions of the controller core.
+
+Every state change of a task or a worker goes through `advance_task` /
+`advance_worker`, which look the (state, event) pair up in one table and raise
+`IllegalTransition` naming both when the pair is not there (the shape of h11's
+`_state.py`). Events in and actions out are small frozen dataclasses; wire
+enums are the generated protobuf ones, never copies.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from gen import worker_protocol_pb2 as pb
+
+
+class TaskState(enum.Enum):
+    QUEUED = "queued"
+    ASSIGNING = "assigning"  # SET_TASK dialled, answer not yet in
+    RUNNING = "running"
+    SUCCESS = "success"
+    ERROR = "error"
+    FAILED_POST = "failed_post"
+
+    @property
+    def public(self) -> str:
+        """The status name clients see (DESIGN.md section 4)."""
+        return "running" if self is TaskState.ASSIGNING else self.value
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({TaskState.SUCCESS, TaskState.ERROR, TaskState.FAILED_POST})
+
+
+class TaskEvent(enum.Enum):
+    PLACE = enum.auto()  # offered to a worker with SET_TASK
+    ACCEPTED = enum.auto()  # the worker answered SET_TASK with OK
+    REQUEUE = enum.auto()  # back in the queue (worker busy, failed or gone)
+    SUCCEED = enum.auto()  # FETCH brought the result
+    FAIL = enum.auto()  # retries used up
+    PLACEMENT_TIMEOUT = enum.auto()  # no free worker within timeout_task_placement
+
+
+T = TaskState
+TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
+    (T.QUEUED, TaskEvent.PLACE): T.ASSIGNING,
+    (T.QUEUED, TaskEvent.PLACEMENT_TIMEOUT): T.FAILED_POST,
+    (T.QUEUED, TaskEvent.FAIL): T.ERROR,
+    (T.ASSIGNING, TaskEvent.ACCEPTED): T.RUNNING,
+    (T.ASSIGNING, TaskEvent.REQUEUE): T.QUEUED,
+    (T.ASSIGNING, TaskEvent.FAIL): T.ERROR,
+    (T.RUNNING, TaskEvent.SUCCEED): T.SUCCESS,
+    (T.RUNNING, TaskEvent.REQUEUE): T.QUEUED,
+    (T.RUNNING, TaskEvent.FAIL): T.ERROR,
+}
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"  # registered; its socket is not known to listen yet
+    IDLE = "idle"
+    ASSIGNING = "assigning"  # SET_TASK in flight
+    BUSY = "busy"  # holds a task
+    FETCHING = "fetching"  # FETCH in flight
+    UNSURE = "unsure"  # answered BUSY to a SET_TASK: not offered work until a pulse says idle
+
+
+class WorkerEvent(enum.Enum):
+    READY = enum.auto()
+    ASSIGN = enum.auto()
+    ACCEPTED = enum.auto()
+    REFUSED = enum.auto()
+    FETCH = enum.auto()
+    FETCHED = enum.auto()
+    NOTHING_TO_FETCH = enum.auto()
+
+
+W = WorkerState
+WORKER_TRANSITIONS: dict[tuple[WorkerState, WorkerEvent], WorkerState] = {
+    (W.STARTING, WorkerEvent.READY): W.IDLE,
+    (W.UNSURE, WorkerEvent.READY): W.IDLE,
+    (W.IDLE, WorkerEvent.ASSIGN): W.ASSIGNING,
+    (W.ASSIGNING, WorkerEvent.ACCEPTED): W.BUSY,
+    (W.ASSIGNING, WorkerEvent.REFUSED): W.UNSURE,
+    (W.BUSY, WorkerEvent.FETCH): W.FETCHING,
+    (W.FETCHING, WorkerEvent.FETCHED): W.IDLE,
+    (W.FETCHING, WorkerEvent.NOTHING_TO_FETCH): W.BUSY,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A (state, event) pair the tables do not allow: always a bug in the core."""
+
+
+def next_task_state(state: TaskState, event: TaskEvent) -> TaskState:
+    try:
+        return TASK_TRANSITIONS[state, event]
+    except KeyError:
+        raise IllegalTransition(f"task: event {event.name} is illegal in state {state.name}") from None
+
+
+def next_worker_state(state: WorkerState, event: WorkerEvent) -> WorkerState:
+    try:
+        return WORKER_TRANSITIONS[state, event]
+    except KeyError:
+        raise IllegalTransition(
+            f"worker: event {event.name} is illegal in state {state.name}"
+        ) from None
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(eq=False)
+class Task:
+    ref: int  # the controller's own handle; task_id alone is not unique across clients
+    task_id: int  # the client's number, sent on the wire
+    payload: bytes
+    owner: object  # who submitted it (the front door's client address), opaque here
+    state: TaskState = TaskState.QUEUED
+    attempts: int = 0  # SET_TASKs that were (or may have been) accepted
+    failed_on: set[int] = field(default_factory=set)  # workers it failed on
+    worker_id: int = 0  # holder while ASSIGNING / RUNNING
+    queued_at: float = 0.0
+    placement_deadline: float = 0.0
+    running_deadline: float = 0.0  # task_timeout; 0 = none
+    last_error: str = ""
+
+    def advance(self, event: TaskEvent) -> None:
+        self.state = next_task_state(self.state, event)
+
+
+@dataclass(eq=False)
+class Worker:
+    worker_id: int
+    pid: int | None
+    uid: int | None
+    deadline: float
+    state: WorkerState = WorkerState.STARTING
+    task: Task | None = None
+    fetch_wanted: bool = False  # FETCH_ME arrived while SET_TASK was in flight
+    checking: bool = False  # a GET_STATUS is in flight
+    armed: bool = False  # a pulse-deadline entry for it is in the heap
+    done: int = 0  # tasks fetched from it, for the status view
+
+    def advance(self, event: WorkerEvent) -> None:
+        self.state = next_worker_state(self.state, event)
+
+    def expected_task_ids(self) -> tuple[int, ...]:
+        """Task ids a pulse may carry in this state without being a mismatch.
+
+        A pulse may have left the worker before a SET_TASK landed or after a
+        FETCH drained it, so the neighbouring state's id is fine too.
+        """
+        tid = self.task.task_id if self.task is not None else 0
+        if self.state in (WorkerState.ASSIGNING, WorkerState.FETCHING):
+            return (0, tid)
+        if self.state is WorkerState.BUSY:
+            return (tid,)
+        return (0,)
+
+
+# ---------------------------------------------------------------- events in
+
+
+@dataclass(frozen=True, slots=True)
+class PulseReceived:
+    pulse: pb.WorkerPulse
+    pid: int | None = None  # SO_PEERCRED of the connection
+    uid: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DialDone:
+    """The outcome of one Dial: `response` is None when there was no usable answer."""
+
+    worker_id: int
+    kind: int  # pb.ControlType
+    response: pb.WorkerResponse | None
+    extra: bytes = b""
+    error: str = ""  # why there is no response
+    not_owned: bool = False  # the socket file belongs to another uid: nothing was sent
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    """The worker's process is gone (seen through its pidfd)."""
+
+    worker_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitTask:
+    task_id: int
+    payload: bytes
+    owner: object = None
+
+
+Event = PulseReceived | DialDone | WorkerExited | SubmitTask
+
+
+# ---------------------------------------------------------------- actions out
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Answer the pulse on the connection it came in on."""
+
+    response: pb.PulseResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """Connect to the worker's socket, send this control message, report DialDone."""
+
+    worker_id: int
+    uid: int | None
+    kind: int  # pb.ControlType
+    task_id: int = 0
+    extra: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class WatchPid:
+    """Report WorkerExited for this worker when its process ends."""
+
+    worker_id: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class TaskAccepted:
+    """The core took a submitted task; `ref` is its handle from now on."""
+
+    ref: int
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFinished:
+    """A task reached its final state: success (with result), error or failed_post."""
+
+    ref: int
+    task_id: int
+    owner: object
+    state: TaskState
+    result: bytes = b""
+    error: str = ""
+
+
+Action = Reply | Dial | WatchPid | TaskAccepted | TaskFinished

@@ -1,0 +1,1 @@
+"""The trio shells: the only controller code that awaits."""

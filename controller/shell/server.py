@@ -1,0 +1,290 @@
+"""The controller's trio shell around the pure `Core`.
+
+It owns every socket and the clock: it accepts pulses on main.sock, dials the
+workers' sockets, sleeps until the core's next deadline, watches worker pids,
+and hands each event to the core with `now=trio.current_time()`. Whatever the
+core returns is carried out by `execute`. Finished tasks leave through the
+`on_finished` callback (the front door, or a test).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket as stdsocket
+import stat
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from controller import wire
+from controller.config import Config
+from controller.core import (
+    Action,
+    Core,
+    Dial,
+    DialDone,
+    PulseReceived,
+    Reply,
+    TaskFinished,
+    WatchPid,
+    WorkerExited,
+)
+from gen import worker_protocol_pb2 as pb
+
+log = logging.getLogger("controller")
+
+# Pending connections the kernel queues on main.sock; a burst of workers starting
+# at once (or a flood) should not see ECONNREFUSED.
+LISTEN_BACKLOG = 1024
+_PEERCRED = struct.Struct("3i")
+
+
+class StartupError(Exception):
+    """The controller cannot start; the message is for the operator (exit status 2)."""
+
+
+def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def prepare_socket_dir(path: Path) -> os.stat_result:
+    """Create the socket directory if needed and check it is safe to serve from."""
+    try:
+        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError as exc:
+        raise StartupError(f"socket directory {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"socket directory {path} is not a directory")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise StartupError(
+            f"socket directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
+            "anyone could replace the sockets in it: chmod o-w it"
+        )
+    return st
+
+
+async def bind_main_socket(path: Path) -> trio.socket.SocketType:
+    """Bind and listen on main.sock, replacing a stale file but never a live controller."""
+    if path.exists() or path.is_symlink():
+        probe = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        try:
+            await probe.connect(str(path))
+        except OSError:
+            log.info("removing stale %s", path)
+            path.unlink(missing_ok=True)
+        else:
+            raise StartupError(f"another controller is already serving on {path}")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    try:
+        await sock.bind(str(path))
+        # Workers in the socket directory's group must be able to connect.
+        os.chmod(path, 0o660)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {path}: {exc.strerror}") from None
+    sock.listen(LISTEN_BACKLOG)
+    return sock
+
+
+class ControllerShell:
+    """Runs a `Core` against real sockets and the trio clock."""
+
+    def __init__(
+        self,
+        config: Config,
+        core: Core | None = None,
+        on_finished: Callable[[TaskFinished], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.core = core or Core(
+            max_retries=config.max_retries,
+            timeout_task_placement=config.timeout_task_placement,
+            task_timeout=config.task_timeout,
+        )
+        self.on_finished = on_finished or (lambda finished: None)
+        self.refused_peers = 0
+        self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
+        self._timer_at = float("inf")
+        self._watched: dict[int, set[int]] = {}
+        self._own_uid = os.getuid()
+        self._dir_gid = -1
+
+    # ------------------------------------------------------------ running
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve main.sock until cancelled; `started()` once it accepts connections."""
+        cfg = self.config
+        self._dir_gid = prepare_socket_dir(cfg.socket_dir).st_gid
+        sock = await bind_main_socket(cfg.main_socket)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._timer)
+                log.info("listening for workers on %s", cfg.main_socket)
+                task_status.started()
+                while True:
+                    conn, _ = await sock.accept()
+                    nursery.start_soon(self._serve_pulse, conn)
+        finally:
+            sock.close()
+            with trio.CancelScope(shield=True):
+                try:
+                    if cfg.main_socket.exists():
+                        cfg.main_socket.unlink()
+                except OSError:
+                    pass
+
+    def submit(self, task_id: int, payload: bytes, owner: object = None) -> int:
+        """The internal API: queue a task now; returns its ref. Must run inside `serve`."""
+        ref, actions = self.core.submit(task_id, payload, owner, trio.current_time())
+        self.execute(actions)
+        return ref
+
+    def execute(self, actions: list[Action]) -> None:
+        """Carry out what the core asked for."""
+        nursery = self._nursery
+        assert nursery is not None, "execute() before serve() started"
+        for action in actions:
+            if isinstance(action, Dial):
+                nursery.start_soon(self._dial, action)
+            elif isinstance(action, TaskFinished):
+                self.on_finished(action)
+            elif isinstance(action, WatchPid):
+                self._watch(action)
+            elif isinstance(action, Reply):
+                raise AssertionError("a Reply outside a pulse exchange")
+        if self.core.next_deadline() < self._timer_at:
+            self._wake.set()
+
+    # ------------------------------------------------------------ main.sock
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        return uid == self._own_uid or uid in self.config.allowed_uids or gid == self._dir_gid
+
+    async def _serve_pulse(self, conn: trio.socket.SocketType) -> None:
+        stream = trio.SocketStream(conn)
+        timeout = self.config.dial_timeout
+        try:
+            pid, uid, gid = peer_credentials(conn)
+            if not self._allowed(uid, gid):
+                self.refused_peers += 1
+                log.warning("main.sock: refused a connection from uid %d (pid %d)", uid, pid)
+                await wire.write_frame(
+                    stream, pb.PulseResponse(error=pb.CTRL_ERR_FAILED), timeout=timeout
+                )
+                return
+            try:
+                pulse, _ = await wire.read_frame(stream, pb.WorkerPulse, timeout=timeout)
+            except wire.RemoteProtocolError as exc:
+                log.warning("main.sock: bad pulse from pid %d: %s", pid, exc)
+                if exc.can_reply:
+                    await wire.write_frame(
+                        stream, pb.PulseResponse(error=pb.CTRL_ERR_FAILED), timeout=timeout
+                    )
+                return
+            actions = self.core.handle(
+                PulseReceived(pulse, pid or None, uid), trio.current_time()
+            )
+            reply = actions[0]
+            assert isinstance(reply, Reply)
+            self.execute(actions[1:])
+            await wire.write_frame(stream, reply.response, timeout=timeout)
+        except (wire.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the peer went away or stopped reading: nothing else to do for it
+        except OSError as exc:
+            log.warning("main.sock: connection error: %s", exc)
+        finally:
+            conn.close()
+
+    # ------------------------------------------------------------ dialing
+
+    async def _dial(self, action: Dial) -> None:
+        done = await self._exchange(action)
+        self.execute(self.core.handle(done, trio.current_time()))
+
+    async def _exchange(self, action: Dial) -> DialDone:
+        cfg = self.config
+        wid = action.worker_id
+        path = cfg.worker_socket(wid)
+        if action.uid is not None:
+            try:
+                owner = os.stat(path).st_uid
+            except OSError as exc:
+                return DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}")
+            if owner != action.uid:
+                return DialDone(wid, action.kind, None, not_owned=True, error="not owned")
+        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
+        if action.kind == pb.CTRL_SET_TASK:
+            msg.task_id = action.task_id
+        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        try:
+            with trio.move_on_after(cfg.dial_timeout) as scope:
+                await sock.connect(str(path))
+            if scope.cancelled_caught:
+                return DialDone(wid, action.kind, None, error="connect timed out")
+            stream = trio.SocketStream(sock)
+            await wire.write_frame(stream, msg, action.extra, timeout=cfg.dial_timeout)
+            resp, extra = await wire.read_frame(
+                stream,
+                pb.WorkerResponse,
+                timeout=cfg.dial_timeout,
+                max_extra_size=cfg.max_extra_size,
+            )
+            return DialDone(wid, action.kind, resp, extra)
+        except wire.RemoteProtocolError as exc:
+            return DialDone(wid, action.kind, None, error=str(exc))
+        except (OSError, trio.BrokenResourceError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+                reason = f"{path} is missing"
+            return DialDone(wid, action.kind, None, error=reason)
+        finally:
+            sock.close()
+
+    # ------------------------------------------------------------ deadlines
+
+    async def _timer(self) -> None:
+        core = self.core
+        while True:
+            self._timer_at = core.next_deadline()
+            with trio.move_on_at(self._timer_at):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            self._timer_at = float("inf")
+            self.execute(core.expire(trio.current_time()))
+
+    # ------------------------------------------------------------ pids
+
+    def _watch(self, action: WatchPid) -> None:
+        wids = self._watched.get(action.pid)
+        if wids is not None:
+            wids.add(action.worker_id)
+            return
+        try:
+            fd = os.pidfd_open(action.pid)
+        except OSError as exc:
+            log.debug("cannot watch pid %d: %s", action.pid, exc)
+            return
+        self._watched[action.pid] = {action.worker_id}
+        assert self._nursery is not None
+        self._nursery.start_soon(self._wait_pid, action.pid, fd)
+
+    async def _wait_pid(self, pid: int, fd: int) -> None:
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+        now = trio.current_time()
+        for wid in self._watched.pop(pid, ()):
+            self.execute(self.core.handle(WorkerExited(wid), now))

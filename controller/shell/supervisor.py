@@ -1,0 +1,79 @@
+"""`controller --workers N`: start N local worker processes and keep them running.
+
+Each slot restarts its worker when it exits, saying why (status or signal).
+Exit 75 (the worker obeyed RESTART) is expected and restarted at once; a
+worker that keeps dying soon after start is restarted with a doubling delay,
+so a broken handler does not turn into a fork loop. On shutdown the workers
+get SIGTERM (they drain), then SIGKILL if they linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import trio
+
+log = logging.getLogger("controller.supervisor")
+
+# A worker that lived this long was healthy: its next restart starts from the short delay.
+HEALTHY_RUN = 10.0
+BACKOFF_START = 0.1
+BACKOFF_MAX = 30.0
+# How long stopping workers may drain before they are killed.
+STOP_GRACE = 10.0
+
+
+def worker_command(socket_dir: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "worker", "--socket-dir", socket_dir, *extra]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class Supervisor:
+    def __init__(self, count: int, argv: list[str]) -> None:
+        self.count = count
+        self.argv = argv
+        self.restarts = 0
+        self.pids: dict[int, int] = {}  # slot -> pid
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for slot in range(self.count):
+                nursery.start_soon(self._keep_running, slot)
+            task_status.started()
+
+    async def _keep_running(self, slot: int) -> None:
+        delay = BACKOFF_START
+        while True:
+            started = trio.current_time()
+            proc = await trio.lowlevel.open_process(self.argv)
+            self.pids[slot] = proc.pid
+            log.info("worker slot %d: started pid %d", slot, proc.pid)
+            try:
+                code = await proc.wait()
+            finally:
+                if proc.returncode is None:
+                    with trio.CancelScope(shield=True):
+                        proc.send_signal(signal.SIGTERM)
+                        with trio.move_on_after(STOP_GRACE):
+                            await proc.wait()
+                        if proc.returncode is None:
+                            proc.kill()
+                            await proc.wait()
+            self.pids.pop(slot, None)
+            ran = trio.current_time() - started
+            if ran >= HEALTHY_RUN or code == 75:
+                delay = BACKOFF_START
+            self.restarts += 1
+            log.warning(
+                "worker slot %d: pid %d %s after %.1f s; restarting in %.1f s",
+                slot, proc.pid, describe_exit(code), ran, delay,
+            )
+            await trio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)

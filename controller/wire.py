@@ -1,0 +1,237 @@
+"""The one place that knows the Unix-socket wire format (DESIGN.md section 3).
+
+Every frame is ``<varint length><protobuf message>`` followed, for the two
+message types that carry an ``extra_size`` field (ControlMsg, WorkerResponse),
+by exactly ``extra_size`` raw bytes. Each connection carries one frame each
+way.
+
+`FrameDecoder` is the sans-IO half (the shape of wsproto's frame buffer): feed
+it whatever bytes arrived, ask it for the frame, and it either returns one,
+says it needs more, or raises a `RemoteProtocolError` subclass. Every size a
+peer announces is checked against a named cap before anything is allocated.
+`read_frame` / `write_frame` are the thin trio half, shared by the controller
+and the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Generic, NoReturn, TypeVar
+
+import trio
+from google.protobuf.message import DecodeError, Message
+
+from gen import worker_protocol_pb2 as pb
+
+# A delimited protobuf header is tiny (four scalar fields); 4 KiB is generous
+# and bounds what a peer can make us buffer before we know what it wants.
+MAX_HEADER_SIZE: Final = 4096
+# A uint64 varint never needs more than 10 bytes; an 11th continuation byte is garbage.
+MAX_VARINT_BYTES: Final = 10
+# Default cap on the raw bytes after a message (the `max_extra_size` config key).
+DEFAULT_MAX_EXTRA_SIZE: Final = 16 * 1024 * 1024
+# One receive call's size: a whole small frame arrives in one read, and a large
+# extra payload is copied in big pieces rather than byte by byte.
+RECEIVE_CHUNK: Final = 256 * 1024
+
+M = TypeVar("M", bound=Message)
+
+
+class RemoteProtocolError(Exception):
+    """The peer sent something this side cannot accept.
+
+    `can_reply` says whether the connection is still in a state where an
+    error answer makes sense (the peer is waiting for one); the shells use it
+    to decide between answering CTRL_ERR_FAILED and just closing.
+    """
+
+    can_reply: bool = True
+
+
+class VarintTooLong(RemoteProtocolError):
+    """The length prefix ran past 10 bytes."""
+
+
+class HeaderTooLarge(RemoteProtocolError):
+    """The length prefix announced a message over MAX_HEADER_SIZE."""
+
+
+class ExtraTooLarge(RemoteProtocolError):
+    """The message announced more extra bytes than max_extra_size."""
+
+
+class MalformedMessage(RemoteProtocolError):
+    """The header bytes are not a valid protobuf message of the expected type."""
+
+
+class Truncated(RemoteProtocolError):
+    """The peer closed its side before sending all it announced."""
+
+    can_reply = False
+
+
+class PeerTimeout(RemoteProtocolError):
+    """The peer went silent for longer than the allowed timeout."""
+
+
+def has_extra(msg_type: type[Message]) -> bool:
+    """True for the message types followed by `extra_size` raw bytes."""
+    return "extra_size" in msg_type.DESCRIPTOR.fields_by_name
+
+
+def encode_varint(value: int) -> bytes:
+    """Base-128 varint, least significant group first (protobuf's encoding)."""
+    if value < 0:
+        raise ValueError(f"varint must be non-negative, got {value}")
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_frame(msg: Message, extra: bytes = b"") -> bytes:
+    """Serialize `msg` delimited, followed by `extra`.
+
+    For messages with an `extra_size` field that field is set to len(extra);
+    other messages cannot carry extra bytes.
+    """
+    if has_extra(type(msg)):
+        msg.extra_size = len(extra)  # type: ignore[attr-defined]
+    elif extra:
+        raise ValueError(f"{type(msg).__name__} carries no extra bytes")
+    body = msg.SerializeToString()
+    return encode_varint(len(body)) + body + extra
+
+
+class FrameDecoder(Generic[M]):
+    """Incremental parser for one frame of `msg_type` (sans-IO)."""
+
+    def __init__(self, msg_type: type[M], max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE) -> None:
+        self._type = msg_type
+        self._with_extra = has_extra(msg_type)
+        self._max_extra = max_extra_size
+        self._buf = bytearray()
+        self._msg: M | None = None
+        self._extra_size = 0
+
+    def feed(self, data: bytes) -> None:
+        """Append bytes received from the peer."""
+        self._buf += data
+
+    def wanted(self) -> int:
+        """A good size for the next receive (at least 1)."""
+        if self._msg is not None:
+            return max(1, min(self._extra_size - len(self._buf), RECEIVE_CHUNK))
+        return RECEIVE_CHUNK
+
+    def next_frame(self) -> tuple[M, bytes] | None:
+        """The complete frame, or None while more bytes are needed."""
+        if self._msg is None and not self._parse_header():
+            return None
+        assert self._msg is not None
+        if len(self._buf) < self._extra_size:
+            return None
+        extra = bytes(self._buf[: self._extra_size])
+        del self._buf[: self._extra_size]
+        return self._msg, extra
+
+    def eof(self) -> NoReturn:
+        """The peer closed its side: raise Truncated unless nothing was pending."""
+        if self._buf or self._msg is not None:
+            raise Truncated(
+                f"peer closed after {len(self._buf)} bytes of an incomplete "
+                f"{self._type.__name__} frame"
+            )
+        raise Truncated(f"peer closed before sending a {self._type.__name__}")
+
+    def _parse_header(self) -> bool:
+        buf = self._buf
+        length = 0
+        shift = 0
+        pos = 0
+        while True:
+            if pos >= len(buf):
+                if pos >= MAX_VARINT_BYTES:
+                    raise VarintTooLong("length prefix longer than 10 bytes")
+                return False
+            byte = buf[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            if not byte & 0x80:
+                break
+            if pos >= MAX_VARINT_BYTES:
+                raise VarintTooLong("length prefix longer than 10 bytes")
+            shift += 7
+        if length > MAX_HEADER_SIZE:
+            raise HeaderTooLarge(
+                f"{self._type.__name__} header of {length} bytes exceeds {MAX_HEADER_SIZE}"
+            )
+        if len(buf) < pos + length:
+            return False
+        try:
+            msg = self._type.FromString(bytes(buf[pos : pos + length]))
+        except DecodeError as exc:
+            raise MalformedMessage(f"not a valid {self._type.__name__}: {exc}") from None
+        extra_size = msg.extra_size if self._with_extra else 0  # type: ignore[attr-defined]
+        if extra_size > self._max_extra:
+            raise ExtraTooLarge(
+                f"{self._type.__name__} announces {extra_size} extra bytes, "
+                f"over the limit of {self._max_extra}"
+            )
+        del buf[: pos + length]
+        self._msg = msg
+        self._extra_size = extra_size
+        return True
+
+
+async def read_frame(
+    stream: trio.abc.ReceiveStream,
+    msg_type: type[M],
+    *,
+    timeout: float,
+    max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE,
+) -> tuple[M, bytes]:
+    """Receive one frame; `timeout` bounds each silence, not the whole transfer."""
+    decoder = FrameDecoder(msg_type, max_extra_size)
+    while True:
+        frame = decoder.next_frame()
+        if frame is not None:
+            return frame
+        with trio.move_on_after(timeout):
+            data = await stream.receive_some(decoder.wanted())
+            if not data:
+                decoder.eof()
+            decoder.feed(data)
+            continue
+        raise PeerTimeout(f"peer silent for {timeout:g} s while sending a {msg_type.__name__}")
+
+
+async def write_frame(
+    stream: trio.abc.SendStream, msg: Message, extra: bytes = b"", *, timeout: float
+) -> None:
+    """Send one frame; a peer that does not read it within `timeout` is PeerTimeout."""
+    data = encode_frame(msg, extra)
+    with trio.move_on_after(timeout):
+        await stream.send_all(data)
+        return
+    raise PeerTimeout(f"peer did not read a {type(msg).__name__} within {timeout:g} s")
+
+
+__all__ = [
+    "DEFAULT_MAX_EXTRA_SIZE",
+    "MAX_HEADER_SIZE",
+    "ExtraTooLarge",
+    "FrameDecoder",
+    "HeaderTooLarge",
+    "MalformedMessage",
+    "PeerTimeout",
+    "RemoteProtocolError",
+    "Truncated",
+    "VarintTooLong",
+    "encode_frame",
+    "encode_varint",
+    "pb",
+    "read_frame",
+    "write_frame",
+]

@@ -1,0 +1,1 @@
+"""The worker: registers with the controller, pulses, runs one task at a time."""

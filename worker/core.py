@@ -1,0 +1,109 @@
+"""The worker's session state, pure: what to answer each ControlMsg and what to pulse.
+
+A worker holds at most one task. Its task id stays in every pulse from the
+moment SET_TASK is accepted until the result (or the failure) has been
+fetched, so that a controller that restarted in between can take the task
+over. The shell (`worker.shell`) owns the sockets, the clock and the running
+task; it asks this object what to do and reports back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from gen import worker_protocol_pb2 as pb
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    DONE = "done"  # result waiting to be fetched
+    FAILED = "failed"  # error text waiting to be fetched
+
+
+class Effect(enum.Enum):
+    NONE = enum.auto()
+    START = enum.auto()  # start running the accepted task
+    RESTART = enum.auto()  # stop everything and exit 75
+    FETCHED = enum.auto()  # the outcome went out: back to idle once the answer is written
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    response: pb.WorkerResponse
+    extra: bytes = b""
+    effect: Effect = Effect.NONE
+
+
+class WorkerSession:
+    """What the worker knows and promises; no I/O."""
+
+    def __init__(self) -> None:
+        self.worker_id = 0
+        self.phase = Phase.IDLE
+        self.task_id = 0
+        self.payload = b""
+        self.outcome = b""  # the result, or the error text when FAILED
+        self.draining = False
+
+    @property
+    def has_outcome(self) -> bool:
+        return self.phase in (Phase.DONE, Phase.FAILED)
+
+    def pulse(self, next_pulse: int) -> pb.WorkerPulse:
+        """The periodic pulse: FETCH_ME while an outcome waits, else OK."""
+        ptype = pb.PULSE_FETCH_ME if self.has_outcome else pb.PULSE_OK
+        return pb.WorkerPulse(
+            type=ptype, worker_id=self.worker_id, task_id=self.task_id, next_pulse=next_pulse
+        )
+
+    def on_control(self, msg: pb.ControlMsg, extra: bytes) -> Answer:
+        """The answer to one control message from the controller."""
+        kind = msg.type
+        tid = self.task_id
+        if kind == pb.CTRL_GET_STATUS:
+            return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid))
+        if kind == pb.CTRL_SET_TASK:
+            if self.phase is not Phase.IDLE or self.draining:
+                return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_BUSY, task_id=tid))
+            if not msg.HasField("task_id") or msg.task_id == 0:
+                return _failed(tid, "SET_TASK without a task_id (task ids start at 1)")
+            self.phase = Phase.RUNNING
+            self.task_id = msg.task_id
+            self.payload = extra
+            return Answer(
+                pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=msg.task_id), effect=Effect.START
+            )
+        if kind == pb.CTRL_FETCH:
+            if self.phase is Phase.DONE:
+                code = pb.WORKER_ERR_OK
+            elif self.phase is Phase.FAILED:
+                code = pb.WORKER_ERR_TASK_FAILED
+            else:
+                return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_NO_FETCH, task_id=tid))
+            return Answer(
+                pb.WorkerResponse(error=code, task_id=tid), self.outcome, effect=Effect.FETCHED
+            )
+        if kind == pb.CTRL_RESTART:
+            return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.RESTART)
+        return _failed(tid, f"unknown control type {kind}")
+
+    def finished(self, task_id: int, ok: bool, outcome: bytes) -> None:
+        """The running task ended (`outcome` is the result, or the error text)."""
+        if self.phase is not Phase.RUNNING or task_id != self.task_id:
+            return  # a task abandoned by RESTART; nothing to keep
+        self.phase = Phase.DONE if ok else Phase.FAILED
+        self.outcome = outcome
+        self.payload = b""
+
+    def fetched(self, task_id: int) -> None:
+        """The FETCH answer carrying this task's outcome was written."""
+        if self.has_outcome and task_id == self.task_id:
+            self.phase = Phase.IDLE
+            self.task_id = 0
+            self.outcome = b""
+
+
+def _failed(task_id: int, why: str) -> Answer:
+    return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_FAILED, task_id=task_id), why.encode())

@@ -1,0 +1,290 @@
+"""The worker's trio shell: registration, pulses, the control socket, the running task.
+
+Life of a worker: REGISTER on main.sock (retrying with capped backoff while
+the controller is away), listen on `<worker_id>.sock`, pulse OK at once and
+then every period, answer control messages one per connection, run at most
+one task at a time beside all that, and send FETCH_ME the moment it ends. An
+UNKNOWN_ID answer means the controller forgot us (it restarted, or declared
+us dead): register again under a new id, keeping the task and its result.
+RESTART stops the task and exits 75; SIGTERM/SIGINT drains, sends SHUTDOWN
+and exits 0; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import socket as stdsocket
+from pathlib import Path
+
+import trio
+
+from controller import wire
+from gen import worker_protocol_pb2 as pb
+from worker.core import Effect, Phase, WorkerSession
+from worker.runner import Runner, TaskFailed
+
+log = logging.getLogger("worker")
+
+EXIT_RESTART = 75  # EX_TEMPFAIL: the supervisor starts us again
+# Registration retry backoff: quick at first (the controller may be starting), capped
+# so that a worker waiting for a long-gone controller still notices it within seconds.
+REGISTER_BACKOFF_START = 0.05
+REGISTER_BACKOFF_MAX = 5.0
+
+
+def promised_next_pulse(period: float) -> int:
+    """What the worker promises in `next_pulse`: whole seconds, twice the real period."""
+    return max(1, math.ceil(2 * period))
+
+
+class WorkerShell:
+    def __init__(
+        self,
+        socket_dir: Path,
+        runner: Runner,
+        *,
+        pulse_period: float = 1.0,
+        drain_timeout: float = 30.0,
+        dial_timeout: float = 2.0,
+        max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+    ) -> None:
+        self.socket_dir = socket_dir
+        self.runner = runner
+        self.pulse_period = pulse_period
+        self.next_pulse = promised_next_pulse(pulse_period)
+        self.drain_timeout = drain_timeout
+        self.dial_timeout = dial_timeout
+        self.max_extra_size = max_extra_size
+        self.session = WorkerSession()
+        self.exit_code = 0
+        self.registrations = 0
+        self._pulse_now = trio.Event()
+        self._task_scope: trio.CancelScope | None = None
+        self._top: trio.Nursery | None = None
+        self._drain_deadline = math.inf
+        self._controller_ok = True
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, *, handle_signals: bool = True) -> int:
+        """Run until SHUTDOWN or RESTART; returns the exit status."""
+        async with trio.open_nursery() as nursery:
+            self._top = nursery
+            if handle_signals:
+                nursery.start_soon(self._signals)
+            await self._sessions()
+            nursery.cancel_scope.cancel()
+        return self.exit_code
+
+    def drain(self) -> None:
+        """Stop taking tasks; finish and hand over the current one, then leave."""
+        if not self.session.draining:
+            log.info("draining: finishing the current task, then shutting down")
+            self.session.draining = True
+            self._drain_deadline = trio.current_time() + self.drain_timeout
+            self._pulse_now.set()
+
+    def _stop(self, code: int) -> None:
+        self.exit_code = code
+        if self._task_scope is not None:
+            self._task_scope.cancel()
+        assert self._top is not None
+        self._top.cancel_scope.cancel()
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self.session.draining:
+                    log.warning("second %s: exiting now", signal.Signals(signum).name)
+                    self._stop(128 + signum)
+                    return
+                self.drain()
+
+    async def _sessions(self) -> None:
+        while True:
+            wid = await self._register()
+            if wid is None:
+                return
+            self.session.worker_id = wid
+            path = self.socket_dir / f"{wid}.sock"
+            listener = await self._listen(path)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._serve_control, listener, nursery)
+                    again = await self._pulse_loop()
+                    nursery.cancel_scope.cancel()
+            finally:
+                listener.close()
+                path.unlink(missing_ok=True)
+            if not again:
+                return
+
+    # ------------------------------------------------------------ main.sock
+
+    async def _send_pulse(self, pulse: pb.WorkerPulse) -> pb.PulseResponse | None:
+        """One exchange on main.sock; None when the controller could not be reached."""
+        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        try:
+            with trio.move_on_after(self.dial_timeout):
+                await sock.connect(str(self.socket_dir / "main.sock"))
+                stream = trio.SocketStream(sock)
+                await wire.write_frame(stream, pulse, timeout=self.dial_timeout)
+                resp, _ = await wire.read_frame(stream, pb.PulseResponse, timeout=self.dial_timeout)
+                self._reachable(True, "")
+                return resp
+            self._reachable(False, "timed out")
+        except (OSError, wire.RemoteProtocolError, trio.BrokenResourceError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._reachable(False, reason)
+        finally:
+            sock.close()
+        return None
+
+    def _reachable(self, ok: bool, reason: str) -> None:
+        # One log line per change, not one per failed pulse.
+        if ok and not self._controller_ok:
+            log.info("controller reachable again")
+        elif not ok and self._controller_ok:
+            log.warning("controller unreachable on %s: %s", self.socket_dir / "main.sock", reason)
+        self._controller_ok = ok
+
+    async def _register(self) -> int | None:
+        delay = REGISTER_BACKOFF_START
+        while not self.session.draining:
+            resp = await self._send_pulse(
+                pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=self.next_pulse)
+            )
+            if resp is not None and resp.error == pb.CTRL_ERR_OK and resp.HasField("worker_id"):
+                self.registrations += 1
+                log.info("registered as worker %d", resp.worker_id)
+                return resp.worker_id
+            if resp is not None:
+                log.warning(
+                    "registration refused (%s); retrying in %.2g s",
+                    pb.ControllerError.Name(resp.error) if resp.error in pb.ControllerError.values()
+                    else resp.error,
+                    delay,
+                )
+            with trio.move_on_after(delay):
+                await self._pulse_now.wait()
+            self._pulse_now = trio.Event()
+            delay = min(delay * 2, REGISTER_BACKOFF_MAX)
+        return None
+
+    async def _pulse_loop(self) -> bool:
+        """Pulse until the controller forgets us (True: register again) or we leave (False)."""
+        session = self.session
+        next_at = trio.current_time()  # the first OK goes out as soon as the socket listens
+        while True:
+            if session.draining and (
+                session.phase is Phase.IDLE or trio.current_time() >= self._drain_deadline
+            ):
+                await self._shutdown()
+                return False
+            with trio.move_on_at(min(next_at, self._drain_deadline)):
+                await self._pulse_now.wait()
+            self._pulse_now = trio.Event()
+            if session.draining and trio.current_time() >= self._drain_deadline:
+                continue
+            resp = await self._send_pulse(session.pulse(self.next_pulse))
+            next_at = trio.current_time() + self.pulse_period
+            if resp is None:
+                continue
+            if resp.error == pb.CTRL_ERR_UNKNOWN_ID:
+                log.warning(
+                    "controller does not know worker %d; registering again (keeping task %d)",
+                    session.worker_id,
+                    session.task_id,
+                )
+                return True
+            if resp.error != pb.CTRL_ERR_OK:
+                log.warning("pulse answered with error %d", resp.error)
+
+    async def _shutdown(self) -> None:
+        session = self.session
+        if session.phase is Phase.RUNNING:
+            log.warning("drain timeout: abandoning task %d", session.task_id)
+            if self._task_scope is not None:
+                self._task_scope.cancel()
+        await self._send_pulse(
+            pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=session.worker_id)
+        )
+        log.info("worker %d shut down", session.worker_id)
+
+    # ------------------------------------------------------------ control socket
+
+    async def _listen(self, path: Path) -> trio.socket.SocketType:
+        path.unlink(missing_ok=True)
+        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        await sock.bind(str(path))
+        os.chmod(path, 0o660)
+        sock.listen(64)
+        return sock
+
+    async def _serve_control(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            conn, _ = await sock.accept()
+            nursery.start_soon(self._handle_control, conn)
+
+    async def _handle_control(self, conn: trio.socket.SocketType) -> None:
+        stream = trio.SocketStream(conn)
+        timeout = self.dial_timeout
+        try:
+            try:
+                msg, extra = await wire.read_frame(
+                    stream, pb.ControlMsg, timeout=timeout, max_extra_size=self.max_extra_size
+                )
+            except wire.RemoteProtocolError as exc:
+                log.warning("control socket: bad message: %s", exc)
+                if exc.can_reply:
+                    await wire.write_frame(
+                        stream,
+                        pb.WorkerResponse(error=pb.WORKER_ERR_FAILED, task_id=self.session.task_id),
+                        str(exc).encode()[:1024],
+                        timeout=timeout,
+                    )
+                return
+            answer = self.session.on_control(msg, extra)
+            effect = answer.effect
+            if effect is Effect.START:
+                assert self._top is not None
+                self._top.start_soon(self._run_task, msg.task_id, extra)
+            elif effect is Effect.RESTART:
+                log.warning("controller sent RESTART: stopping and exiting %d", EXIT_RESTART)
+                if self._task_scope is not None:
+                    self._task_scope.cancel()
+                with trio.move_on_after(timeout):
+                    await wire.write_frame(stream, answer.response, timeout=timeout)
+                self._stop(EXIT_RESTART)
+                return
+            await wire.write_frame(stream, answer.response, answer.extra, timeout=timeout)
+            if effect is Effect.FETCHED:
+                self.session.fetched(answer.response.task_id)
+                if self.session.draining:
+                    self._pulse_now.set()
+        except (wire.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the controller hung up; it will ask again
+        finally:
+            conn.close()
+
+    # ------------------------------------------------------------ the task
+
+    async def _run_task(self, task_id: int, payload: bytes) -> None:
+        with trio.CancelScope() as scope:
+            self._task_scope = scope
+            try:
+                result = await self.runner(task_id, payload)
+                ok = True
+            except TaskFailed as exc:
+                result, ok = str(exc).encode(), False
+                log.info("task %d failed: %s", task_id, exc)
+            except Exception as exc:  # a bug in a runner must not kill the worker
+                log.exception("task %d: runner crashed", task_id)
+                result, ok = f"worker error: {type(exc).__name__}: {exc}".encode(), False
+            self.session.finished(task_id, ok, result)
+            self._pulse_now.set()  # FETCH_ME now, not at the next period
+        if self._task_scope is scope:
+            self._task_scope = None
