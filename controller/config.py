@@ -112,7 +112,9 @@ def _optional_path(value: Any) -> Path | None:
 
 def _client_address(value: Any) -> ClientAddress:
     if not isinstance(value, dict):
-        raise ValueError(f'must be an object like {{"host": "0.0.0.0", "port": 5555}}, got {value!r}')
+        raise ValueError(
+            f'must be an object like {{"host": "0.0.0.0", "port": 5555}}, got {value!r}'
+        )
     unknown = set(value) - {"host", "port"}
     if unknown:
         raise ValueError(f"unknown member {sorted(unknown)[0]!r} (expected host, port)")

@@ -115,7 +115,7 @@ class FrameDecoder(Generic[M]):
         self._msg: M | None = None
         self._extra_size = 0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Append bytes received from the peer."""
         self._buf += data
 

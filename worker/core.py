@@ -86,7 +86,9 @@ class WorkerSession:
                 pb.WorkerResponse(error=code, task_id=tid), self.outcome, effect=Effect.FETCHED
             )
         if kind == pb.CTRL_RESTART:
-            return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.RESTART)
+            return Answer(
+                pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.RESTART
+            )
         return _failed(tid, f"unknown control type {kind}")
 
     def finished(self, task_id: int, ok: bool, outcome: bytes) -> None:

@@ -36,13 +36,42 @@ def build_parser() -> argparse.ArgumentParser:
             "worker --exec ./job.sh --fast (--exec takes the rest of the line)"
         ),
     )
-    parser.add_argument("--config", metavar="FILE", help="controller JSON config (socket_dir, dial_timeout, max_extra_size)")
-    parser.add_argument("--socket-dir", metavar="DIR", help="directory of main.sock (default: /run/controller)")
-    parser.add_argument("--pulse", metavar="SECONDS", type=_positive, default=1.0, help="real period between pulses (default 1); next_pulse promised is max(1, ceil(2 x period))")
-    parser.add_argument("--drain-timeout", metavar="SECONDS", type=_positive, default=30.0, help="on SIGTERM, how long a running task may take to finish (default 30)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="controller JSON config (socket_dir, dial_timeout, max_extra_size)",
+    )
+    parser.add_argument(
+        "--socket-dir", metavar="DIR", help="directory of main.sock (default: /run/controller)"
+    )
+    parser.add_argument(
+        "--pulse",
+        metavar="SECONDS",
+        type=_positive,
+        default=1.0,
+        help="real period between pulses (default 1); promises next_pulse = max(1, ceil(2 x it))",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        metavar="SECONDS",
+        type=_positive,
+        default=30.0,
+        help="on SIGTERM, how long a running task may take to finish (default 30)",
+    )
     parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
-    parser.add_argument("--handler", metavar="MODULE:FUNC", help="Python callable: payload bytes in, result bytes out; an exception fails the task")
-    parser.add_argument("--exec", dest="exec_argv", metavar="CMD", nargs=argparse.REMAINDER, help="run CMD [ARG...] per task: payload on stdin, TASK_ID in the environment, stdout is the result")
+    parser.add_argument(
+        "--handler",
+        metavar="MODULE:FUNC",
+        help="Python callable: payload bytes in, result bytes out; an exception fails the task",
+    )
+    parser.add_argument(
+        "--exec",
+        dest="exec_argv",
+        metavar="CMD",
+        nargs=argparse.REMAINDER,
+        help="run CMD [ARG...] per task: payload on stdin, TASK_ID in its environment, "
+        "stdout is the result (takes the rest of the line)",
+    )
     return parser
 
 

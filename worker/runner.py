@@ -8,6 +8,7 @@ killed together with its whole process group.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -170,7 +171,8 @@ async def run_command(argv: list[str], task_id: int, payload: bytes, max_output:
             _kill_group(proc.pid)
             with trio.CancelScope(shield=True):
                 await proc.wait()
-        await proc.aclose()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            await pipe.aclose()
     if too_big:
         raise TaskFailed(f"output exceeded max_extra_size ({max_output} bytes); command killed")
     if code != 0:
@@ -184,10 +186,8 @@ async def run_command(argv: list[str], task_id: int, payload: bytes, max_output:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def build_runner(exec_argv: list[str] | None, handler: str | None, max_output: int) -> Runner:

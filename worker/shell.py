@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import socket as stdsocket
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import trio
 
 from controller import wire
+from controller.sockets import listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
 from worker.runner import Runner, TaskFailed
@@ -33,6 +33,8 @@ EXIT_RESTART = 75  # EX_TEMPFAIL: the supervisor starts us again
 # so that a worker waiting for a long-gone controller still notices it within seconds.
 REGISTER_BACKOFF_START = 0.05
 REGISTER_BACKOFF_MAX = 5.0
+# The controller dials one connection at a time per worker, plus an occasional GET_STATUS.
+CONTROL_BACKLOG = 64
 
 
 def promised_next_pulse(period: float) -> int:
@@ -164,7 +166,8 @@ class WorkerShell:
             if resp is not None:
                 log.warning(
                     "registration refused (%s); retrying in %.2g s",
-                    pb.ControllerError.Name(resp.error) if resp.error in pb.ControllerError.values()
+                    pb.ControllerError.Name(resp.error)
+                    if resp.error in pb.ControllerError.values()
                     else resp.error,
                     delay,
                 )
@@ -209,20 +212,14 @@ class WorkerShell:
             log.warning("drain timeout: abandoning task %d", session.task_id)
             if self._task_scope is not None:
                 self._task_scope.cancel()
-        await self._send_pulse(
-            pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=session.worker_id)
-        )
+        await self._send_pulse(pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=session.worker_id))
         log.info("worker %d shut down", session.worker_id)
 
     # ------------------------------------------------------------ control socket
 
     async def _listen(self, path: Path) -> trio.socket.SocketType:
         path.unlink(missing_ok=True)
-        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-        await sock.bind(str(path))
-        os.chmod(path, 0o660)
-        sock.listen(64)
-        return sock
+        return listen_unix(path, CONTROL_BACKLOG, 0o660)
 
     async def _serve_control(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:

@@ -99,7 +99,9 @@ def next_task_state(state: TaskState, event: TaskEvent) -> TaskState:
     try:
         return TASK_TRANSITIONS[state, event]
     except KeyError:
-        raise IllegalTransition(f"task: event {event.name} is illegal in state {state.name}") from None
+        raise IllegalTransition(
+            f"task: event {event.name} is illegal in state {state.name}"
+        ) from None
 
 
 def next_worker_state(state: WorkerState, event: WorkerEvent) -> WorkerState:

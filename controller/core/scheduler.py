@@ -56,8 +56,7 @@ _REPLY_UNKNOWN_ID = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
 _REPLY_UNKNOWN_TYPE = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_TYPE))
 _REPLY_FAILED = Reply(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
 
-_WORKER_ERR_NAMES = {v: k for k, v in pb.WorkerError.items()}
-_CONTROL_NAMES = {v: k for k, v in pb.ControlType.items()}
+_WORKER_ERR_NAMES: dict[int, str] = {int(v): str(k) for k, v in pb.WorkerError.items()}
 
 
 def describe_error(code: int) -> str:
@@ -160,9 +159,7 @@ class Core:
                 if obj.deadline > now:
                     self._arm(obj)
                     continue
-                log.warning(
-                    "worker %d missed its pulse deadline; dropping it", obj.worker_id
-                )
+                log.warning("worker %d missed its pulse deadline; dropping it", obj.worker_id)
                 self._drop(obj, now, actions, cause="pulse deadline passed")
             elif kind == _PLACEMENT:
                 assert isinstance(obj, Task)
@@ -279,7 +276,9 @@ class Core:
         self._dispatch(now, actions)
         return actions
 
-    def _set_task_done(self, worker: Worker, ev: DialDone, now: float, actions: list[Action]) -> None:
+    def _set_task_done(
+        self, worker: Worker, ev: DialDone, now: float, actions: list[Action]
+    ) -> None:
         task = worker.task
         if worker.state is not WorkerState.ASSIGNING or task is None:
             return

@@ -44,8 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="JSON config file (every key optional)")
-    parser.add_argument("--socket-dir", metavar="DIR", help="overrides socket_dir (default /run/controller)")
-    parser.add_argument("--workers", metavar="N|auto", type=_workers, default=0, help="start and supervise N local workers; auto = one per CPU (default 0)")
+    parser.add_argument(
+        "--socket-dir", metavar="DIR", help="overrides socket_dir (default /run/controller)"
+    )
+    parser.add_argument(
+        "--workers",
+        metavar="N|auto",
+        type=_workers,
+        default=0,
+        help="start and supervise N local workers; auto = one per CPU (default 0)",
+    )
     parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
     return parser
 
@@ -59,6 +67,7 @@ def split_worker_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 async def run_controller(config: Config, workers: int, worker_args: list[str]) -> None:
     shell = ControllerShell(config)
+    await shell.bind()
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
         if workers:

@@ -9,6 +9,7 @@ core returns is carried out by `execute`. Finished tasks leave through the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -33,6 +34,7 @@ from controller.core import (
     WatchPid,
     WorkerExited,
 )
+from controller.sockets import listen_unix
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")
@@ -84,16 +86,11 @@ async def bind_main_socket(path: Path) -> trio.socket.SocketType:
             raise StartupError(f"another controller is already serving on {path}")
         finally:
             probe.close()
-    sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
     try:
-        await sock.bind(str(path))
         # Workers in the socket directory's group must be able to connect.
-        os.chmod(path, 0o660)
+        return listen_unix(path, LISTEN_BACKLOG, 0o660)
     except OSError as exc:
-        sock.close()
         raise StartupError(f"cannot listen on {path}: {exc.strerror}") from None
-    sock.listen(LISTEN_BACKLOG)
-    return sock
 
 
 class ControllerShell:
@@ -119,14 +116,26 @@ class ControllerShell:
         self._watched: dict[int, set[int]] = {}
         self._own_uid = os.getuid()
         self._dir_gid = -1
+        self._sock: trio.socket.SocketType | None = None
 
     # ------------------------------------------------------------ running
+
+    async def bind(self) -> None:
+        """Check the socket directory and listen on main.sock; StartupError if that fails.
+
+        Call it before opening the nursery that runs `serve`, so that a start-up
+        error reaches the caller as itself, not inside an exception group.
+        """
+        if self._sock is None:
+            self._dir_gid = prepare_socket_dir(self.config.socket_dir).st_gid
+            self._sock = await bind_main_socket(self.config.main_socket)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve main.sock until cancelled; `started()` once it accepts connections."""
         cfg = self.config
-        self._dir_gid = prepare_socket_dir(cfg.socket_dir).st_gid
-        sock = await bind_main_socket(cfg.main_socket)
+        await self.bind()
+        sock = self._sock
+        assert sock is not None
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -138,12 +147,9 @@ class ControllerShell:
                     nursery.start_soon(self._serve_pulse, conn)
         finally:
             sock.close()
-            with trio.CancelScope(shield=True):
-                try:
-                    if cfg.main_socket.exists():
-                        cfg.main_socket.unlink()
-                except OSError:
-                    pass
+            self._sock = None
+            with contextlib.suppress(OSError):
+                cfg.main_socket.unlink()
 
     def submit(self, task_id: int, payload: bytes, owner: object = None) -> int:
         """The internal API: queue a task now; returns its ref. Must run inside `serve`."""
@@ -193,9 +199,7 @@ class ControllerShell:
                         stream, pb.PulseResponse(error=pb.CTRL_ERR_FAILED), timeout=timeout
                     )
                 return
-            actions = self.core.handle(
-                PulseReceived(pulse, pid or None, uid), trio.current_time()
-            )
+            actions = self.core.handle(PulseReceived(pulse, pid or None, uid), trio.current_time())
             reply = actions[0]
             assert isinstance(reply, Reply)
             self.execute(actions[1:])
@@ -257,12 +261,13 @@ class ControllerShell:
     async def _timer(self) -> None:
         core = self.core
         while True:
-            self._timer_at = core.next_deadline()
             with trio.move_on_at(self._timer_at):
                 await self._wake.wait()
             self._wake = trio.Event()
-            self._timer_at = float("inf")
-            self.execute(core.expire(trio.current_time()))
+            actions = core.expire(trio.current_time())
+            # Set before execute(), so that carrying out these actions does not wake us again.
+            self._timer_at = core.next_deadline()
+            self.execute(actions)
 
     # ------------------------------------------------------------ pids
 

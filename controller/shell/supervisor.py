@@ -73,7 +73,11 @@ class Supervisor:
             self.restarts += 1
             log.warning(
                 "worker slot %d: pid %d %s after %.1f s; restarting in %.1f s",
-                slot, proc.pid, describe_exit(code), ran, delay,
+                slot,
+                proc.pid,
+                describe_exit(code),
+                ran,
+                delay,
             )
             await trio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)

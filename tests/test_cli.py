@@ -1,0 +1,51 @@
+"""The three commands: --help works, bad configuration is one clear line and exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("module", "words"),
+    [
+        ("controller", ["--workers", "--socket-dir", "--config"]),
+        ("worker", ["--exec", "--handler", "--pulse", "--drain-timeout"]),
+        ("controller.client", ["add", "--server"]),
+    ],
+)
+def test_help(module, words):
+    proc = run("-m", module, "--help")
+    assert proc.returncode == 0, proc.stderr
+    for word in words:
+        assert word in proc.stdout
+
+
+def test_controller_bad_config_exit_2(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"max_retries": -1}')
+    proc = run("-m", "controller", "--config", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"controller: {path}: key 'max_retries' must not be negative, got -1"
+    ]
+
+
+def test_controller_world_writable_socket_dir_exit_2(tmp_path):
+    (tmp_path / "s").mkdir(mode=0o777)
+    (tmp_path / "s").chmod(0o777)
+    proc = run("-m", "controller", "--socket-dir", str(tmp_path / "s"))
+    assert proc.returncode == 2 and "world-writable" in proc.stderr
+
+
+def test_worker_bad_config_exit_2(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    proc = run("-m", "worker", "--config", str(path))
+    assert proc.returncode == 2 and "not valid JSON" in proc.stderr

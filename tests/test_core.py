@@ -1,0 +1,424 @@
+"""The pure core: every transition and both sides of every deadline, with explicit `now`."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.core import (
+    Core,
+    Dial,
+    DialDone,
+    IllegalTransition,
+    PulseReceived,
+    Reply,
+    TaskFinished,
+    TaskState,
+    WatchPid,
+    WorkerExited,
+    WorkerState,
+)
+from controller.core.model import TaskEvent, WorkerEvent, next_task_state, next_worker_state
+from gen import worker_protocol_pb2 as pb
+
+UID = 1000
+
+
+def pulse(core: Core, wid: int, now: float, ptype=pb.PULSE_OK, task_id=0, next_pulse=2, uid=UID):
+    msg = pb.WorkerPulse(type=ptype, worker_id=wid, task_id=task_id, next_pulse=next_pulse)
+    return core.handle(PulseReceived(msg, pid=None, uid=uid), now)
+
+
+def register(core: Core, now: float = 0.0, next_pulse: int = 2, pid: int | None = None) -> int:
+    msg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=next_pulse)
+    actions = core.handle(PulseReceived(msg, pid=pid, uid=UID), now)
+    reply = actions[0]
+    assert isinstance(reply, Reply) and reply.response.error == pb.CTRL_ERR_OK
+    return reply.response.worker_id
+
+
+def ready_worker(core: Core, now: float = 0.0) -> int:
+    wid = register(core, now)
+    pulse(core, wid, now)
+    return wid
+
+
+def answer(core, wid, kind, now, error=pb.WORKER_ERR_OK, task_id=0, extra=b""):
+    resp = pb.WorkerResponse(error=error, task_id=task_id)
+    return core.handle(DialDone(wid, kind, resp, extra), now)
+
+
+def no_answer(core, wid, kind, now):
+    return core.handle(DialDone(wid, kind, None, error="connection refused"), now)
+
+
+def dials(actions, kind=None):
+    return [a for a in actions if isinstance(a, Dial) and (kind is None or a.kind == kind)]
+
+
+def finished(actions):
+    return [a for a in actions if isinstance(a, TaskFinished)]
+
+
+def run_to_success(core, wid, task_id, now, result=b"ok"):
+    pulse(core, wid, now, pb.PULSE_FETCH_ME, task_id=task_id)
+    return answer(core, wid, pb.CTRL_FETCH, now, task_id=task_id, extra=result)
+
+
+# ---------------------------------------------------------------- registration and pulses
+
+
+def test_register_gives_unique_ids_and_watches_pid():
+    core = Core()
+    msg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=2)
+    actions = core.handle(PulseReceived(msg, pid=4321, uid=UID), 0.0)
+    assert actions[0].response.worker_id == 1
+    assert WatchPid(1, 4321) in actions
+    assert register(core) == 2
+
+
+def test_first_worker_id_continues_from_given():
+    core = Core(first_worker_id=40)
+    assert register(core) == 40
+
+
+def test_unknown_id_and_unknown_type():
+    core = Core()
+    assert pulse(core, 99, 0.0)[0].response.error == pb.CTRL_ERR_UNKNOWN_ID
+    wid = register(core)
+    assert pulse(core, wid, 0.0, ptype=17)[0].response.error == pb.CTRL_ERR_UNKNOWN_TYPE
+
+
+def test_pulse_from_other_uid_refused():
+    core = Core()
+    wid = register(core)
+    assert pulse(core, wid, 0.0, uid=UID + 1)[0].response.error == pb.CTRL_ERR_FAILED
+    assert core.workers[wid].state is WorkerState.STARTING
+
+
+def test_no_task_before_first_ok_pulse():
+    core = Core()
+    wid = register(core)
+    _, actions = core.submit(5, b"p", None, 0.0)
+    assert dials(actions) == []
+    actions = pulse(core, wid, 0.1)
+    [d] = dials(actions, pb.CTRL_SET_TASK)
+    assert (d.worker_id, d.task_id, d.extra) == (wid, 5, b"p")
+
+
+def test_register_next_pulse_zero_counts_as_one_second():
+    core = Core()
+    wid = register(core, 0.0, next_pulse=0)
+    assert core.expire(0.999) == [] and wid in core.workers
+    core.expire(1.0)
+    assert wid not in core.workers
+
+
+# ---------------------------------------------------------------- the happy path
+
+
+def test_full_cycle_and_next_task_goes_out_at_once():
+    core = Core()
+    wid = ready_worker(core)
+    core.submit(1, b"a", "client", 0.0)
+    core.submit(2, b"b", "client", 0.0)
+    answer(core, wid, pb.CTRL_SET_TASK, 0.1, task_id=1)
+    assert core.workers[wid].state is WorkerState.BUSY
+    actions = pulse(core, wid, 0.2, pb.PULSE_FETCH_ME, task_id=1)
+    assert len(dials(actions, pb.CTRL_FETCH)) == 1
+    actions = answer(core, wid, pb.CTRL_FETCH, 0.3, task_id=1, extra=b"result")
+    [done] = finished(actions)
+    assert (done.task_id, done.state, done.result, done.owner) == (
+        1,
+        TaskState.SUCCESS,
+        b"result",
+        "client",
+    )
+    [d] = dials(actions, pb.CTRL_SET_TASK)
+    assert d.task_id == 2
+
+
+def test_fetch_me_crossing_set_task_answer_is_remembered():
+    core = Core()
+    wid = ready_worker(core)
+    core.submit(1, b"a", None, 0.0)
+    assert dials(pulse(core, wid, 0.1, pb.PULSE_FETCH_ME, task_id=1)) == []
+    actions = answer(core, wid, pb.CTRL_SET_TASK, 0.1, task_id=1)
+    assert len(dials(actions, pb.CTRL_FETCH)) == 1
+
+
+def test_no_fetch_keeps_worker_busy():
+    core = Core()
+    wid = ready_worker(core)
+    core.submit(1, b"a", None, 0.0)
+    answer(core, wid, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    pulse(core, wid, 0.1, pb.PULSE_FETCH_ME, task_id=1)
+    answer(core, wid, pb.CTRL_FETCH, 0.1, error=pb.WORKER_ERR_NO_FETCH, task_id=1)
+    assert core.workers[wid].state is WorkerState.BUSY
+
+
+# ---------------------------------------------------------------- expiry
+
+
+def test_pulse_deadline_both_sides_and_task_replaced():
+    core = Core()
+    a = ready_worker(core, 0.0)  # deadline 2.0
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    b = register(core, 1.5)
+    pulse(core, b, 1.5)  # b's deadline 3.5
+    assert core.expire(1.999) == []
+    actions = core.expire(2.0)
+    assert a not in core.workers
+    [d] = dials(actions, pb.CTRL_SET_TASK)
+    assert (d.worker_id, d.task_id) == (b, 1)
+
+
+def test_pulse_moves_deadline():
+    core = Core()
+    wid = ready_worker(core, 0.0)
+    pulse(core, wid, 1.5)  # deadline 3.5
+    assert core.expire(2.0) == [] and wid in core.workers
+    assert core.expire(3.499) == [] and wid in core.workers
+    core.expire(3.5)
+    assert wid not in core.workers
+
+
+def test_process_exit_drops_worker_and_replaces_task():
+    core = Core()
+    a = ready_worker(core)
+    b = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    actions = core.handle(WorkerExited(a), 0.5)
+    assert a not in core.workers
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
+
+
+def test_shutdown_removes_worker_and_replaces_its_task():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    b = ready_worker(core)
+    actions = pulse(core, a, 0.1, pb.PULSE_SHUTDOWN)
+    assert actions[0].response.error == pb.CTRL_ERR_OK
+    assert a not in core.workers
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
+
+
+# ---------------------------------------------------------------- worker errors
+
+
+def test_busy_places_on_another_worker_without_using_a_retry():
+    core = Core(max_retries=0)
+    a = ready_worker(core)
+    b = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)  # goes to a (longest idle)
+    actions = answer(core, a, pb.CTRL_SET_TASK, 0.0, error=pb.WORKER_ERR_BUSY, task_id=7)
+    [d] = dials(actions, pb.CTRL_SET_TASK)
+    assert d.worker_id == b
+    assert core.workers[a].state is WorkerState.UNSURE
+    answer(core, b, pb.CTRL_SET_TASK, 0.1, task_id=1)
+    assert finished(run_to_success(core, b, 1, 0.2))[0].state is TaskState.SUCCESS
+    pulse(core, a, 0.3, task_id=0)  # says idle again
+    assert core.workers[a].state is WorkerState.IDLE
+
+
+def test_task_failed_retries_on_a_different_worker():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    b = ready_worker(core)  # idle after a, so a would be picked first by age
+    pulse(core, a, 0.1, pb.PULSE_FETCH_ME, task_id=1)
+    actions = answer(
+        core, a, pb.CTRL_FETCH, 0.1, error=pb.WORKER_ERR_TASK_FAILED, task_id=1, extra=b"boom"
+    )
+    [d] = dials(actions, pb.CTRL_SET_TASK)
+    assert d.worker_id == b
+    assert core.workers[a].state is WorkerState.IDLE
+
+
+def test_task_failed_on_only_worker_goes_back_to_it():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    pulse(core, a, 0.1, pb.PULSE_FETCH_ME, task_id=1)
+    actions = answer(core, a, pb.CTRL_FETCH, 0.1, error=pb.WORKER_ERR_TASK_FAILED, task_id=1)
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == a
+
+
+@pytest.mark.parametrize("kind", ["failed", "silent"])
+def test_fetch_failed_or_silent_drops_worker_and_replaces(kind):
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    b = ready_worker(core)
+    pulse(core, a, 0.1, pb.PULSE_FETCH_ME, task_id=1)
+    if kind == "failed":
+        actions = answer(core, a, pb.CTRL_FETCH, 0.1, error=pb.WORKER_ERR_FAILED)
+    else:
+        actions = no_answer(core, a, pb.CTRL_FETCH, 0.1)
+    assert a not in core.workers
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
+
+
+def test_set_task_failed_answer_drops_worker_without_using_a_retry():
+    core = Core(max_retries=0)
+    a = ready_worker(core)
+    b = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    actions = answer(core, a, pb.CTRL_SET_TASK, 0.0, error=pb.WORKER_ERR_FAILED)
+    assert a not in core.workers
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
+
+
+def test_socket_not_owned_drops_worker_without_using_a_retry():
+    core = Core(max_retries=0)
+    a = ready_worker(core)
+    b = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    actions = core.handle(DialDone(a, pb.CTRL_SET_TASK, None, not_owned=True), 0.0)
+    assert a not in core.workers
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
+    answer(core, b, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    assert finished(run_to_success(core, b, 1, 0.1))[0].state is TaskState.SUCCESS
+
+
+def test_fetch_with_wrong_task_id_drops_worker():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    pulse(core, a, 0.1, pb.PULSE_FETCH_ME, task_id=1)
+    actions = answer(core, a, pb.CTRL_FETCH, 0.1, task_id=99, extra=b"not yours")
+    assert a not in core.workers and finished(actions) == []
+    assert core.queued == 1
+
+
+def test_dial_result_for_dropped_worker_is_ignored():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    core.handle(WorkerExited(a), 0.1)
+    assert answer(core, a, pb.CTRL_SET_TASK, 0.2, task_id=1) == []
+    assert core.queued == 1
+
+
+# ---------------------------------------------------------------- mismatch
+
+
+def test_pulse_mismatch_checked_with_get_status_then_fine():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    actions = pulse(core, a, 0.1, task_id=0)  # sent before SET_TASK landed
+    assert len(dials(actions, pb.CTRL_GET_STATUS)) == 1
+    assert dials(pulse(core, a, 0.1, task_id=0)) == []  # one check at a time
+    actions = answer(core, a, pb.CTRL_GET_STATUS, 0.2, task_id=1)
+    assert dials(actions) == [] and core.workers[a].state is WorkerState.BUSY
+
+
+def test_confirmed_mismatch_restarts_and_replaces():
+    core = Core()
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
+    b = ready_worker(core)
+    pulse(core, a, 0.1, task_id=8)
+    actions = answer(core, a, pb.CTRL_GET_STATUS, 0.2, task_id=8)
+    assert len(dials(actions, pb.CTRL_RESTART)) == 1
+    assert a not in core.workers
+    assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
+    assert core.counters.restarts_sent == 1
+
+
+def test_unknown_task_on_fresh_worker_is_restarted():
+    core = Core()
+    wid = register(core)
+    actions = pulse(core, wid, 0.1, task_id=3)
+    assert dials(actions, pb.CTRL_GET_STATUS)
+    actions = answer(core, wid, pb.CTRL_GET_STATUS, 0.1, task_id=3)
+    assert dials(actions, pb.CTRL_RESTART)
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_task_timeout_both_sides():
+    core = Core(task_timeout=10)
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 1.0, task_id=1)  # deadline 11.0
+    for t in range(2, 11):
+        pulse(core, a, float(t), task_id=1)
+    assert core.expire(10.999) == []
+    actions = core.expire(11.0)
+    assert len(dials(actions, pb.CTRL_RESTART)) == 1
+    assert a not in core.workers and core.queued == 1
+
+
+def test_max_retries_then_error():
+    core = Core(max_retries=2)
+    workers = [ready_worker(core) for _ in range(3)]
+    core.submit(1, b"x", None, 0.0)
+    accepted = 0
+    for i in range(3):
+        wid = next(w for w in workers if core.workers[w].state is WorkerState.ASSIGNING)
+        answer(core, wid, pb.CTRL_SET_TASK, float(i), task_id=1)
+        accepted += 1
+        pulse(core, wid, float(i), pb.PULSE_FETCH_ME, task_id=1)
+        actions = answer(
+            core,
+            wid,
+            pb.CTRL_FETCH,
+            float(i),
+            error=pb.WORKER_ERR_TASK_FAILED,
+            task_id=1,
+            extra=b"bad input",
+        )
+    [done] = finished(actions)
+    assert accepted == 3 == 1 + core.max_retries
+    assert done.state is TaskState.ERROR and "bad input" in done.error
+    assert dials(actions, pb.CTRL_SET_TASK) == []
+
+
+def test_placement_timeout_both_sides_and_never_sent():
+    core = Core(timeout_task_placement=30)
+    core.submit(1, b"x", "c", 5.0)
+    assert core.expire(34.999) == []
+    [done] = finished(core.expire(35.0))
+    assert done.state is TaskState.FAILED_POST and "30" in done.error
+    wid = register(core, 36.0)
+    assert dials(pulse(core, wid, 36.0)) == []
+
+
+def test_next_deadline():
+    core = Core(timeout_task_placement=30)
+    assert core.next_deadline() == float("inf")
+    core.submit(1, b"x", None, 5.0)
+    assert core.next_deadline() == 35.0
+
+
+def test_illegal_transition_names_state_and_event():
+    with pytest.raises(IllegalTransition, match=r"SUCCEED.*QUEUED"):
+        next_task_state(TaskState.QUEUED, TaskEvent.SUCCEED)
+    with pytest.raises(IllegalTransition, match=r"FETCH.*IDLE"):
+        next_worker_state(WorkerState.IDLE, WorkerEvent.FETCH)
+
+
+def test_same_task_id_from_two_owners_kept_apart():
+    core = Core()
+    a = ready_worker(core)
+    b = ready_worker(core)
+    core.submit(5, b"one", "client-1", 0.0)
+    core.submit(5, b"two", "client-2", 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=5)
+    answer(core, b, pb.CTRL_SET_TASK, 0.0, task_id=5)
+    [one] = finished(run_to_success(core, b, 5, 0.1, b"r2"))
+    assert one.owner == "client-2" and one.result == b"r2"
+    [two] = finished(run_to_success(core, a, 5, 0.1, b"r1"))
+    assert two.owner == "client-1" and two.result == b"r1"

@@ -1,0 +1,62 @@
+"""The real controller shell with real worker processes (real clock, small timeouts)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import trio
+
+from controller.core import TaskState
+from tests.conftest import running_controller
+from tests.fakes import wait_until
+
+
+def spawn(sockdir, *args: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "worker", "--socket-dir", str(sockdir), "--log-level", "WARNING"]
+    return subprocess.Popen([*cmd, *args])
+
+
+def reap(procs) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+async def test_tasks_flow_through_real_workers(sockdir):
+    procs = [spawn(sockdir) for _ in range(2)]
+    try:
+        async with running_controller(sockdir) as (shell, outcomes):
+            await wait_until(lambda: shell.core.idle_workers == 2)
+            for i in range(1, 201):
+                shell.submit(i, b"payload-%d" % i)
+            done = await outcomes.wait(200)
+            assert {d.task_id: d.result for d in done} == {
+                i: b"payload-%d" % i for i in range(1, 201)
+            }
+            assert all(d.state is TaskState.SUCCESS for d in done)
+    finally:
+        reap(procs)
+
+
+async def test_kill_9_busy_worker_is_seen_at_once(sockdir):
+    procs = [spawn(sockdir, "--pulse", "5", "--exec", "sh", "-c", "sleep 30")]
+    try:
+        async with running_controller(sockdir) as (shell, _outcomes):
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            shell.submit(1, b"")
+            [victim] = shell.core.workers.values()
+            await wait_until(
+                lambda: victim.task is not None and victim.task.state is TaskState.RUNNING
+            )
+            os.kill(victim.pid, signal.SIGKILL)
+            start = trio.current_time()
+            # next_pulse is 10 s: only the pidfd can notice within a second
+            await wait_until(lambda: victim.worker_id not in shell.core.workers, timeout=1.0)
+            assert trio.current_time() - start < 1.0
+            assert shell.core.queued == 1
+            assert shell.core.counters.worker_losses == {"process exited": 1}
+    finally:
+        reap(procs)

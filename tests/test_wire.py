@@ -1,0 +1,179 @@
+"""Framing: round trips under any chunking, and every malformed input's named error."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller import wire
+from gen import worker_protocol_pb2 as pb
+
+u64 = st.integers(min_value=0, max_value=2**64 - 1)
+
+control_msgs = st.builds(
+    lambda t, tid: pb.ControlMsg(type=t, task_id=tid) if tid is not None else pb.ControlMsg(type=t),
+    st.sampled_from(list(pb.ControlType.values())),
+    st.none() | u64,
+)
+responses = st.builds(
+    lambda e, tid: pb.WorkerResponse(error=e, task_id=tid),
+    st.sampled_from(list(pb.WorkerError.values())),
+    u64,
+)
+pulses = st.builds(
+    lambda t, w, tid, n: pb.WorkerPulse(type=t, worker_id=w, task_id=tid, next_pulse=n),
+    st.sampled_from(list(pb.PulseType.values())),
+    u64,
+    u64,
+    u64,
+)
+
+
+def decode_in_chunks(msg_type, data: bytes, cuts: list[int], max_extra=wire.DEFAULT_MAX_EXTRA_SIZE):
+    decoder = wire.FrameDecoder(msg_type, max_extra)
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    frame = None
+    for start, end in itertools.pairwise(points):
+        decoder.feed(data[start:end])
+        frame = frame or decoder.next_frame()
+    return frame or decoder.next_frame()
+
+
+@settings(max_examples=300)
+@given(
+    msg=control_msgs | responses,
+    extra=st.binary(max_size=3000),
+    cuts=st.lists(st.integers(0, 10**6), max_size=40),
+)
+def test_roundtrip_any_chunking(msg, extra, cuts):
+    data = wire.encode_frame(msg, extra)
+    frame = decode_in_chunks(type(msg), data, cuts)
+    assert frame is not None
+    got, got_extra = frame
+    assert got == msg and got_extra == extra
+
+
+@given(msg=control_msgs | responses | pulses, extra=st.binary(max_size=200))
+def test_roundtrip_one_byte_at_a_time(msg, extra):
+    if isinstance(msg, pb.WorkerPulse):
+        extra = b""
+    data = wire.encode_frame(msg, extra)
+    decoder = wire.FrameDecoder(type(msg))
+    frame = None
+    for i in range(len(data)):
+        assert frame is None, "a frame completed before its last byte"
+        decoder.feed(data[i : i + 1])
+        frame = decoder.next_frame()
+    assert frame == (msg, extra)
+
+
+@settings(max_examples=500)
+@given(
+    data=st.binary(max_size=200),
+    msg_type=st.sampled_from([pb.WorkerPulse, pb.ControlMsg, pb.WorkerResponse]),
+)
+def test_random_bytes_parse_or_raise_protocol_error(data, msg_type):
+    decoder = wire.FrameDecoder(msg_type, max_extra_size=1000)
+    decoder.feed(data)
+    try:
+        decoder.next_frame()
+        decoder.eof()
+    except wire.RemoteProtocolError:
+        pass
+
+
+def test_varint_over_ten_bytes():
+    decoder = wire.FrameDecoder(pb.WorkerPulse)
+    decoder.feed(b"\xff" * 11)
+    with pytest.raises(wire.VarintTooLong):
+        decoder.next_frame()
+
+
+def test_endless_varint_detected_at_eleventh_byte_even_in_pieces():
+    decoder = wire.FrameDecoder(pb.WorkerPulse)
+    decoder.feed(b"\x80" * 10)
+    with pytest.raises(wire.VarintTooLong):
+        decoder.next_frame()
+
+
+def test_header_over_4k():
+    decoder = wire.FrameDecoder(pb.WorkerPulse)
+    decoder.feed(wire.encode_varint(wire.MAX_HEADER_SIZE + 1))
+    with pytest.raises(wire.HeaderTooLarge):
+        decoder.next_frame()
+
+
+def test_header_of_exactly_4k_is_waited_for():
+    decoder = wire.FrameDecoder(pb.WorkerPulse)
+    decoder.feed(wire.encode_varint(wire.MAX_HEADER_SIZE))
+    assert decoder.next_frame() is None
+
+
+def test_extra_size_2_pow_63_fails_at_once():
+    header = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1, extra_size=2**63).SerializeToString()
+    decoder = wire.FrameDecoder(pb.ControlMsg, max_extra_size=16 * 1024 * 1024)
+    decoder.feed(wire.encode_varint(len(header)) + header)
+    with pytest.raises(wire.ExtraTooLarge, match="9223372036854775808"):
+        decoder.next_frame()
+
+
+def test_extra_over_configured_limit():
+    data = wire.encode_frame(pb.WorkerResponse(), b"x" * 101)
+    decoder = wire.FrameDecoder(pb.WorkerResponse, max_extra_size=100)
+    decoder.feed(data)
+    with pytest.raises(wire.ExtraTooLarge):
+        decoder.next_frame()
+
+
+def test_malformed_message():
+    decoder = wire.FrameDecoder(pb.WorkerPulse)
+    decoder.feed(b"\x03\xff\xff\xff")
+    with pytest.raises(wire.MalformedMessage):
+        decoder.next_frame()
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6])
+def test_eof_mid_frame(cut):
+    data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=9), b"payload")
+    decoder = wire.FrameDecoder(pb.ControlMsg)
+    decoder.feed(data[:cut])
+    assert decoder.next_frame() is None
+    with pytest.raises(wire.Truncated):
+        decoder.eof()
+
+
+def test_pulse_cannot_carry_extra():
+    with pytest.raises(ValueError):
+        wire.encode_frame(pb.WorkerPulse(), b"x")
+
+
+async def test_read_frame_over_stream():
+    send, recv = trio.testing.memory_stream_pair()
+    msg = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
+    await wire.write_frame(send, msg, b"result", timeout=1)
+    got, extra = await wire.read_frame(recv, pb.WorkerResponse, timeout=1)
+    assert got.task_id == 5 and extra == b"result"
+
+
+async def test_silent_peer_times_out(autojump_clock):
+    send, recv = trio.testing.memory_stream_pair()
+    data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1), b"abcdef")
+    await send.send_all(data[:-2])
+    start = trio.current_time()
+    with pytest.raises(wire.PeerTimeout):
+        await wire.read_frame(recv, pb.ControlMsg, timeout=2.0)
+    assert trio.current_time() - start == pytest.approx(2.0)
+
+
+async def test_half_frame_then_close_is_truncated():
+    send, recv = trio.testing.memory_stream_pair()
+    data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1), b"abcdef")
+    await send.send_all(data[:-3])
+    await send.aclose()
+    with pytest.raises(wire.Truncated):
+        await wire.read_frame(recv, pb.ControlMsg, timeout=2.0)

@@ -1,0 +1,291 @@
+"""The worker against a fake controller on real Unix sockets."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+import trio
+import trio.lowlevel
+
+from controller import wire
+from gen import worker_protocol_pb2 as pb
+from tests.fakes import FakeController, send_raw
+from worker.runner import SetupError, TaskFailed, build_runner, handler_runner, run_command
+from worker.shell import EXIT_RESTART, WorkerShell, promised_next_pulse
+
+MiB = 1024 * 1024
+
+
+def set_task(task_id: int) -> pb.ControlMsg:
+    return pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=task_id)
+
+
+FETCH = pb.ControlMsg(type=pb.CTRL_FETCH)
+STATUS = pb.ControlMsg(type=pb.CTRL_GET_STATUS)
+
+
+async def start(nursery, sockdir, runner=None, **kwargs):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    shell = WorkerShell(sockdir, runner or build_runner(None, None, 16 * MiB), **kwargs)
+    nursery.start_soon(functools.partial(shell.run, handle_signals=False))
+    await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_OK)) >= 1)
+    return fake, shell
+
+
+def test_promised_next_pulse():
+    assert promised_next_pulse(1.0) == 2
+    assert promised_next_pulse(0.1) == 1
+    assert promised_next_pulse(1.6) == 4
+
+
+async def test_registers_listens_and_pulses_on_time(sockdir, nursery, autojump_clock):
+    fake, _shell = await start(nursery, sockdir, pulse_period=1.0)
+    [reg] = fake.of_type(pb.PULSE_REGISTER)
+    assert reg.next_pulse == 2
+    path = sockdir / "1.sock"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660
+    await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_OK)) >= 4)
+    times = [t for t, p in fake.pulses if p.type == pb.PULSE_OK]
+    assert [round(b - a, 3) for a, b in itertools.pairwise(times)] == [1.0, 1.0, 1.0]
+    assert all(p.worker_id == 1 and p.task_id == 0 for p in fake.of_type(pb.PULSE_OK))
+
+
+async def test_task_cycle_fetch_me_at_once(sockdir, nursery, autojump_clock):
+    fake, _shell = await start(nursery, sockdir, pulse_period=30.0)
+    resp, _ = await fake.control(1, set_task(7), b"payload")
+    assert (resp.error, resp.task_id) == (pb.WORKER_ERR_OK, 7)
+    sent = trio.current_time()
+    await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_FETCH_ME)))
+    assert fake.pulses[-1][0] == sent  # not at the next 30 s period
+    assert fake.of_type(pb.PULSE_FETCH_ME)[0].task_id == 7
+    busy, _ = await fake.control(1, set_task(8), b"x")
+    assert (busy.error, busy.task_id) == (pb.WORKER_ERR_BUSY, 7)
+    status, _ = await fake.control(1, STATUS)
+    assert status.task_id == 7  # kept until fetched
+    resp, result = await fake.control(1, FETCH)
+    assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 7, b"payload")
+    resp, _ = await fake.control(1, FETCH)
+    assert resp.error == pb.WORKER_ERR_NO_FETCH
+    status, _ = await fake.control(1, STATUS)
+    assert status.task_id == 0
+
+
+async def test_handler_exception_is_task_failed(sockdir, nursery):
+    def boom(payload: bytes) -> bytes:
+        raise ValueError("bad payload\nsecond line")
+
+    fake, _ = await start(nursery, sockdir, runner=handler_runner(boom, MiB))
+    await fake.control(1, set_task(3), b"x")
+    await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_FETCH_ME)))
+    resp, text = await fake.control(1, FETCH)
+    assert resp.error == pb.WORKER_ERR_TASK_FAILED and resp.task_id == 3
+    assert text == b"ValueError: bad payload"
+
+
+async def test_async_handler_runs_in_loop(sockdir, nursery):
+    async def upper(payload: bytes) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return payload.upper()
+
+    fake, _ = await start(nursery, sockdir, runner=handler_runner(upper, MiB))
+    await fake.control(1, set_task(3), b"abc")
+    await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_FETCH_ME)))
+    assert (await fake.control(1, FETCH))[1] == b"ABC"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xff" * 11, wire.encode_varint(10_000), b"\x02\xff\xff"],
+    ids=["endless-varint", "oversized-header", "garbage"],
+)
+async def test_bad_frames_end_that_connection_only(sockdir, nursery, data):
+    fake, _ = await start(nursery, sockdir)
+    reply = await send_raw(sockdir / "1.sock", data)
+    decoder = wire.FrameDecoder(pb.WorkerResponse)
+    decoder.feed(reply)
+    resp, why = decoder.next_frame()
+    assert resp.error == pb.WORKER_ERR_FAILED and why
+    status, _ = await fake.control(1, STATUS)
+    assert status.error == pb.WORKER_ERR_OK
+
+
+async def test_oversized_extra_refused(sockdir, nursery):
+    _fake, shell = await start(nursery, sockdir, max_extra_size=1000)
+    msg = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1, extra_size=2**40)
+    body = msg.SerializeToString()
+    reply = await send_raw(sockdir / "1.sock", wire.encode_varint(len(body)) + body)
+    assert b"1099511627776" in reply
+    assert shell.session.task_id == 0
+
+
+async def test_unknown_control_type_is_failed(sockdir, nursery):
+    fake, _ = await start(nursery, sockdir)
+    resp, why = await fake.control(1, pb.ControlMsg(type=42))
+    assert resp.error == pb.WORKER_ERR_FAILED and b"unknown control type" in why
+
+
+async def test_controller_restart_mid_task_keeps_task(sockdir, nursery, autojump_clock):
+    release = trio.Event()
+
+    async def slow(payload: bytes) -> bytes:
+        await release.wait()
+        return b"kept:" + payload
+
+    fake, _shell = await start(nursery, sockdir, runner=handler_runner(slow, MiB), pulse_period=1.0)
+    await fake.control(1, set_task(9), b"p")
+    fake.known.clear()  # the controller restarted and forgot everyone
+    await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_REGISTER)) == 2)
+    await fake.wait_for(lambda: any(p.worker_id == 2 and p.task_id == 9 for _, p in fake.pulses))
+    assert not (sockdir / "1.sock").exists() and (sockdir / "2.sock").exists()
+    release.set()
+    await fake.wait_for(lambda: any(p.worker_id == 2 for p in fake.of_type(pb.PULSE_FETCH_ME)))
+    resp, result = await fake.control(2, FETCH)
+    assert (resp.task_id, result) == (9, b"kept:p")
+
+
+async def test_restart_stops_task_and_returns_75(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    runner = build_runner(["sleep", "30"], None, MiB)
+    shell = WorkerShell(sockdir, runner)
+    result = []
+
+    async def run():
+        result.append(await shell.run(handle_signals=False))
+
+    nursery.start_soon(run)
+    await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    await fake.control(1, set_task(1), b"")
+    with trio.fail_after(5):
+        await fake.control(1, pb.ControlMsg(type=pb.CTRL_RESTART))
+        while not result:
+            await trio.sleep(0.01)
+    assert result == [EXIT_RESTART]
+    assert not (sockdir / "1.sock").exists()
+
+
+# ---------------------------------------------------------------- --exec
+
+
+async def test_exec_sees_task_id_and_payload():
+    out = await run_command(["sh", "-c", 'echo "$TASK_ID:$(cat)"'], 5, b"hello", MiB)
+    assert out == b"5:hello\n"
+
+
+async def test_exec_failure_reports_stderr_tail():
+    with pytest.raises(TaskFailed, match="exited with status 3: oops"):
+        await run_command(["sh", "-c", "echo oops >&2; exit 3"], 1, b"", MiB)
+
+
+async def test_exec_killed_by_signal():
+    with pytest.raises(TaskFailed, match="killed by SIGKILL"):
+        await run_command(["sh", "-c", "kill -9 $$"], 1, b"", MiB)
+
+
+async def test_exec_output_over_limit_is_task_failed():
+    with pytest.raises(TaskFailed, match="output exceeded max_extra_size"):
+        await run_command(["head", "-c", str(50 * MiB), "/dev/zero"], 1, b"", 16 * MiB)
+
+
+def test_exec_command_not_found_is_setup_error():
+    with pytest.raises(SetupError, match="command not found"):
+        build_runner(["/no/such/command"], None, MiB)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nomodule", "expected MODULE:FUNC"),
+        ("no_such_mod:f", "cannot import"),
+        ("os:nothing", "has no"),
+    ],
+)
+def test_bad_handler_is_setup_error(spec, message):
+    with pytest.raises(SetupError, match=message):
+        build_runner(None, spec, MiB)
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def spawn_worker(sockdir, *args: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "worker", "--socket-dir", str(sockdir), "--pulse", "0.2", *args]
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE)
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Stop what the test started, by its pid, and close its pipe."""
+    proc.kill()
+    proc.wait()
+    if proc.stderr:
+        proc.stderr.close()
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:
+    with trio.fail_after(timeout):
+        while proc.poll() is None:
+            await trio.sleep(0.02)
+    return proc.returncode
+
+
+async def test_sigterm_drains_then_shutdown_exit_0(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, "--exec", "sh", "-c", "sleep 0.5; cat")
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(4), b"drained")
+        proc.send_signal(signal.SIGTERM)
+        busy, _ = await fake.control(1, set_task(5), b"")
+        assert busy.error == pb.WORKER_ERR_BUSY
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_FETCH_ME)))
+        resp, result = await fake.control(1, FETCH)
+        assert (resp.task_id, result) == (4, b"drained")
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_SHUTDOWN)))
+        assert await wait_exit(proc) == 0
+    finally:
+        reap(proc)
+
+
+async def test_restart_exit_status_75_real_process(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, "--exec", "sleep", "30")
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(1), b"")
+        await fake.control(1, pb.ControlMsg(type=pb.CTRL_RESTART))
+        assert await wait_exit(proc) == EXIT_RESTART
+    finally:
+        reap(proc)
+
+
+async def test_worker_waits_for_absent_controller(sockdir, nursery):
+    proc = spawn_worker(sockdir)
+    try:
+        fake = FakeController(sockdir)
+        with trio.fail_after(10):
+            while b"unreachable" not in (
+                line := await trio.to_thread.run_sync(proc.stderr.readline)
+            ):
+                assert line, "worker exited"
+        await nursery.start(fake.serve)
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc) == 0
+    finally:
+        reap(proc)
+
+
+def test_cli_bad_handler_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "--handler", "nope"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "MODULE:FUNC" in proc.stderr
