@@ -110,7 +110,9 @@ async def test_bad_frames_end_that_connection_only(sockdir, nursery, data):
     reply = await send_raw(sockdir / "1.sock", data)
     decoder = wire.FrameDecoder(pb.WorkerResponse)
     decoder.feed(reply)
-    resp, why = decoder.next_frame()
+    frame = decoder.next_frame()
+    assert frame is not None
+    resp, why = frame
     assert resp.error == pb.WORKER_ERR_FAILED and why
     status, _ = await fake.control(1, STATUS)
     assert status.error == pb.WORKER_ERR_OK

@@ -15,6 +15,7 @@ from controller.config import Config, ConfigError, load_config
 from controller.logs import LEVELS, setup_logging
 from controller.shell.server import ControllerShell, StartupError
 from controller.shell.supervisor import Supervisor, worker_command
+from controller.shell.udp import UdpDoor
 
 log = logging.getLogger("controller")
 
@@ -67,18 +68,24 @@ def split_worker_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 async def run_controller(config: Config, workers: int, worker_args: list[str]) -> None:
     shell = ControllerShell(config)
+    door = UdpDoor(config, shell)
     await shell.bind()
+    door.bind()
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
-        if workers:
-            argv = worker_command(str(config.socket_dir), worker_args)
-            await nursery.start(Supervisor(workers, argv).run)
-            log.info("supervising %d local workers", workers)
+        await nursery.start(door.serve)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("%s: shutting down", signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+            async with trio.open_nursery() as local:
+                if workers:
+                    argv = worker_command(str(config.socket_dir), worker_args)
+                    await local.start(Supervisor(workers, argv).run)
+                    log.info("supervising %d local workers", workers)
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    break
+                # Local workers drain and say SHUTDOWN while main.sock still answers.
+                local.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from controller.core import (
     WatchPid,
     WorkerExited,
 )
+from controller.shell.timer import DeadlineTimer
 from controller.sockets import listen_unix
 from gen import worker_protocol_pb2 as pb
 
@@ -111,8 +112,7 @@ class ControllerShell:
         self.on_finished = on_finished or (lambda finished: None)
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
-        self._wake = trio.Event()
-        self._timer_at = float("inf")
+        self._timer = DeadlineTimer(self.core.next_deadline, self._expire)
         self._watched: dict[int, set[int]] = {}
         self._own_uid = os.getuid()
         self._dir_gid = -1
@@ -139,7 +139,7 @@ class ControllerShell:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._timer)
+                nursery.start_soon(self._timer.run)
                 log.info("listening for workers on %s", cfg.main_socket)
                 task_status.started()
                 while True:
@@ -170,8 +170,7 @@ class ControllerShell:
                 self._watch(action)
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
-        if self.core.next_deadline() < self._timer_at:
-            self._wake.set()
+        self._timer.poke()
 
     # ------------------------------------------------------------ main.sock
 
@@ -258,16 +257,8 @@ class ControllerShell:
 
     # ------------------------------------------------------------ deadlines
 
-    async def _timer(self) -> None:
-        core = self.core
-        while True:
-            with trio.move_on_at(self._timer_at):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            actions = core.expire(trio.current_time())
-            # Set before execute(), so that carrying out these actions does not wake us again.
-            self._timer_at = core.next_deadline()
-            self.execute(actions)
+    def _expire(self, now: float) -> None:
+        self.execute(self.core.expire(now))
 
     # ------------------------------------------------------------ pids
 

@@ -1,0 +1,119 @@
+"""The UDP front door's trio shell: one socket, the pure `FrontDoor`, and its timer."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket as stdsocket
+import time
+
+import trio
+
+from controller.config import Config
+from controller.core import TaskFinished, TaskState
+from controller.frontdoor import Address, FrontDoor, Send
+from controller.shell.server import ControllerShell, StartupError
+from controller.shell.timer import DeadlineTimer
+
+log = logging.getLogger("controller.udp")
+
+# Kernel buffers sized for bursts of thousands of datagrams between two event-loop turns.
+SOCKET_BUFFER = 4 * 1024 * 1024
+MAX_DATAGRAM = 65_535
+
+
+class _CoreAdapter:
+    """The front door's view of the scheduler."""
+
+    def __init__(self, shell: ControllerShell) -> None:
+        self.shell = shell
+
+    def submit_task(self, task_id: int, payload: bytes, owner: Address) -> int:
+        return self.shell.submit(task_id, payload, owner)
+
+    def task_state(self, ref: int) -> TaskState | None:
+        return self.shell.core.task_state(ref)
+
+
+def open_udp_socket(host: str, port: int) -> stdsocket.socket:
+    """Bind the front door's datagram socket; StartupError naming the address on failure."""
+    try:
+        infos = stdsocket.getaddrinfo(
+            host, port, type=stdsocket.SOCK_DGRAM, flags=stdsocket.AI_PASSIVE
+        )
+        family, _, _, _, sockaddr = infos[0]
+        sock = stdsocket.socket(family, stdsocket.SOCK_DGRAM)
+    except OSError as exc:
+        raise StartupError(f"client_address {host}:{port}: {exc}") from None
+    try:
+        for opt in (stdsocket.SO_RCVBUF, stdsocket.SO_SNDBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(stdsocket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        sock.bind(sockaddr)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen for clients on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+class UdpDoor:
+    def __init__(self, config: Config, shell: ControllerShell) -> None:
+        self.config = config
+        self.shell = shell
+        self.door = FrontDoor(
+            _CoreAdapter(shell),
+            allowed_clients=config.allowed_clients,
+            notify_retries=config.notify_retries,
+            result_retention=config.result_retention,
+            max_payload=config.max_extra_size,
+            # Transmission ids stay unique across restarts: start from the wall clock in ms.
+            first_txid=int(time.time() * 1000),
+        )
+        self.send_errors = 0
+        self._sock: stdsocket.socket | None = None
+        self._timer = DeadlineTimer(self.door.next_deadline, self._expire)
+        shell.on_finished = self._finished
+
+    def bind(self) -> tuple[str, int]:
+        """Open the socket (before the nursery, so errors stay plain); returns the bound address."""
+        if self._sock is None:
+            self._sock = open_udp_socket(
+                self.config.client_address.host, self.config.client_address.port
+            )
+        host, port = self._sock.getsockname()[:2]
+        return host, port
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.bind()
+        assert self._sock is not None
+        sock = trio.socket.from_stdlib_socket(self._sock)
+        door = self.door
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._timer.run)
+            log.info("listening for clients on %s:%d", *self.bind())
+            task_status.started()
+            with sock:
+                while True:
+                    data, addr = await sock.recvfrom(MAX_DATAGRAM)
+                    self._send(door.datagram(data, addr[:2], trio.current_time()))
+                    self._timer.poke()
+
+    def _finished(self, finished: TaskFinished) -> None:
+        self._send(self.door.task_finished(finished, trio.current_time()))
+        self._timer.poke()
+
+    def _expire(self, now: float) -> None:
+        self._send(self.door.expire(now))
+
+    def _send(self, sends: list[Send]) -> None:
+        sock = self._sock
+        assert sock is not None
+        for send in sends:
+            try:
+                sock.sendto(send.data, send.addr)
+            except OSError as exc:
+                # UDP: a full buffer or an unreachable client loses this datagram;
+                # success notifications are repeated, everything else is asked again.
+                self.send_errors += 1
+                log.debug("sendto %s failed: %s", send.addr, exc)
