@@ -361,7 +361,8 @@ def summary(outcomes: list[Outcome], duplicates: int, elapsed: float) -> str:
     lines = [
         f"tasks: {len(outcomes)} in {elapsed:.2f} s ({len(outcomes) / max(elapsed, 1e-9):,.0f}/s)",
         f"succeeded: {counts['success']}  failed: {counts['error']}"
-        f"  failed_post: {counts['failed_post']}  refused: {counts['refused']}  no answer: {counts['timeout']}",
+        f"  failed_post: {counts['failed_post']}  refused: {counts['refused']}"
+        f"  no answer: {counts['timeout']}",
         f"duplicates suppressed: {duplicates}",
     ]
     if latencies:
@@ -437,3 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -410,6 +410,8 @@ class FrontDoor:
                 params["result"] = result.decode("utf-8")
             except UnicodeDecodeError:
                 params["result_b64"] = base64.b64encode(result).decode()
+        else:
+            params["result_size"] = len(result)
         packet = {
             "method": "notify_task",
             "packet_type": WANT_ACK,

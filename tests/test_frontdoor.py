@@ -1,0 +1,308 @@
+"""The pure front door with raw datagrams: every rule of DESIGN.md section 4."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import logging
+
+import pytest
+
+from controller.core import TaskFinished, TaskState
+from controller.frontdoor import (
+    MAX_INLINE_RESULT,
+    NOTIFY_FIRST_INTERVAL,
+    TRANSMISSION_MEMORY,
+    FrontDoor,
+)
+
+CLIENT = ("127.0.0.1", 40000)
+PAD = b"x" * 40  # makes a request big enough for its error reply to fit under it
+OTHER = ("127.0.0.2", 40001)
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.submitted: list[tuple[int, bytes, object]] = []
+        self.states: dict[int, TaskState] = {}
+
+    def submit_task(self, task_id, payload, owner):
+        self.submitted.append((task_id, payload, owner))
+        ref = len(self.submitted)
+        self.states[ref] = TaskState.QUEUED
+        return ref
+
+    def task_state(self, ref):
+        return self.states.get(ref)
+
+
+def door(**kwargs) -> tuple[FrontDoor, FakeScheduler]:
+    sched = FakeScheduler()
+    kwargs.setdefault("allowed_clients", [ipaddress.ip_network("127.0.0.0/8")])
+    return FrontDoor(sched, **kwargs), sched
+
+
+def packet(method="add_task", txid=1, ptype=1, **params) -> bytes:
+    return json.dumps(
+        {"method": method, "params": params, "packet_type": ptype, "transmission_id": txid}
+    ).encode()
+
+
+def sent(sends):
+    return [(json.loads(s.data), s.addr) for s in sends]
+
+
+def finish(fd, ref, state=TaskState.SUCCESS, result=b"", error="", now=0.0):
+    return sent(fd.task_finished(TaskFinished(ref, 0, CLIENT, state, result, error), now))
+
+
+def test_add_task_acknowledged_and_submitted_once():
+    fd, sched = door()
+    [(ack, addr)] = sent(fd.datagram(packet(task_id=5, payload="hi"), CLIENT, 0.0))
+    assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 1}
+    assert addr == CLIENT
+    assert sched.submitted == [(5, b"hi", CLIENT)]
+    # every copy acknowledged, acted on once
+    [(again, _)] = sent(fd.datagram(packet(task_id=5, payload="hi"), CLIENT, 0.1))
+    assert again == ack and len(sched.submitted) == 1
+
+
+def test_seed_single_quoted_form_accepted():
+    fd, sched = door()
+    data = b"{'method': 'add_task', 'params': {'task_id': 5}, 'packet_type': 1, 'transmission_id': 1598326709621}"
+    [(ack, _)] = sent(fd.datagram(data, CLIENT, 0.0))
+    assert ack["transmission_id"] == 1598326709621 and "error" not in ack
+    assert sched.submitted == [(5, b"", CLIENT)]
+
+
+def test_payload_b64():
+    fd, sched = door()
+    fd.datagram(packet(task_id=1, payload_b64=base64.b64encode(b"\x00\xff").decode()), CLIENT, 0)
+    assert sched.submitted[0][1] == b"\x00\xff"
+
+
+def test_duplicate_task_while_live_is_only_acknowledged():
+    fd, sched = door()
+    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    [(ack, _)] = sent(fd.datagram(packet(txid=2, task_id=5), CLIENT, 0.0))
+    assert ack["transmission_id"] == 2 and len(sched.submitted) == 1
+    fd.datagram(packet(txid=3, task_id=5), OTHER, 0.0)  # another client's task 5 is its own
+    assert len(sched.submitted) == 2
+
+
+def test_duplicate_of_finished_task_gets_stored_outcome_again():
+    fd, sched = door()
+    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    finish(fd, 1, result=b"r")
+    out = sent(fd.datagram(packet(txid=2, task_id=5), CLIENT, 1.0))
+    assert [p["method"] for p, _ in out] == ["ack", "notify_task"]
+    assert out[1][0]["params"] == {"task_id": 5, "status": "success", "result": "r"}
+    assert len(sched.submitted) == 1
+
+
+def test_success_notified_type_1_and_repeated_with_doubling_until_acked():
+    fd, _ = door(notify_retries=3)
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    [(note, addr)] = finish(fd, 1, result=b"out", now=10.0)
+    assert addr == CLIENT and note["packet_type"] == 1
+    assert note["params"] == {"task_id": 5, "status": "success", "result": "out"}
+    txid = note["transmission_id"]
+    t = 10.0
+    for interval in (NOTIFY_FIRST_INTERVAL, 1.0, 2.0):
+        t += interval
+        assert fd.expire(t - 0.001) == []
+        [(again, _)] = sent(fd.expire(t))
+        assert again == note
+    assert fd.expire(t + 100) == []  # notify_retries used up
+    assert fd.stats.notify_repeats == 3
+    assert txid
+
+
+def test_ack_stops_repeats():
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    [(note, _)] = finish(fd, 1, result=b"out")
+    ack = {"method": "ack", "packet_type": 2, "transmission_id": note["transmission_id"]}
+    assert fd.datagram(json.dumps(ack).encode(), CLIENT, 0.1) == []
+    assert fd.expire(100.0) == []
+
+
+def test_ack_from_another_address_is_ignored():
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    [(note, _)] = finish(fd, 1, result=b"out")
+    ack = {"method": "ack", "packet_type": 2, "transmission_id": note["transmission_id"]}
+    fd.datagram(json.dumps(ack).encode(), OTHER, 0.1)
+    assert len(fd.expire(NOTIFY_FIRST_INTERVAL)) == 1
+
+
+@pytest.mark.parametrize("state", [TaskState.ERROR, TaskState.FAILED_POST])
+def test_error_and_failed_post_sent_type_0_with_message(state):
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    [(note, _)] = finish(fd, 1, state=state, error="why")
+    assert note == {
+        "method": "notify_task",
+        "packet_type": 0,
+        "params": {"task_id": 5, "status": state.value, "error": "why"},
+    }
+    assert fd.expire(100.0) == []
+
+
+def test_large_result_announced_and_read_in_chunks():
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    result = bytes(range(256)) * 400  # 102,400 bytes
+    [(note, _)] = finish(fd, 1, result=result)
+    assert note["params"] == {"task_id": 5, "status": "success", "result_size": len(result)}
+    got = b""
+    txid = 10
+    while len(got) < len(result):
+        txid += 1
+        [(ack, _)] = sent(
+            fd.datagram(
+                packet("get_result", txid, task_id=5, offset=len(got), length=40000), CLIENT, 1
+            )
+        )
+        chunk = base64.b64decode(ack["params"]["result_b64"])
+        assert 0 < len(chunk) <= 32768
+        got += chunk
+    assert got == result
+
+
+def test_binary_result_goes_base64():
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    [(note, _)] = finish(fd, 1, result=b"\xff\xfe")
+    assert base64.b64decode(note["params"]["result_b64"]) == b"\xff\xfe"
+    assert len(json.dumps(note)) < MAX_INLINE_RESULT
+
+
+def test_get_task_statuses_and_only_to_submitter():
+    fd, sched = door()
+    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+
+    def status(addr, txid):
+        [(ack, _)] = sent(fd.datagram(packet("get_task", txid, task_id=5), addr, 0.0))
+        return ack
+
+    assert status(CLIENT, 2)["params"]["status"] == "queued"
+    sched.states[1] = TaskState.ASSIGNING
+    assert status(CLIENT, 3)["params"]["status"] == "running"
+    assert status(OTHER, 4)["error"]["code"] == "unknown_task"
+    finish(fd, 1, state=TaskState.ERROR, error="bad")
+    ack = status(CLIENT, 5)
+    assert ack["params"] == {"task_id": 5, "status": "error", "error": "bad"}
+
+
+def test_source_outside_allowed_clients_dropped_and_counted():
+    fd, sched = door()
+    assert fd.datagram(packet(task_id=5), ("10.1.2.3", 5), 0.0) == []
+    assert fd.stats.not_allowed == 1 and sched.submitted == []
+
+
+def test_ipv4_mapped_ipv6_source_is_checked_as_ipv4():
+    fd, sched = door()
+    fd.datagram(packet(task_id=5), ("::ffff:127.0.0.1", 5), 0.0)
+    assert len(sched.submitted) == 1
+
+
+def error_code(fd, data, addr=CLIENT):
+    out = sent(fd.datagram(data, addr, 0.0))
+    if not out:
+        return None
+    [(ack, _)] = out
+    assert len(json.dumps(ack, separators=(",", ":"))) <= len(data), (
+        "error reply outgrew the request"
+    )
+    return ack["error"]["code"]
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b"this is not json", None),
+        (b"[1, 2, 3]", None),
+        (
+            b'{"method": "add_task", "params": {"task_id": 5, "payload": "%s"}, "transmission_id": 7}'
+            % PAD,
+            "bad_packet_type",
+        ),
+        (
+            b'{"method": "add_task", "params": {"task_id": 5, "payload": "%s"}, "packet_type": 9, "transmission_id": 7}'
+            % PAD,
+            "bad_packet_type",
+        ),
+        (b'{"method": "add_task", "params": {"task_id": 5}, "packet_type": 1}', None),
+        (
+            b'{"method": "add_task", "params": {"task_id": 5}, "packet_type": 1, "transmission_id": "x"}',
+            None,
+        ),
+        (packet(task_id=0), "bad_task_id"),
+        (packet(task_id="5"), "bad_task_id"),
+        (packet(task_id=True), "bad_task_id"),
+        (packet(comment="a request with no task id at all"), "bad_task_id"),
+        (packet("frobnicate", task_id=5), "unknown_method"),
+        (packet(task_id=5, payload=7), "bad_payload"),
+        (packet(task_id=5, payload_b64="***"), "bad_payload"),
+        (packet(task_id=5, payload="x" * 101), "payload_too_large"),
+        (b'{"method":"x","packet_type":1,"transmission_id":1}', None),  # reply would outgrow it
+        (b"\xff" * 65536, None),
+    ],
+    ids=[
+        "not-json",
+        "not-object",
+        "missing-packet-type",
+        "wrong-packet-type",
+        "missing-transmission-id",
+        "wrong-transmission-id",
+        "task-id-0",
+        "task-id-string",
+        "task-id-bool",
+        "task-id-missing",
+        "unknown-method",
+        "payload-not-text",
+        "payload-bad-b64",
+        "payload-too-large",
+        "tiny-unknown-method-withheld",
+        "64k-garbage",
+    ],
+)
+def test_bad_input(data, code):
+    fd, sched = door(max_payload=100)
+    assert error_code(fd, data) == code
+    assert sched.submitted == []
+
+
+def test_flood_of_garbage_is_silent_logs_little_and_valid_traffic_flows(caplog):
+    fd, sched = door()
+    with caplog.at_level(logging.WARNING, logger="controller.frontdoor"):
+        for i in range(10_000):
+            assert fd.datagram(b"\x00garbage%d" % i, CLIENT, i * 0.0001) == []
+    assert len(caplog.records) == 1
+    assert fd.stats.unparseable == 10_000
+    [(ack, _)] = sent(fd.datagram(packet(task_id=5), CLIENT, 1.0))
+    assert "error" not in ack and len(sched.submitted) == 1
+
+
+def test_records_kept_for_retention_after_ack_then_removed():
+    fd, sched = door(result_retention=100)
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    [(note, _)] = finish(fd, 1, result=b"r", now=1.0)
+    ack = {"method": "ack", "packet_type": 2, "transmission_id": note["transmission_id"]}
+    fd.datagram(json.dumps(ack).encode(), CLIENT, 2.0)
+    fd.expire(101.999)
+    assert (CLIENT, 5) in fd.records
+    fd.expire(102.0)
+    assert (CLIENT, 5) not in fd.records
+    fd.datagram(packet(txid=9, task_id=5), CLIENT, 103.0)  # now it is a new task
+    assert len(sched.submitted) == 2
+
+
+def test_transmission_ids_forgotten_after_memory():
+    fd, sched = door()
+    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    assert fd.next_deadline() == TRANSMISSION_MEMORY
+    fd.expire(TRANSMISSION_MEMORY)
+    assert fd.next_deadline() == float("inf")

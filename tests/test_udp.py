@@ -1,0 +1,200 @@
+"""The front door over real UDP: a lossy router in-process, then the real commands."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import random
+import socket as stdsocket
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+
+from controller.client import Client
+from controller.config import ClientAddress, Config
+from controller.shell.server import ControllerShell
+from controller.shell.udp import UdpDoor
+from tests.fakes import wait_until
+from worker.runner import handler_runner
+from worker.shell import WorkerShell
+
+
+async def lossy_router(
+    rng: random.Random,
+    server: tuple[str, int],
+    *,
+    drop: float,
+    dup: float,
+    reorder: float,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Forward datagrams client <-> server, dropping, duplicating and delaying some."""
+    down = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    up = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    await down.bind(("127.0.0.1", 0))
+    await up.bind(("127.0.0.1", 0))
+    client: list[tuple[str, int]] = []
+
+    async def deliver(sock, data, addr) -> None:
+        if rng.random() < reorder:
+            await trio.sleep(rng.uniform(0.001, 0.05))
+        await sock.sendto(data, addr)
+
+    async def pump(src, dst, nursery, to_client: bool) -> None:
+        while True:
+            data, addr = await src.recvfrom(65535)
+            if not to_client and not client:
+                client.append(addr)
+            target = client[0] if to_client else server
+            if rng.random() < drop:
+                continue
+            copies = 2 if rng.random() < dup else 1
+            for _ in range(copies):
+                nursery.start_soon(deliver, dst, data, target)
+
+    with down, up:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, down, up, nursery, False)
+            nursery.start_soon(pump, up, down, nursery, True)
+            task_status.started(down.getsockname())
+
+
+async def test_200_tasks_through_lossy_network(sockdir, nursery):
+    config = Config(
+        socket_dir=sockdir,
+        journal=None,
+        client_address=ClientAddress("127.0.0.1", 0),
+        max_retries=3,
+    )
+    shell = ControllerShell(config)
+    udp = UdpDoor(config, shell)
+    server = udp.bind()
+    await nursery.start(shell.serve)
+    await nursery.start(udp.serve)
+    executions: collections.Counter[bytes] = collections.Counter()
+
+    async def counted(payload: bytes) -> bytes:
+        executions[payload] += 1
+        return b"done:" + payload
+
+    for _ in range(2):
+        worker = WorkerShell(sockdir, handler_runner(counted, 1 << 20), pulse_period=0.5)
+        nursery.start_soon(lambda w=worker: w.run(handle_signals=False))
+    await wait_until(lambda: shell.core.idle_workers == 2)
+    rng = random.Random(20261126)
+    router = await nursery.start(
+        functools.partial(lossy_router, rng, server, drop=0.3, dup=0.1, reorder=0.2)
+    )
+
+    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    client = Client(sock, router, timeout=60)
+    results = {}
+    reported = collections.Counter[int]()
+    limiter = trio.CapacityLimiter(50)
+
+    async def one(task_id: int) -> None:
+        async with limiter:
+            outcome = await client.run_task(task_id, {"payload": f"p{task_id}"})
+        results[task_id] = outcome
+        reported[task_id] += 1
+
+    with sock, trio.fail_after(120):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(client.receive)
+            async with trio.open_nursery() as tasks:
+                for task_id in range(1, 201):
+                    tasks.start_soon(one, task_id)
+            inner.cancel_scope.cancel()
+    assert {t: o.status for t, o in results.items()} == {t: "success" for t in range(1, 201)}
+    assert all(results[t].result == f"done:p{t}".encode() for t in range(1, 201))
+    assert set(reported.values()) == {1}
+    assert max(executions.values()) <= 1 + config.max_retries
+    assert sum(executions.values()) == 200  # no worker failed: each ran exactly once
+    print(f"duplicates suppressed at the client: {client.duplicates}")
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def free_udp_port() -> int:
+    with stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_controller(
+    tmp: Path, sockdir: Path, port: int, *args: str, **settings
+) -> subprocess.Popen[bytes]:
+    config = {
+        "socket_dir": str(sockdir),
+        "client_address": {"host": "127.0.0.1", "port": port},
+        "journal": None,
+        **settings,
+    }
+    path = tmp / "controller.json"
+    path.write_text(json.dumps(config))
+    cmd = [
+        sys.executable,
+        "-m",
+        "controller",
+        "--config",
+        str(path),
+        "--log-level",
+        "WARNING",
+        *args,
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def client(port: int, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
+    cmd = [sys.executable, "-m", "controller.client", "--server", f"127.0.0.1:{port}", *args]
+    return subprocess.run(cmd, capture_output=True, timeout=timeout + 30)
+
+
+def test_udp_client_add_5_prints_result(tmp_path, sockdir):
+    port = free_udp_port()
+    proc = start_controller(tmp_path, sockdir, port, "--workers", "2")
+    try:
+        done = client(port, "--timeout", "30", "add", "5", "--payload", "hi")
+        assert (done.returncode, done.stdout) == (0, b"hi"), done.stderr
+        ids = tmp_path / "ids"
+        ids.write_text("\n".join(str(i) for i in range(10, 60)) + "\n")
+        many = client(port, "add", "--ids-from", str(ids), "--payload", "x")
+        assert many.returncode == 0, many.stderr
+        assert b"succeeded: 50" in many.stderr and b"p99" in many.stderr
+    finally:
+        stop(proc)
+
+
+def test_failed_post_exits_1(tmp_path, sockdir):
+    port = free_udp_port()
+    proc = start_controller(tmp_path, sockdir, port, timeout_task_placement=0.5)
+    try:
+        done = client(port, "add", "1")
+        assert done.returncode == 1
+        assert b"failed_post" in done.stderr
+    finally:
+        stop(proc)
+
+
+def test_no_answer_exits_3():
+    done = client(free_udp_port(), "--timeout", "1", "add", "1", timeout=1)
+    assert done.returncode == 3 and b"no answer" in done.stderr
+
+
+def test_usage_error_exits_2():
+    assert client(1, "add", "abc").returncode == 2
+    assert client(1, "add", "5-1").returncode == 2
