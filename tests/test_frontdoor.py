@@ -301,7 +301,7 @@ def test_records_kept_for_retention_after_ack_then_removed():
 
 
 def test_transmission_ids_forgotten_after_memory():
-    fd, sched = door()
+    fd, _sched = door()
     fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
     assert fd.next_deadline() == TRANSMISSION_MEMORY
     fd.expire(TRANSMISSION_MEMORY)
