@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import socket as stdsocket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
-from controller import wire
-from controller.sockets import listen_unix
+from controller import sockets, wire
 from gen import worker_protocol_pb2 as pb
 
 Responder = Callable[[pb.ControlMsg, bytes], Awaitable[tuple[pb.WorkerResponse, bytes] | None]]
@@ -18,29 +16,38 @@ Responder = Callable[[pb.ControlMsg, bytes], Awaitable[tuple[pb.WorkerResponse, 
 
 async def exchange(path: Path, msg, reply_type, extra: bytes = b"", timeout: float = 5.0):
     """One connection: send a frame, read the answer frame."""
-    sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-    try:
-        await sock.connect(str(path))
-        stream = trio.SocketStream(sock)
-        await wire.write_frame(stream, msg, extra, timeout=timeout)
-        return await wire.read_frame(stream, reply_type, timeout=timeout)
-    finally:
-        sock.close()
+    return await sockets.exchange(path, msg, reply_type, extra, timeout=timeout)
+
+
+async def recv_all(sock, timeout: float = 5.0) -> bytes:
+    """Everything the peer sends until it closes."""
+    out = b""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if not chunk:
+                return out
+            out += chunk
 
 
 async def send_raw(path: Path, data: bytes, timeout: float = 5.0) -> bytes:
     """Send arbitrary bytes, return whatever comes back before the peer closes."""
-    sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-    try:
-        await sock.connect(str(path))
-        await sock.send(data)
-        out = b""
-        with trio.fail_after(timeout):
-            while chunk := await sock.recv(65536):
-                out += chunk
-        return out
-    finally:
-        sock.close()
+    with await sockets.connect_unix(path, timeout) as sock:
+        sock.sendall(data) if len(data) < 65536 else await _send_big(sock, data)
+        return await recv_all(sock, timeout)
+
+
+async def _send_big(sock, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
 
 
 @dataclass
@@ -73,7 +80,7 @@ class FakeWorker:
         assert resp.error == pb.CTRL_ERR_OK
         self.worker_id = resp.worker_id
         path = self.socket_dir / f"{self.worker_id}.sock"
-        sock = listen_unix(path, 64)
+        sock = sockets.listen_unix(path, 64)
         nursery.start_soon(self._serve, sock, nursery)
         if ready:
             assert (await self.pulse()).error == pb.CTRL_ERR_OK
@@ -82,20 +89,18 @@ class FakeWorker:
     async def _serve(self, sock, nursery) -> None:
         with sock:
             while True:
-                conn, _ = await sock.accept()
-                nursery.start_soon(self._answer, conn)
+                nursery.start_soon(self._answer, await sockets.accept(sock))
 
     async def _answer(self, conn) -> None:
         with conn:
-            stream = trio.SocketStream(conn)
-            msg, extra = await wire.read_frame(stream, pb.ControlMsg, timeout=5)
+            msg, extra = await wire.recv_frame(conn, pb.ControlMsg, timeout=5)
             self.received.append((msg.type, msg.task_id, extra))
             self.got.set()
             self.got = trio.Event()
             custom = self.script.get(msg.type)
             out = await custom(msg, extra) if custom else self.default(msg, extra)
             if out is not None:
-                await wire.write_frame(stream, out[0], out[1], timeout=5)
+                await wire.send_frame(conn, out[0], out[1], timeout=5)
 
     def default(self, msg: pb.ControlMsg, extra: bytes) -> tuple[pb.WorkerResponse, bytes]:
         if msg.type == pb.CTRL_SET_TASK:
@@ -139,18 +144,16 @@ class FakeController:
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_dir / "main.sock"
-        sock = listen_unix(path, 64)
+        sock = sockets.listen_unix(path, 64)
         task_status.started()
         async with trio.open_nursery() as nursery:
             with sock:
                 while True:
-                    conn, _ = await sock.accept()
-                    nursery.start_soon(self._answer, conn)
+                    nursery.start_soon(self._answer, await sockets.accept(sock))
 
     async def _answer(self, conn) -> None:
         with conn:
-            stream = trio.SocketStream(conn)
-            pulse, _ = await wire.read_frame(stream, pb.WorkerPulse, timeout=5)
+            pulse, _ = await wire.recv_frame(conn, pb.WorkerPulse, timeout=5)
             self.pulses.append((trio.current_time(), pulse))
             if pulse.type == pb.PULSE_REGISTER:
                 resp = pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=self.next_id)
@@ -160,7 +163,7 @@ class FakeController:
                 resp = pb.PulseResponse(error=pb.CTRL_ERR_OK)
             else:
                 resp = pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID)
-            await wire.write_frame(stream, resp, timeout=5)
+            await wire.send_frame(conn, resp, timeout=5)
             self.changed.set()
             self.changed = trio.Event()
 

@@ -8,12 +8,12 @@ import socket as stdsocket
 import pytest
 import trio
 
-from controller import wire
+from controller import sockets, wire
 from controller.core import TaskState, WorkerState
 from controller.shell.server import StartupError, bind_main_socket, prepare_socket_dir
 from gen import worker_protocol_pb2 as pb
 from tests.conftest import running_controller
-from tests.fakes import FakeWorker, exchange, send_raw, wait_until
+from tests.fakes import FakeWorker, exchange, recv_all, send_raw, wait_until
 
 
 async def fresh_register_is_answered(sockdir) -> None:
@@ -219,10 +219,8 @@ async def test_half_message_and_200_idle_connections(sockdir):
         socks = []
         try:
             for _ in range(200):
-                s = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-                await s.connect(str(sockdir / "main.sock"))
-                socks.append(s)
-            await socks[0].send(b"\x08")  # half a message, then silence
+                socks.append(await sockets.connect_unix(sockdir / "main.sock", 5))
+            socks[0].send(b"\x08")  # half a message, then silence
             await fresh_register_is_answered(sockdir)
         finally:
             for s in socks:
@@ -231,15 +229,12 @@ async def test_half_message_and_200_idle_connections(sockdir):
 
 async def test_silent_pulse_connection_is_closed_after_dial_timeout(sockdir, autojump_clock):
     async with running_controller(sockdir, dial_timeout=2):
-        s = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-        with s:
-            await s.connect(str(sockdir / "main.sock"))
-            await s.send(b"\x06\x08")
+        with await sockets.connect_unix(sockdir / "main.sock", 5) as s:
+            s.send(b"\x06\x08")
             start = trio.current_time()
-            reply = await s.recv(100)
+            reply = await recv_all(s)
             assert trio.current_time() - start == pytest.approx(2.0, abs=0.01)
             assert reply  # CTRL_ERR_FAILED, then close
-            assert await s.recv(100) == b""
 
 
 async def test_stale_main_sock_replaced_live_one_refused(sockdir):
@@ -249,7 +244,7 @@ async def test_stale_main_sock_replaced_live_one_refused(sockdir):
     async with running_controller(sockdir):
         await fresh_register_is_answered(sockdir)
         with pytest.raises(StartupError, match="another controller"):
-            await bind_main_socket(sockdir / "main.sock")
+            bind_main_socket(sockdir / "main.sock")
 
 
 def test_world_writable_socket_dir_refused(sockdir):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import socket
 
 import pytest
 import trio
-import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -152,28 +152,45 @@ def test_pulse_cannot_carry_extra():
         wire.encode_frame(pb.WorkerPulse(), b"x")
 
 
-async def test_read_frame_over_stream():
-    send, recv = trio.testing.memory_stream_pair()
-    msg = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
-    await wire.write_frame(send, msg, b"result", timeout=1)
-    got, extra = await wire.read_frame(recv, pb.WorkerResponse, timeout=1)
-    assert got.task_id == 5 and extra == b"result"
+def nonblocking_pair():
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
+async def test_frame_over_socket():
+    a, b = nonblocking_pair()
+    with a, b:
+        msg = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: wire.send_frame(a, msg, b"result" * 100_000, timeout=1))
+            got, extra = await wire.recv_frame(b, pb.WorkerResponse, timeout=1)
+        assert got.task_id == 5 and extra == b"result" * 100_000
 
 
 async def test_silent_peer_times_out(autojump_clock):
-    send, recv = trio.testing.memory_stream_pair()
-    data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1), b"abcdef")
-    await send.send_all(data[:-2])
-    start = trio.current_time()
-    with pytest.raises(wire.PeerTimeout):
-        await wire.read_frame(recv, pb.ControlMsg, timeout=2.0)
-    assert trio.current_time() - start == pytest.approx(2.0)
+    a, b = nonblocking_pair()
+    with a, b:
+        data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1), b"abcdef")
+        a.send(data[:-2])
+        start = trio.current_time()
+        with pytest.raises(wire.PeerTimeout):
+            await wire.recv_frame(b, pb.ControlMsg, timeout=2.0)
+        assert trio.current_time() - start == pytest.approx(2.0)
 
 
 async def test_half_frame_then_close_is_truncated():
-    send, recv = trio.testing.memory_stream_pair()
-    data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1), b"abcdef")
-    await send.send_all(data[:-3])
-    await send.aclose()
-    with pytest.raises(wire.Truncated):
-        await wire.read_frame(recv, pb.ControlMsg, timeout=2.0)
+    a, b = nonblocking_pair()
+    with b:
+        data = wire.encode_frame(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1), b"abcdef")
+        a.send(data[:-3])
+        a.close()
+        with pytest.raises(wire.Truncated):
+            await wire.recv_frame(b, pb.ControlMsg, timeout=2.0)
+
+
+async def test_peer_that_stops_reading_times_out(autojump_clock):
+    a, b = nonblocking_pair()
+    with a, b, pytest.raises(wire.PeerTimeout):
+        await wire.send_frame(a, pb.WorkerResponse(), b"x" * (64 << 20), timeout=3.0)

@@ -12,16 +12,17 @@ and exits 0; a second signal exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
-import socket as stdsocket
+import socket
 from pathlib import Path
 
 import trio
 
 from controller import wire
-from controller.sockets import listen_unix
+from controller.sockets import accept, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
 from worker.runner import Runner, TaskFailed
@@ -112,7 +113,8 @@ class WorkerShell:
                 return
             self.session.worker_id = wid
             path = self.socket_dir / f"{wid}.sock"
-            listener = await self._listen(path)
+            path.unlink(missing_ok=True)
+            listener = listen_unix(path, CONTROL_BACKLOG, 0o660)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._serve_control, listener, nursery)
@@ -128,22 +130,16 @@ class WorkerShell:
 
     async def _send_pulse(self, pulse: pb.WorkerPulse) -> pb.PulseResponse | None:
         """One exchange on main.sock; None when the controller could not be reached."""
-        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
         try:
-            with trio.move_on_after(self.dial_timeout):
-                await sock.connect(str(self.socket_dir / "main.sock"))
-                stream = trio.SocketStream(sock)
-                await wire.write_frame(stream, pulse, timeout=self.dial_timeout)
-                resp, _ = await wire.read_frame(stream, pb.PulseResponse, timeout=self.dial_timeout)
-                self._reachable(True, "")
-                return resp
-            self._reachable(False, "timed out")
-        except (OSError, wire.RemoteProtocolError, trio.BrokenResourceError) as exc:
+            resp, _ = await exchange(
+                self.socket_dir / "main.sock", pulse, pb.PulseResponse, timeout=self.dial_timeout
+            )
+        except (OSError, wire.RemoteProtocolError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             self._reachable(False, reason)
-        finally:
-            sock.close()
-        return None
+            return None
+        self._reachable(True, "")
+        return resp
 
     def _reachable(self, ok: bool, reason: str) -> None:
         # One log line per change, not one per failed pulse.
@@ -217,28 +213,22 @@ class WorkerShell:
 
     # ------------------------------------------------------------ control socket
 
-    async def _listen(self, path: Path) -> trio.socket.SocketType:
-        path.unlink(missing_ok=True)
-        return listen_unix(path, CONTROL_BACKLOG, 0o660)
-
-    async def _serve_control(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+    async def _serve_control(self, sock: socket.socket, nursery: trio.Nursery) -> None:
         while True:
-            conn, _ = await sock.accept()
-            nursery.start_soon(self._handle_control, conn)
+            nursery.start_soon(self._handle_control, await accept(sock))
 
-    async def _handle_control(self, conn: trio.socket.SocketType) -> None:
-        stream = trio.SocketStream(conn)
+    async def _handle_control(self, conn: socket.socket) -> None:
         timeout = self.dial_timeout
         try:
             try:
-                msg, extra = await wire.read_frame(
-                    stream, pb.ControlMsg, timeout=timeout, max_extra_size=self.max_extra_size
+                msg, extra = await wire.recv_frame(
+                    conn, pb.ControlMsg, timeout=timeout, max_extra_size=self.max_extra_size
                 )
             except wire.RemoteProtocolError as exc:
                 log.warning("control socket: bad message: %s", exc)
                 if exc.can_reply:
-                    await wire.write_frame(
-                        stream,
+                    await wire.send_frame(
+                        conn,
                         pb.WorkerResponse(error=pb.WORKER_ERR_FAILED, task_id=self.session.task_id),
                         str(exc).encode()[:1024],
                         timeout=timeout,
@@ -253,16 +243,16 @@ class WorkerShell:
                 log.warning("controller sent RESTART: stopping and exiting %d", EXIT_RESTART)
                 if self._task_scope is not None:
                     self._task_scope.cancel()
-                with trio.move_on_after(timeout):
-                    await wire.write_frame(stream, answer.response, timeout=timeout)
+                with contextlib.suppress(wire.RemoteProtocolError):
+                    await wire.send_frame(conn, answer.response, timeout=timeout)
                 self._stop(EXIT_RESTART)
                 return
-            await wire.write_frame(stream, answer.response, answer.extra, timeout=timeout)
+            await wire.send_frame(conn, answer.response, answer.extra, timeout=timeout)
             if effect is Effect.FETCHED:
                 self.session.fetched(answer.response.task_id)
                 if self.session.draining:
                     self._pulse_now.set()
-        except (wire.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+        except wire.RemoteProtocolError:
             pass  # the controller hung up; it will ask again
         finally:
             conn.close()

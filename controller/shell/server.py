@@ -13,7 +13,7 @@ import contextlib
 import errno
 import logging
 import os
-import socket as stdsocket
+import socket
 import stat
 import struct
 from collections.abc import Callable
@@ -35,7 +35,7 @@ from controller.core import (
     WorkerExited,
 )
 from controller.shell.timer import DeadlineTimer
-from controller.sockets import listen_unix
+from controller.sockets import accept, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")
@@ -44,15 +44,16 @@ log = logging.getLogger("controller")
 # at once (or a flood) should not see ECONNREFUSED.
 LISTEN_BACKLOG = 1024
 _PEERCRED = struct.Struct("3i")
+_FAILED = pb.PulseResponse(error=pb.CTRL_ERR_FAILED)
 
 
 class StartupError(Exception):
     """The controller cannot start; the message is for the operator (exit status 2)."""
 
 
-def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_PEERCRED, _PEERCRED.size)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, gid = _PEERCRED.unpack(raw)
     return pid, uid, gid
 
@@ -74,19 +75,17 @@ def prepare_socket_dir(path: Path) -> os.stat_result:
     return st
 
 
-async def bind_main_socket(path: Path) -> trio.socket.SocketType:
-    """Bind and listen on main.sock, replacing a stale file but never a live controller."""
+def bind_main_socket(path: Path) -> socket.socket:
+    """Listen on main.sock, replacing a stale file but never a live controller."""
     if path.exists() or path.is_symlink():
-        probe = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-        try:
-            await probe.connect(str(path))
-        except OSError:
-            log.info("removing stale %s", path)
-            path.unlink(missing_ok=True)
-        else:
-            raise StartupError(f"another controller is already serving on {path}")
-        finally:
-            probe.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                log.info("removing stale %s", path)
+                path.unlink(missing_ok=True)
+            else:
+                raise StartupError(f"another controller is already serving on {path}")
     try:
         # Workers in the socket directory's group must be able to connect.
         return listen_unix(path, LISTEN_BACKLOG, 0o660)
@@ -116,7 +115,7 @@ class ControllerShell:
         self._watched: dict[int, set[int]] = {}
         self._own_uid = os.getuid()
         self._dir_gid = -1
-        self._sock: trio.socket.SocketType | None = None
+        self._sock: socket.socket | None = None
 
     # ------------------------------------------------------------ running
 
@@ -128,7 +127,7 @@ class ControllerShell:
         """
         if self._sock is None:
             self._dir_gid = prepare_socket_dir(self.config.socket_dir).st_gid
-            self._sock = await bind_main_socket(self.config.main_socket)
+            self._sock = bind_main_socket(self.config.main_socket)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve main.sock until cancelled; `started()` once it accepts connections."""
@@ -143,8 +142,7 @@ class ControllerShell:
                 log.info("listening for workers on %s", cfg.main_socket)
                 task_status.started()
                 while True:
-                    conn, _ = await sock.accept()
-                    nursery.start_soon(self._serve_pulse, conn)
+                    nursery.start_soon(self._serve_pulse, await accept(sock))
         finally:
             sock.close()
             self._sock = None
@@ -177,33 +175,28 @@ class ControllerShell:
     def _allowed(self, uid: int, gid: int) -> bool:
         return uid == self._own_uid or uid in self.config.allowed_uids or gid == self._dir_gid
 
-    async def _serve_pulse(self, conn: trio.socket.SocketType) -> None:
-        stream = trio.SocketStream(conn)
+    async def _serve_pulse(self, conn: socket.socket) -> None:
         timeout = self.config.dial_timeout
         try:
             pid, uid, gid = peer_credentials(conn)
             if not self._allowed(uid, gid):
                 self.refused_peers += 1
                 log.warning("main.sock: refused a connection from uid %d (pid %d)", uid, pid)
-                await wire.write_frame(
-                    stream, pb.PulseResponse(error=pb.CTRL_ERR_FAILED), timeout=timeout
-                )
+                await wire.send_frame(conn, _FAILED, timeout=timeout)
                 return
             try:
-                pulse, _ = await wire.read_frame(stream, pb.WorkerPulse, timeout=timeout)
+                pulse, _ = await wire.recv_frame(conn, pb.WorkerPulse, timeout=timeout)
             except wire.RemoteProtocolError as exc:
                 log.warning("main.sock: bad pulse from pid %d: %s", pid, exc)
                 if exc.can_reply:
-                    await wire.write_frame(
-                        stream, pb.PulseResponse(error=pb.CTRL_ERR_FAILED), timeout=timeout
-                    )
+                    await wire.send_frame(conn, _FAILED, timeout=timeout)
                 return
             actions = self.core.handle(PulseReceived(pulse, pid or None, uid), trio.current_time())
             reply = actions[0]
             assert isinstance(reply, Reply)
             self.execute(actions[1:])
-            await wire.write_frame(stream, reply.response, timeout=timeout)
-        except (wire.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            await wire.send_frame(conn, reply.response, timeout=timeout)
+        except wire.RemoteProtocolError:
             pass  # the peer went away or stopped reading: nothing else to do for it
         except OSError as exc:
             log.warning("main.sock: connection error: %s", exc)
@@ -230,30 +223,23 @@ class ControllerShell:
         msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
-        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
         try:
-            with trio.move_on_after(cfg.dial_timeout) as scope:
-                await sock.connect(str(path))
-            if scope.cancelled_caught:
-                return DialDone(wid, action.kind, None, error="connect timed out")
-            stream = trio.SocketStream(sock)
-            await wire.write_frame(stream, msg, action.extra, timeout=cfg.dial_timeout)
-            resp, extra = await wire.read_frame(
-                stream,
+            resp, extra = await exchange(
+                path,
+                msg,
                 pb.WorkerResponse,
+                action.extra,
                 timeout=cfg.dial_timeout,
                 max_extra_size=cfg.max_extra_size,
             )
             return DialDone(wid, action.kind, resp, extra)
         except wire.RemoteProtocolError as exc:
             return DialDone(wid, action.kind, None, error=str(exc))
-        except (OSError, trio.BrokenResourceError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            if exc.errno == errno.ENOENT:
                 reason = f"{path} is missing"
             return DialDone(wid, action.kind, None, error=reason)
-        finally:
-            sock.close()
 
     # ------------------------------------------------------------ deadlines
 

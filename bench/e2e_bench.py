@@ -1,0 +1,137 @@
+"""End-to-end no-op tasks: udp client -> front door -> controller -> N real workers and back.
+
+Printed beside concurrent.futures.ProcessPoolExecutor(N) running the same no-op,
+one future per task, measured in the same run (the machine is shared: medians).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket as stdsocket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.common import free_udp_port, median, percentile, socket_dir
+from controller.client import Client
+
+HANDLER = "worker.runner:noop"
+
+
+def noop(payload: bytes) -> bytes:
+    return b""
+
+
+def ppe_rate(workers: int, tasks: int) -> float:
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        list(pool.map(noop, [b""] * 200))  # warm up the pool
+        start = time.perf_counter()
+        futures = [pool.submit(noop, b"") for _ in range(tasks)]
+        for future in futures:
+            future.result()
+        return tasks / (time.perf_counter() - start)
+
+
+def start_controller(
+    sockdir: Path, port: int, workers: int, extra: dict[str, Any]
+) -> subprocess.Popen[bytes]:
+    config = sockdir / "c.json"
+    config.write_text(
+        json.dumps(
+            {
+                "socket_dir": str(sockdir / "s"),
+                "journal": None,
+                "client_address": {"host": "127.0.0.1", "port": port},
+                **extra,
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "controller",
+        "--config",
+        str(config),
+        "--log-level",
+        "ERROR",
+        "--workers",
+        str(workers),
+        "--",
+        "--handler",
+        HANDLER,
+        "--log-level",
+        "ERROR",
+    ]
+    return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+
+
+async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[float, list[float]]:
+    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    client = Client(sock, ("127.0.0.1", port), timeout=60)
+    latencies: list[float] = []
+    limiter = trio.CapacityLimiter(window)
+
+    async def one(task_id: int) -> None:
+        async with limiter:
+            outcome = await client.run_task(task_id, {})
+        assert outcome.status == "success", outcome
+        latencies.append(outcome.latency)
+
+    with sock:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.receive)
+            start = time.perf_counter()
+            async with trio.open_nursery() as inner:
+                for i in range(tasks):
+                    inner.start_soon(one, first_id + i)
+            elapsed = time.perf_counter() - start
+            nursery.cancel_scope.cancel()
+    return tasks / elapsed, latencies
+
+
+def run(
+    workers: int = 2, tasks: int = 5000, rounds: int = 3, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        proc = start_controller(sockdir, port, workers, extra or {})
+        try:
+            trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
+            rates, ppe = [], []
+            for r in range(rounds):
+                rate, _ = trio.run(drive, port, tasks, 64, 1 + r * tasks)
+                rates.append(rate)
+                ppe.append(ppe_rate(workers, tasks))
+            _, lat = trio.run(drive, port, 1000, 1, 20_000_000)  # one at a time: round trip
+        finally:
+            proc.terminate()
+            proc.wait()
+    return {
+        "workers": workers,
+        "tasks_per_s": round(median(rates)),
+        "ppe_tasks_per_s": round(median(ppe)),
+        "ratio_to_ppe": round(median(rates) / median(ppe), 3),
+        "p50_ms": round(percentile(lat, 0.5) * 1000, 3),
+        "p99_ms": round(percentile(lat, 0.99) * 1000, 3),
+    }
+
+
+def main() -> dict[str, Any]:
+    r = run()
+    print(
+        f"end to end, {r['workers']} workers (no-op --handler): {r['tasks_per_s']:,} tasks/s; "
+        f"ProcessPoolExecutor({r['workers']}): {r['ppe_tasks_per_s']:,} tasks/s; "
+        f"ratio {r['ratio_to_ppe']:.0%} [target >= 40%]; one at a time p50 {r['p50_ms']} ms, "
+        f"p99 {r['p99_ms']} ms [target p50 < 0.6 ms]"
+    )
+    return r
+
+
+if __name__ == "__main__":
+    main()
