@@ -45,7 +45,8 @@ def bench_pulses(count: int = 5000, seconds: float = 10.0) -> dict[str, Any]:
             )
         )
         ctl = subprocess.Popen(
-            [sys.executable, "-m", "controller", "--config", str(config), "--log-level", "WARNING"]
+            [sys.executable, "-m", "controller", "--config", str(config), "--log-level", "ERROR"],
+            stderr=subprocess.DEVNULL,
         )
         try:
             deadline = time.monotonic() + 10

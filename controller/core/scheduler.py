@@ -396,7 +396,7 @@ class Core:
         worker = self.workers.get(ev.worker_id)
         if worker is None:
             return []
-        log.warning("worker %d (pid %s) exited", worker.worker_id, worker.pid)
+        log.debug("worker %d (pid %s) exited", worker.worker_id, worker.pid)
         actions: list[Action] = []
         self._drop(worker, now, actions, cause="process exited")
         self._dispatch(now, actions)

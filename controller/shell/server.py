@@ -268,5 +268,11 @@ class ControllerShell:
         finally:
             os.close(fd)
         now = trio.current_time()
-        for wid in self._watched.pop(pid, ()):
+        wids = sorted(w for w in self._watched.pop(pid, ()) if w in self.core.workers)
+        if wids:
+            shown = ", ".join(map(str, wids[:5])) + (
+                f" and {len(wids) - 5} more" if len(wids) > 5 else ""
+            )
+            log.warning("pid %d exited: dropping worker %s", pid, shown)
+        for wid in wids:
             self.execute(self.core.handle(WorkerExited(wid), now))
