@@ -63,6 +63,39 @@ class Scheduler(Protocol):
     def task_state(self, ref: int) -> TaskState | None: ...
 
 
+class JournalSink(Protocol):
+    """Where the front door reports what must survive a crash (the journal, or nothing)."""
+
+    def accepting(self) -> str: ...
+
+    def task_added(self, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None: ...
+
+    def task_finished(self, ref: int, state: str, result: bytes, error: str) -> None: ...
+
+    def task_notified(self, ref: int, retention: float) -> None: ...
+
+    def task_forgotten(self, ref: int) -> None: ...
+
+
+class NoJournal:
+    """`journal: null`: state lives in memory only."""
+
+    def accepting(self) -> str:
+        return ""
+
+    def task_added(self, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None:
+        pass
+
+    def task_finished(self, ref: int, state: str, result: bytes, error: str) -> None:
+        pass
+
+    def task_notified(self, ref: int, retention: float) -> None:
+        pass
+
+    def task_forgotten(self, ref: int) -> None:
+        pass
+
+
 class RecordState(enum.Enum):
     LIVE = "live"  # queued or running in the core
     SUCCESS = "success"
@@ -157,8 +190,10 @@ class FrontDoor:
         result_retention: float = 3600.0,
         max_payload: int = 16 * 1024 * 1024,
         first_txid: int = 1,
+        journal: JournalSink | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.journal: JournalSink = journal or NoJournal()
         self.allowed_clients = tuple(allowed_clients)
         self.notify_retries = notify_retries
         self.result_retention = result_retention
@@ -255,7 +290,11 @@ class FrontDoor:
             if record.state is RecordState.LIVE:
                 return []
             return self._notify(record, now)  # finished: send the stored outcome again
+        refusal = self.journal.accepting()
+        if refusal:
+            raise BadPacket("journal_unavailable", "cannot record new tasks now")
         ref = self.scheduler.submit_task(task_id, payload, addr)
+        self.journal.task_added(ref, addr[0], addr[1], task_id, payload)
         record = Record(addr, task_id, ref)
         self.records[(addr, task_id)] = record
         self._by_ref[ref] = record
@@ -334,6 +373,34 @@ class FrontDoor:
         record.notify_left = 0
         self._retain(record, now)
 
+    def restore(
+        self,
+        ref: int,
+        addr: Address,
+        task_id: int,
+        now: float,
+        *,
+        state: str = "live",
+        result: bytes = b"",
+        error: str = "",
+        notified: bool = False,
+        retain_for: float | None = None,
+    ) -> list[Send]:
+        """Put back a record from the journal; an outcome not yet delivered is sent again."""
+        record = Record(addr, task_id, ref, state=RecordState(state), result=result, error=error)
+        self.records[(addr, task_id)] = record
+        if record.state is RecordState.LIVE:
+            self._by_ref[ref] = record
+            return []
+        if notified:
+            record.acked = True
+            record.expires_at = now + max(
+                0.0, self.result_retention if retain_for is None else retain_for
+            )
+            self._push(record.expires_at, record)
+            return []
+        return self._notify(record, now)
+
     # ------------------------------------------------------------ outbound
 
     def task_finished(self, finished: TaskFinished, now: float) -> list[Send]:
@@ -344,6 +411,7 @@ class FrontDoor:
         record.state = _FINAL[finished.state]
         record.result = finished.result
         record.error = finished.error
+        self.journal.task_finished(record.ref, record.state.value, record.result, record.error)
         return self._notify(record, now)
 
     def _notify(self, record: Record, now: float) -> list[Send]:
@@ -378,6 +446,7 @@ class FrontDoor:
             if record.expires_at and when >= record.expires_at:
                 del self.records[(record.addr, record.task_id)]
                 self._by_txid.pop(record.notify_txid, None)
+                self.journal.task_forgotten(record.ref)
                 continue
             if not record.acked and record.notify_txid and record.notify_at == when:
                 if record.notify_left > 0:
@@ -429,8 +498,10 @@ class FrontDoor:
     # ------------------------------------------------------------ helpers
 
     def _retain(self, record: Record, now: float) -> None:
+        """The outcome was delivered (or given up on): keep the record for result_retention."""
         record.expires_at = now + self.result_retention
         self._push(record.expires_at, record)
+        self.journal.task_notified(record.ref, self.result_retention)
 
     def _push(self, when: float, record: Record) -> None:
         heapq.heappush(self._heap, (when, next(self._seq), record))

@@ -22,11 +22,14 @@ class TaskState(enum.Enum):
     SUCCESS = "success"
     ERROR = "error"
     FAILED_POST = "failed_post"
+    ORPHAN = "orphan"  # was running when the controller restarted; waiting to be claimed
 
     @property
     def public(self) -> str:
         """The status name clients see (DESIGN.md section 4)."""
-        return "running" if self is TaskState.ASSIGNING else self.value
+        if self is TaskState.ASSIGNING or self is TaskState.ORPHAN:
+            return "running"
+        return str(self.value)
 
     @property
     def finished(self) -> bool:
@@ -43,6 +46,7 @@ class TaskEvent(enum.Enum):
     SUCCEED = enum.auto()  # FETCH brought the result
     FAIL = enum.auto()  # retries used up
     PLACEMENT_TIMEOUT = enum.auto()  # no free worker within timeout_task_placement
+    ADOPT = enum.auto()  # a re-registered worker reports it still holds this task
 
 
 T = TaskState
@@ -56,6 +60,9 @@ TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
     (T.RUNNING, TaskEvent.SUCCEED): T.SUCCESS,
     (T.RUNNING, TaskEvent.REQUEUE): T.QUEUED,
     (T.RUNNING, TaskEvent.FAIL): T.ERROR,
+    (T.ORPHAN, TaskEvent.ADOPT): T.RUNNING,
+    (T.ORPHAN, TaskEvent.REQUEUE): T.QUEUED,
+    (T.ORPHAN, TaskEvent.FAIL): T.ERROR,
 }
 
 
@@ -76,6 +83,7 @@ class WorkerEvent(enum.Enum):
     FETCH = enum.auto()
     FETCHED = enum.auto()
     NOTHING_TO_FETCH = enum.auto()
+    ADOPT = enum.auto()
 
 
 W = WorkerState
@@ -88,6 +96,9 @@ WORKER_TRANSITIONS: dict[tuple[WorkerState, WorkerEvent], WorkerState] = {
     (W.BUSY, WorkerEvent.FETCH): W.FETCHING,
     (W.FETCHING, WorkerEvent.FETCHED): W.IDLE,
     (W.FETCHING, WorkerEvent.NOTHING_TO_FETCH): W.BUSY,
+    (W.STARTING, WorkerEvent.ADOPT): W.BUSY,
+    (W.IDLE, WorkerEvent.ADOPT): W.BUSY,
+    (W.UNSURE, WorkerEvent.ADOPT): W.BUSY,
 }
 
 
@@ -241,6 +252,16 @@ class TaskAccepted:
 
 
 @dataclass(frozen=True, slots=True)
+class TaskProgress:
+    """A task started running, or went back to the queue after running (for the journal)."""
+
+    ref: int
+    state: TaskState
+    attempts: int
+    failed_on: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TaskFinished:
     """A task reached its final state: success (with result), error or failed_post."""
 
@@ -252,4 +273,4 @@ class TaskFinished:
     error: str = ""
 
 
-Action = Reply | Dial | WatchPid | TaskAccepted | TaskFinished
+Action = Reply | Dial | WatchPid | TaskAccepted | TaskProgress | TaskFinished

@@ -38,6 +38,7 @@ from controller.core.model import (
     TaskAccepted,
     TaskEvent,
     TaskFinished,
+    TaskProgress,
     TaskState,
     WatchPid,
     Worker,
@@ -49,7 +50,7 @@ from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller.core")
 
-_PULSE, _PLACEMENT, _RUNNING = 0, 1, 2
+_PULSE, _PLACEMENT, _RUNNING, _GRACE = 0, 1, 2, 3
 
 _REPLY_OK = Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK))
 _REPLY_UNKNOWN_ID = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
@@ -100,6 +101,7 @@ class Core:
         self._queued = 0  # tasks in state QUEUED (the deque may hold stale entries)
         self._idle: dict[int, Worker] = {}
         self._heap: list[tuple[float, int, int, Worker | Task]] = []
+        self._orphans: dict[int, list[Task]] = {}  # by task_id: recovered, not yet claimed
         self._seq = itertools.count()
 
     # ------------------------------------------------------------ public API
@@ -145,6 +147,45 @@ class Core:
         self._dispatch(now, actions)
         return ref, actions
 
+    def restore(self, first_worker_id: int, next_ref: int) -> None:
+        """Continue worker ids and task refs after those a previous run used."""
+        self._next_worker_id = max(self._next_worker_id, first_worker_id)
+        self._next_ref = max(self._next_ref, next_ref)
+
+    def recover(
+        self,
+        ref: int,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        now: float,
+        *,
+        running: bool,
+        attempts: int = 0,
+        failed_on: tuple[int, ...] = (),
+        placement_left: float | None = None,
+        grace: float = 3.0,
+    ) -> None:
+        """Put back a task a previous run had accepted but not finished.
+
+        A queued one re-enters the queue with what was left of its placement
+        time. A running one waits `grace` seconds for a re-registering worker to
+        report it (and is adopted without running again); then it is re-placed.
+        """
+        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task.failed_on.update(failed_on)
+        self.tasks[ref] = task
+        self._next_ref = max(self._next_ref, ref + 1)
+        if running:
+            task.state = TaskState.ORPHAN
+            self._orphans.setdefault(task_id, []).append(task)
+            self._push(now + grace, _GRACE, task)
+        else:
+            left = self.timeout_task_placement if placement_left is None else placement_left
+            self._enqueue(task, now)
+            task.placement_deadline = now + max(0.0, left)
+            self._push(task.placement_deadline, _PLACEMENT, task)
+
     def expire(self, now: float) -> list[Action]:
         """Handle every deadline at or before `now`."""
         actions: list[Action] = []
@@ -172,6 +213,17 @@ class Core:
                         actions,
                         error=f"no free worker within {self.timeout_task_placement:g} s",
                     )
+            elif kind == _GRACE:
+                assert isinstance(obj, Task)
+                if obj.state is TaskState.ORPHAN:
+                    self._unorphan(obj)
+                    log.info(
+                        "task %d was running before the restart and no worker claimed it; "
+                        "placing it again",
+                        obj.task_id,
+                    )
+                    obj.last_error = "its worker did not come back after a controller restart"
+                    self._retry(obj, now, actions)
             else:
                 assert isinstance(obj, Task)
                 if obj.state is TaskState.RUNNING and obj.running_deadline == when:
@@ -226,6 +278,11 @@ class Core:
         worker.deadline = now + max(1, pulse.next_pulse)
         task_id = pulse.task_id
         state = worker.state
+        adoptable = task_id and task_id in self._orphans and worker.task is None
+        if adoptable and self._adopt(worker, task_id, now, actions):
+            if ptype == pb.PULSE_FETCH_ME:
+                self._fetch(worker, actions)
+            return actions
         if task_id == 0 and state in (WorkerState.STARTING, WorkerState.UNSURE):
             worker.advance(WorkerEvent.READY)
             self._idle[worker.worker_id] = worker
@@ -306,6 +363,7 @@ class Core:
             task.attempts += 1
             worker.advance(WorkerEvent.ACCEPTED)
             task.advance(TaskEvent.ACCEPTED)
+            actions.append(self._progress(task))
             if self.task_timeout > 0:
                 task.running_deadline = now + self.task_timeout
                 self._push(task.running_deadline, _RUNNING, task)
@@ -402,6 +460,45 @@ class Core:
         self._dispatch(now, actions)
         return actions
 
+    # ------------------------------------------------------------ recovery
+
+    def _adopt(self, worker: Worker, task_id: int, now: float, actions: list[Action]) -> bool:
+        """Give a recovered task to the worker that reports holding it, if that is unambiguous."""
+        candidates = self._orphans[task_id]
+        if len(candidates) != 1:
+            log.warning(
+                "worker %d holds task %d, but %d recovered tasks have that number; "
+                "not guessing: they will be placed again",
+                worker.worker_id,
+                task_id,
+                len(candidates),
+            )
+            return False
+        task = candidates[0]
+        self._unorphan(task)
+        self._idle.pop(worker.worker_id, None)
+        worker.advance(WorkerEvent.ADOPT)
+        task.advance(TaskEvent.ADOPT)
+        worker.task = task
+        task.worker_id = worker.worker_id
+        if self.task_timeout > 0:
+            task.running_deadline = now + self.task_timeout
+            self._push(task.running_deadline, _RUNNING, task)
+        log.info("worker %d took over task %d after the restart", worker.worker_id, task_id)
+        actions.append(self._progress(task))
+        return True
+
+    def _unorphan(self, task: Task) -> None:
+        same = self._orphans.get(task.task_id, [])
+        if task in same:
+            same.remove(task)
+        if not same:
+            self._orphans.pop(task.task_id, None)
+
+    @staticmethod
+    def _progress(task: Task) -> TaskProgress:
+        return TaskProgress(task.ref, task.state, task.attempts, tuple(sorted(task.failed_on)))
+
     # ------------------------------------------------------------ helpers
 
     def _check(self, worker: Worker, actions: list[Action]) -> None:
@@ -462,10 +559,13 @@ class Core:
         self._requeue(task, now, actions)
 
     def _requeue(self, task: Task, now: float, actions: list[Action]) -> None:
+        was_running = task.state is not TaskState.ASSIGNING
         task.advance(TaskEvent.REQUEUE)
         task.worker_id = 0
         task.running_deadline = 0.0
         self._enqueue(task, now, front=True)
+        if was_running:
+            actions.append(self._progress(task))
 
     def _enqueue(self, task: Task, now: float, front: bool = False) -> None:
         task.queued_at = now

@@ -7,17 +7,24 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import trio
 
 from controller.config import Config, ConfigError, load_config
+from controller.journal import Journal, JournalError, Recovered
 from controller.logs import LEVELS, setup_logging
+from controller.shell.committer import Committer
 from controller.shell.server import ControllerShell, StartupError
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
 
 log = logging.getLogger("controller")
+
+# After a restart, how long a task that was running waits for its worker to re-register
+# and claim it before it is placed again: a little over one default pulse deadline (2 s).
+RECOVERY_GRACE = 3.0
 
 
 def _workers(text: str) -> int:
@@ -66,26 +73,92 @@ def split_worker_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def restore(shell: ControllerShell, door: UdpDoor, recovered: Recovered) -> None:
+    """Put the journal's tasks back: queued ones in the queue, running ones up for adoption,
+    finished ones in the front door (with undelivered outcomes sent again)."""
+    now = trio.current_time()
+    wall = time.time()
+    core = shell.core
+    core.restore(recovered.first_worker_id, recovered.next_ref)
+    counts: dict[str, int] = {}
+    for row in recovered.tasks:
+        addr = (row.host, row.port)
+        counts[row.state] = counts.get(row.state, 0) + 1
+        if row.state in ("queued", "running"):
+            core.recover(
+                row.ref,
+                row.task_id,
+                row.payload,
+                addr,
+                now,
+                running=row.state == "running",
+                attempts=row.attempts,
+                failed_on=tuple(row.failed_on),
+                placement_left=shell.config.timeout_task_placement - (wall - row.queued_at),
+                grace=RECOVERY_GRACE,
+            )
+            door.door.restore(row.ref, addr, row.task_id, now)
+        else:
+            retain = None if row.expires_at is None else row.expires_at - wall
+            door.send(
+                door.door.restore(
+                    row.ref,
+                    addr,
+                    row.task_id,
+                    now,
+                    state=row.state,
+                    result=row.result,
+                    error=row.error,
+                    notified=row.notified,
+                    retain_for=retain,
+                )
+            )
+    if recovered.tasks or recovered.pruned:
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
+        log.info(
+            "journal: recovered %d tasks (%s), pruned %d expired; worker ids continue at %d",
+            len(recovered.tasks),
+            summary,
+            recovered.pruned,
+            recovered.first_worker_id,
+        )
+
+
 async def run_controller(config: Config, workers: int, worker_args: list[str]) -> None:
-    shell = ControllerShell(config)
-    door = UdpDoor(config, shell)
+    journal = recovered = None
+    if config.journal is not None:
+        journal = Journal.open(config.journal)
+        recovered = journal.load()
+    committer = Committer(journal) if journal is not None else None
+    shell = ControllerShell(config, journal=journal, committer=committer)
+    door = UdpDoor(config, shell, journal)
+    if committer is not None:
+        committer.on_committed = door.release
     await shell.bind()
     door.bind()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(shell.serve)
-        await nursery.start(door.serve)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as local:
-                if workers:
-                    argv = worker_command(str(config.socket_dir), worker_args)
-                    await local.start(Supervisor(workers, argv).run)
-                    log.info("supervising %d local workers", workers)
-                async for signum in signals:
-                    log.info("%s: shutting down", signal.Signals(signum).name)
-                    break
-                # Local workers drain and say SHUTDOWN while main.sock still answers.
-                local.cancel_scope.cancel()
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            if committer is not None:
+                await nursery.start(committer.run)
+            if recovered is not None:
+                restore(shell, door, recovered)
+            await nursery.start(shell.serve)
+            await nursery.start(door.serve)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with trio.open_nursery() as local:
+                    if workers:
+                        argv = worker_command(str(config.socket_dir), worker_args)
+                        await local.start(Supervisor(workers, argv).run)
+                        log.info("supervising %d local workers", workers)
+                    async for signum in signals:
+                        log.info("%s: shutting down", signal.Signals(signum).name)
+                        break
+                    # Local workers drain and say SHUTDOWN while main.sock still answers.
+                    local.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+    finally:
+        if journal is not None:
+            journal.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.socket_dir:
             config = config.replace(socket_dir=Path(args.socket_dir))
         trio.run(run_controller, config, args.workers, worker_args)
-    except (ConfigError, StartupError) as exc:
+    except (ConfigError, StartupError, JournalError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
     return 0

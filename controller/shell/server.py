@@ -31,9 +31,12 @@ from controller.core import (
     PulseReceived,
     Reply,
     TaskFinished,
+    TaskProgress,
     WatchPid,
     WorkerExited,
 )
+from controller.journal import Journal
+from controller.shell.committer import Committer
 from controller.shell.timer import DeadlineTimer
 from controller.sockets import accept, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
@@ -101,8 +104,12 @@ class ControllerShell:
         config: Config,
         core: Core | None = None,
         on_finished: Callable[[TaskFinished], None] | None = None,
+        journal: Journal | None = None,
+        committer: Committer | None = None,
     ) -> None:
         self.config = config
+        self.journal = journal
+        self.committer = committer
         self.core = core or Core(
             max_retries=config.max_retries,
             timeout_task_placement=config.timeout_task_placement,
@@ -166,6 +173,11 @@ class ControllerShell:
                 self.on_finished(action)
             elif isinstance(action, WatchPid):
                 self._watch(action)
+            elif isinstance(action, TaskProgress):
+                if self.journal is not None:
+                    self.journal.task_progress(
+                        action.ref, action.state.value, action.attempts, action.failed_on
+                    )
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
         self._timer.poke()
@@ -195,6 +207,8 @@ class ControllerShell:
             reply = actions[0]
             assert isinstance(reply, Reply)
             self.execute(actions[1:])
+            if pulse.type == pb.PULSE_REGISTER and reply.response.HasField("worker_id"):
+                await self._make_id_durable(reply.response.worker_id)
             await wire.send_frame(conn, reply.response, timeout=timeout)
         except wire.RemoteProtocolError:
             pass  # the peer went away or stopped reading: nothing else to do for it
@@ -202,6 +216,16 @@ class ControllerShell:
             log.warning("main.sock: connection error: %s", exc)
         finally:
             conn.close()
+
+    async def _make_id_durable(self, worker_id: int) -> None:
+        """A worker id goes out only once no crash could hand it out again."""
+        journal = self.journal
+        if journal is None:
+            return
+        journal.reserve_worker_ids(self.core.next_worker_id)
+        if not journal.worker_id_durable(worker_id):
+            assert self.committer is not None
+            await self.committer.wait_for(journal.latest_generation())
 
     # ------------------------------------------------------------ dialing
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import socket as stdsocket
@@ -12,6 +13,7 @@ import trio
 from controller.config import Config
 from controller.core import TaskFinished, TaskState
 from controller.frontdoor import Address, FrontDoor, Send
+from controller.journal import Journal
 from controller.shell.server import ControllerShell, StartupError
 from controller.shell.timer import DeadlineTimer
 
@@ -58,9 +60,13 @@ def open_udp_socket(host: str, port: int) -> stdsocket.socket:
 
 
 class UdpDoor:
-    def __init__(self, config: Config, shell: ControllerShell) -> None:
+    def __init__(
+        self, config: Config, shell: ControllerShell, journal: Journal | None = None
+    ) -> None:
         self.config = config
         self.shell = shell
+        self.journal = journal
+        self._held: collections.deque[tuple[int, Send]] = collections.deque()
         self.door = FrontDoor(
             _CoreAdapter(shell),
             allowed_clients=config.allowed_clients,
@@ -69,6 +75,7 @@ class UdpDoor:
             max_payload=config.max_extra_size,
             # Transmission ids stay unique across restarts: start from the wall clock in ms.
             first_txid=int(time.time() * 1000),
+            journal=journal,
         )
         self.send_errors = 0
         self._sock: stdsocket.socket | None = None
@@ -106,7 +113,31 @@ class UdpDoor:
     def _expire(self, now: float) -> None:
         self._send(self.door.expire(now))
 
+    def send(self, sends: list[Send]) -> None:
+        """Send datagrams the front door produced outside a datagram (recovery)."""
+        self._send(sends)
+
     def _send(self, sends: list[Send]) -> None:
+        """Send now, or, with a journal, once the batch these datagrams depend on is on disk."""
+        journal = self.journal
+        if journal is not None and sends:
+            generation = journal.latest_generation()
+            if generation > journal.committed or self._held:
+                self._held.extend((generation, send) for send in sends)
+                return
+        self._transmit(sends)
+
+    def release(self) -> None:
+        """A journal commit finished: send what was waiting for it, in order."""
+        assert self.journal is not None
+        committed = self.journal.committed
+        held = self._held
+        ready = []
+        while held and held[0][0] <= committed:
+            ready.append(held.popleft()[1])
+        self._transmit(ready)
+
+    def _transmit(self, sends: list[Send]) -> None:
         sock = self._sock
         assert sock is not None
         for send in sends:
