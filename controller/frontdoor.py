@@ -130,6 +130,8 @@ class Record:
 class Send:
     data: bytes
     addr: Address
+    # An error reply reveals no recorded state, so it need not wait for a journal commit.
+    independent: bool = False
 
 
 class BadPacket(Exception):
@@ -250,7 +252,7 @@ class FrontDoor:
             reply = self._error_ack(txid, exc, len(data)) if txid is not None else None
             if txid is not None and ptype == WANT_ACK:
                 self._remember(addr, txid, reply, now)
-            return [Send(reply, addr)] if reply is not None else []
+            return [Send(reply, addr, independent=True)] if reply is not None else []
         if ptype != WANT_ACK or txid is None:
             return out
         ack: dict[str, Any] = {"method": "ack", "packet_type": IS_ACK, "transmission_id": txid}

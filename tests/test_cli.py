@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -49,3 +50,18 @@ def test_worker_bad_config_exit_2(tmp_path):
     path.write_text("{not json")
     proc = run("-m", "worker", "--config", str(path))
     assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+
+
+def test_controller_corrupt_journal_exit_2_naming_path(tmp_path):
+    journal = tmp_path / "journal.sqlite3"
+    journal.write_bytes(b"garbage" * 1000)
+    config = tmp_path / "c.json"
+    settings = {
+        "journal": str(journal),
+        "socket_dir": str(tmp_path / "s"),
+        "client_address": {"host": "127.0.0.1", "port": 0},
+    }
+    config.write_text(json.dumps(settings))
+    proc = run("-m", "controller", "--config", str(config))
+    assert proc.returncode == 2
+    assert str(journal) in proc.stderr and "Traceback" not in proc.stderr

@@ -61,6 +61,7 @@ TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
     (T.RUNNING, TaskEvent.REQUEUE): T.QUEUED,
     (T.RUNNING, TaskEvent.FAIL): T.ERROR,
     (T.ORPHAN, TaskEvent.ADOPT): T.RUNNING,
+    (T.QUEUED, TaskEvent.ADOPT): T.RUNNING,
     (T.ORPHAN, TaskEvent.REQUEUE): T.QUEUED,
     (T.ORPHAN, TaskEvent.FAIL): T.ERROR,
 }

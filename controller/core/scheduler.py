@@ -101,7 +101,9 @@ class Core:
         self._queued = 0  # tasks in state QUEUED (the deque may hold stale entries)
         self._idle: dict[int, Worker] = {}
         self._heap: list[tuple[float, int, int, Worker | Task]] = []
-        self._orphans: dict[int, list[Task]] = {}  # by task_id: recovered, not yet claimed
+        # Recovered tasks a re-registering worker may still hold, by task_id, until they
+        # are claimed, placed elsewhere or finished.
+        self._orphans: dict[int, list[Task]] = {}
         self._seq = itertools.count()
 
     # ------------------------------------------------------------ public API
@@ -176,9 +178,11 @@ class Core:
         task.failed_on.update(failed_on)
         self.tasks[ref] = task
         self._next_ref = max(self._next_ref, ref + 1)
+        # Either way a re-registering worker may report it: the journal can lag one
+        # commit behind a SET_TASK the worker accepted.
+        self._orphans.setdefault(task_id, []).append(task)
         if running:
             task.state = TaskState.ORPHAN
-            self._orphans.setdefault(task_id, []).append(task)
             self._push(now + grace, _GRACE, task)
         else:
             left = self.timeout_task_placement if placement_left is None else placement_left
@@ -476,6 +480,8 @@ class Core:
             return False
         task = candidates[0]
         self._unorphan(task)
+        if task.state is TaskState.QUEUED:
+            self._queued -= 1  # its deque entry is skipped lazily
         self._idle.pop(worker.worker_id, None)
         worker.advance(WorkerEvent.ADOPT)
         task.advance(TaskEvent.ADOPT)
@@ -586,6 +592,8 @@ class Core:
             if task.state is not TaskState.QUEUED:
                 continue  # timed out while queued
             worker = self._pick(task)
+            if self._orphans:
+                self._unorphan(task)
             del idle[worker.worker_id]
             self._queued -= 1
             worker.advance(WorkerEvent.ASSIGN)
@@ -611,6 +619,8 @@ class Core:
         self, task: Task, actions: list[Action], *, result: bytes = b"", error: str = ""
     ) -> None:
         del self.tasks[task.ref]
+        if self._orphans:
+            self._unorphan(task)
         task.payload = b""
         actions.append(
             TaskFinished(task.ref, task.task_id, task.owner, task.state, result=result, error=error)

@@ -123,7 +123,8 @@ class UdpDoor:
         if journal is not None and sends:
             generation = journal.latest_generation()
             if generation > journal.committed or self._held:
-                self._held.extend((generation, send) for send in sends)
+                self._transmit([send for send in sends if send.independent])
+                self._held.extend((generation, send) for send in sends if not send.independent)
                 return
         self._transmit(sends)
 

@@ -1,0 +1,211 @@
+"""The journal: every state written and read back; bad files refused; recovery in the core."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
+from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
+from gen import worker_protocol_pb2 as pb
+
+
+def commit(journal: Journal) -> None:
+    batch, generation = journal.take()
+    journal.write(batch)
+    journal.committed_through(generation)
+
+
+def test_every_state_round_trips(tmp_path):
+    path = tmp_path / "j" / "journal.sqlite3"
+    journal = Journal.open(path)
+    assert journal.load().tasks == []
+    journal.task_added(1, "127.0.0.1", 4000, 5, b"queued payload")
+    journal.task_added(2, "::1", 4001, 6, b"running payload")
+    journal.task_progress(2, "running", 2, (7, 9))
+    journal.task_added(3, "127.0.0.1", 4000, 7, b"x")
+    journal.task_finished(3, "success", b"\x00result", "")
+    journal.task_added(4, "127.0.0.1", 4000, 8, b"x")
+    journal.task_finished(4, "error", b"", "boom")
+    journal.task_notified(4, 3600)
+    journal.task_added(5, "127.0.0.1", 4000, 9, b"x")
+    journal.task_finished(5, "failed_post", b"", "no worker")
+    journal.task_added(6, "127.0.0.1", 4000, 10, b"x")
+    journal.task_forgotten(6)
+    commit(journal)
+    journal.close()
+
+    again = Journal.open(path)
+    rows = {row.ref: row for row in again.load().tasks}
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    assert (rows[1].state, rows[1].payload, rows[1].host, rows[1].port) == (
+        "queued",
+        b"queued payload",
+        "127.0.0.1",
+        4000,
+    )
+    assert (rows[2].state, rows[2].attempts, rows[2].failed_on) == ("running", 2, [7, 9])
+    assert (rows[3].state, rows[3].result, rows[3].notified, rows[3].payload) == (
+        "success",
+        b"\x00result",
+        False,
+        b"",
+    )
+    assert (rows[4].state, rows[4].error, rows[4].notified) == ("error", "boom", True)
+    assert rows[4].expires_at is not None
+    assert (rows[5].state, rows[5].error) == ("failed_post", "no worker")
+
+
+def test_next_ref_and_worker_ids_continue(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    first = journal.load()
+    assert first.first_worker_id == 1
+    journal.task_added(41, "h", 1, 1, b"")
+    commit(journal)
+    journal.close()
+    second = Journal.open(path).load()
+    assert second.next_ref == 42
+    assert second.first_worker_id == 1 + WORKER_ID_BLOCK  # the whole reserved block is skipped
+
+
+def test_worker_id_blocks_are_reserved_ahead(tmp_path):
+    journal = Journal.open(tmp_path / "journal.sqlite3")
+    journal.load()
+    assert journal.worker_id_durable(WORKER_ID_BLOCK) and not journal.worker_id_durable(
+        WORKER_ID_BLOCK + 1
+    )
+    journal.reserve_worker_ids(WORKER_ID_BLOCK // 2 + 1)
+    assert journal.dirty and not journal.worker_id_durable(WORKER_ID_BLOCK + 1)
+    commit(journal)
+    assert journal.worker_id_durable(WORKER_ID_BLOCK + 1)
+
+
+def test_expired_records_pruned_at_start(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    for ref in range(1, 2501):
+        journal.task_added(ref, "h", 1, ref, b"")
+        journal.task_finished(ref, "success", b"r", "")
+        journal.task_notified(ref, -1.0)  # retention already over
+    commit(journal)
+    journal.close()
+    recovered = Journal.open(path).load()
+    assert recovered.pruned == 2500 and recovered.tasks == []
+
+
+def test_generations_tell_what_is_on_disk(tmp_path):
+    journal = Journal.open(tmp_path / "journal.sqlite3")
+    journal.load()
+    assert journal.latest_generation() == 0 == journal.committed
+    journal.task_added(1, "h", 1, 1, b"")
+    assert journal.latest_generation() == 1 > journal.committed
+    batch, generation = journal.take()
+    journal.task_added(2, "h", 1, 2, b"")
+    assert journal.latest_generation() == 2
+    journal.write(batch)
+    journal.committed_through(generation)
+    assert journal.committed == 1 < journal.latest_generation()
+
+
+@pytest.mark.parametrize("kind", ["garbage", "foreign"])
+def test_corrupt_or_foreign_file_refused(tmp_path, kind):
+    path = tmp_path / "journal.sqlite3"
+    if kind == "garbage":
+        path.write_bytes(b"this is not a database at all" * 200)
+    else:
+        db = sqlite3.connect(path)
+        db.execute("CREATE TABLE customers (name TEXT)")
+        db.commit()
+        db.close()
+    with pytest.raises(JournalError) as info:
+        Journal.open(path)
+    assert str(path) in str(info.value)
+    if kind == "foreign":
+        assert "not a controller journal" in str(info.value)
+        assert sqlite3.connect(path).execute("SELECT name FROM sqlite_master").fetchall() == [
+            ("customers",)
+        ]
+
+
+def test_unwritable_directory_refused(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the directory should be")
+    with pytest.raises(JournalError, match="cannot create its directory"):
+        Journal.open(blocker / "journal.sqlite3")
+
+
+def test_read_only_location_refused():
+    with pytest.raises(JournalError, match=re.escape("/proc/journal.sqlite3")):
+        Journal.open(Path("/proc/journal.sqlite3"))
+
+
+# ---------------------------------------------------------------- recovery in the core
+
+
+def register_with_task(core: Core, task_id: int, now: float, fetch_me: bool = False):
+    reply = core.handle(
+        PulseReceived(pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=2), None, 1000), now
+    )
+    wid = reply[0].response.worker_id
+    ptype = pb.PULSE_FETCH_ME if fetch_me else pb.PULSE_OK
+    actions = core.handle(
+        PulseReceived(
+            pb.WorkerPulse(type=ptype, worker_id=wid, task_id=task_id, next_pulse=2), None, 1000
+        ),
+        now,
+    )
+    return wid, actions
+
+
+def test_running_task_adopted_without_running_again():
+    core = Core()
+    core.recover(7, 5, b"p", "client", 0.0, running=True, attempts=1)
+    wid, actions = register_with_task(core, 5, 0.5, fetch_me=True)
+    dials = [a for a in actions if isinstance(a, Dial)]
+    assert [d.kind for d in dials] == [pb.CTRL_FETCH]  # no SET_TASK, no RESTART
+    assert core.workers[wid].state is WorkerState.FETCHING
+    done = core.handle(DialDone(wid, pb.CTRL_FETCH, pb.WorkerResponse(task_id=5), b"r"), 0.6)
+    [finished] = [a for a in done if hasattr(a, "result")]
+    assert (finished.ref, finished.result, finished.owner) == (7, b"r", "client")
+
+
+def test_unclaimed_running_task_replaced_after_grace_both_sides():
+    core = Core()
+    core.recover(7, 5, b"p", None, 0.0, running=True, grace=3.0)
+    assert core.task_state(7) is TaskState.ORPHAN
+    core.expire(2.999)
+    assert core.task_state(7) is TaskState.ORPHAN
+    core.expire(3.0)
+    assert core.task_state(7) is TaskState.QUEUED
+
+
+def test_ambiguous_task_ids_are_not_guessed():
+    core = Core()
+    core.recover(7, 5, b"a", "one", 0.0, running=True)
+    core.recover(8, 5, b"b", "two", 0.0, running=True)
+    _, actions = register_with_task(core, 5, 0.5)
+    assert [a.kind for a in actions if isinstance(a, Dial)] == [pb.CTRL_GET_STATUS]
+    assert core.task_state(7) is TaskState.ORPHAN and core.task_state(8) is TaskState.ORPHAN
+
+
+def test_queued_task_keeps_remaining_placement_time():
+    core = Core(timeout_task_placement=30)
+    core.recover(7, 5, b"p", None, 100.0, running=False, placement_left=4.0)
+    assert core.queued == 1
+    assert core.expire(103.999) == []
+    [finished] = core.expire(104.0)
+    assert finished.state is TaskState.FAILED_POST
+
+
+def test_recovered_queued_task_claimed_by_worker_that_reports_it():
+    core = Core()
+    core.recover(7, 5, b"p", "client", 0.0, running=False)
+    wid, actions = register_with_task(core, 5, 0.5)
+    assert [a for a in actions if isinstance(a, Dial)] == []
+    assert core.task_state(7) is TaskState.RUNNING and core.queued == 0
+    assert core.workers[wid].state is WorkerState.BUSY
