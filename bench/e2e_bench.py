@@ -122,6 +122,56 @@ def run(
     }
 
 
+def journal_on_off(rounds: int = 3, tasks: int = 5000) -> dict[str, Any]:
+    """Throughput with the journal on and off, alternating, in the same run."""
+    on, off = [], []
+    with socket_dir() as tmp:
+        for r in range(rounds):
+            for journal, into in ((None, off), (str(tmp / f"journal-{r}.sqlite3"), on)):
+                port = free_udp_port()
+                with socket_dir() as sockdir:
+                    proc = start_controller(sockdir, port, 2, {"journal": journal})
+                    try:
+                        trio.run(drive, port, 200, 8, 10_000_000)
+                        rate, _ = trio.run(drive, port, tasks, 64, 1)
+                        into.append(rate)
+                    finally:
+                        proc.terminate()
+                        proc.wait()
+    return {
+        "journal_off_tasks_per_s": round(median(off)),
+        "journal_on_tasks_per_s": round(median(on)),
+        "journal_cost": round(1 - median(on) / median(off), 3),
+    }
+
+
+def journal_size(tasks: int = 100_000, retention: float = 5.0) -> dict[str, Any]:
+    """File size of the journal after many tasks, with records forgotten after `retention` s."""
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        path = sockdir / "journal.sqlite3"
+        proc = start_controller(
+            sockdir, port, 2, {"journal": str(path), "result_retention": retention}
+        )
+        try:
+            trio.run(drive, port, 200, 8, 10_000_000)
+            start = time.perf_counter()
+            rate, _ = trio.run(drive, port, tasks, 64, 1)
+            elapsed = time.perf_counter() - start
+            files = [path, path.with_name(path.name + "-wal")]
+            size = sum(f.stat().st_size for f in files if f.exists())
+        finally:
+            proc.terminate()
+            proc.wait()
+    return {
+        "tasks": tasks,
+        "retention_s": retention,
+        "journal_mb": round(size / 2**20, 2),
+        "tasks_per_s": round(rate),
+        "elapsed_s": round(elapsed, 1),
+    }
+
+
 def main() -> dict[str, Any]:
     r = run()
     print(

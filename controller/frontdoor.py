@@ -51,6 +51,9 @@ TRANSMISSION_MEMORY = 120.0
 MAX_TRANSMISSIONS = 200_000
 # First interval between repeats of an unacknowledged success notification (then doubling).
 NOTIFY_FIRST_INTERVAL = 0.5
+# Records forgotten per expire() call: retention deletes reach the journal in bounded
+# batches, and a backlog (after a restart) does not stall the event loop.
+MAX_FORGET_PER_CALL = 1000
 # At most one log line per this many seconds about dropped or refused packets.
 LOG_INTERVAL = 10.0
 
@@ -441,11 +444,13 @@ class FrontDoor:
         """Repeat due notifications and forget records past their retention."""
         out: list[Send] = []
         heap = self._heap
-        while heap and heap[0][0] <= now:
+        forgotten = 0
+        while heap and heap[0][0] <= now and forgotten < MAX_FORGET_PER_CALL:
             when, _, record = heapq.heappop(heap)
             if self.records.get((record.addr, record.task_id)) is not record:
                 continue
             if record.expires_at and when >= record.expires_at:
+                forgotten += 1
                 del self.records[(record.addr, record.task_id)]
                 self._by_txid.pop(record.notify_txid, None)
                 self.journal.task_forgotten(record.ref)

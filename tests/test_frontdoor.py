@@ -306,3 +306,18 @@ def test_transmission_ids_forgotten_after_memory():
     assert fd.next_deadline() == TRANSMISSION_MEMORY
     fd.expire(TRANSMISSION_MEMORY)
     assert fd.next_deadline() == float("inf")
+
+
+def test_retention_forgets_in_bounded_batches():
+    from controller.frontdoor import MAX_FORGET_PER_CALL
+
+    fd, _ = door(result_retention=10)
+    count = MAX_FORGET_PER_CALL + 5
+    for i in range(1, count + 1):
+        fd.datagram(packet(txid=i, task_id=i), CLIENT, 0.0)
+        finish(fd, i, state=TaskState.ERROR, error="x")  # error outcomes retain at once
+    fd.expire(10.0)
+    assert len(fd.records) == 5
+    assert fd.next_deadline() <= 10.0  # the rest is due: the timer fires again at once
+    fd.expire(10.0)
+    assert fd.records == {}
