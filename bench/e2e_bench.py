@@ -124,7 +124,8 @@ def run(
 
 def journal_on_off(rounds: int = 3, tasks: int = 5000) -> dict[str, Any]:
     """Throughput with the journal on and off, alternating, in the same run."""
-    on, off = [], []
+    on: list[float] = []
+    off: list[float] = []
     with socket_dir() as tmp:
         for r in range(rounds):
             for journal, into in ((None, off), (str(tmp / f"journal-{r}.sqlite3"), on)):
