@@ -291,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tasks in flight at once when submitting many (default 64)",
     )
+    status = sub.add_parser(
+        "status",
+        help="show live workers and task counts",
+        description="Ask the controller for its live workers and task counts "
+        "(allowed clients only).",
+    )
+    status.add_argument("--json", action="store_true", help="print the raw report as JSON")
     return parser
 
 
@@ -420,9 +427,60 @@ async def run_add(args: argparse.Namespace, ids: list[int], payload: dict[str, A
     return max(o.exit_code for o in outcomes)
 
 
+def format_status(report: dict[str, Any]) -> str:
+    workers = report.get("workers", [])
+    lines = [f"workers: {report.get('workers_total', len(workers))}"]
+    if workers:
+        lines.append(
+            f"  {'id':>6} {'pid':>8}  {'state':<9} {'task':>8} {'last pulse':>11} {'done':>8}"
+        )
+        for w in workers:
+            lines.append(
+                f"  {w['id']:>6} {w['pid'] or '-':>8}  {w['state']:<9} {w['task']:>8}"
+                f" {w['last_pulse_s']:>9.1f} s {w['done']:>8}"
+            )
+    tasks = report.get("tasks", {})
+    lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in tasks.items()))
+    lines.append(
+        f"retries {report.get('retries', 0)}, restarts sent {report.get('restarts_sent', 0)}, "
+        f"workers lost {report.get('worker_losses', {}) or 'none'}"
+    )
+    door = report.get("front_door")
+    if door:
+        lines.append("front door: " + ", ".join(f"{k} {v}" for k, v in door.items()))
+    return "\n".join(lines)
+
+
+async def run_status(args: argparse.Namespace) -> int:
+    family, server = resolve(args.server)
+    sock = trio.socket.socket(family, stdsocket.SOCK_DGRAM)
+    with sock:
+        await sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
+        client = Client(sock, server, args.timeout)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.receive)
+            ack = await client.request("status", {}, trio.current_time() + args.timeout)
+            nursery.cancel_scope.cancel()
+    if ack is None:
+        print(f"udp-client: no answer from {args.server[0]}:{args.server[1]}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    if "error" in ack:
+        print(f"udp-client: status refused: {ack['error']}", file=sys.stderr)
+        return EXIT_FAILED
+    report = ack.get("params", {})
+    print(json.dumps(report, indent=2) if args.json else format_status(report))
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "status":
+        try:
+            return trio.run(run_status, args)
+        except UsageError as exc:
+            print(f"udp-client: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         ids = parse_ids(args.task_id, args.ids_from)
         payload = _payload(args)

@@ -65,6 +65,8 @@ class Scheduler(Protocol):
 
     def task_state(self, ref: int) -> TaskState | None: ...
 
+    def status_report(self) -> dict[str, Any]: ...
+
 
 class JournalSink(Protocol):
     """Where the front door reports what must survive a crash (the journal, or nothing)."""
@@ -278,6 +280,17 @@ class FrontDoor:
             return [], self._get_task(params, addr)
         if method == "get_result":
             return [], self._get_result(params, addr)
+        if method == "status":
+            report = self.scheduler.status_report()
+            report["front_door"] = {
+                "received": self.stats.received,
+                "refused": self.stats.refused,
+                "unparseable": self.stats.unparseable,
+                "not_allowed": self.stats.not_allowed,
+                "duplicates": self.stats.duplicates,
+                "records": len(self.records),
+            }
+            return [], report
         raise BadPacket("unknown_method", f"unknown method {str(method)[:40]!r}")
 
     def _task_id(self, params: dict[str, Any]) -> int:

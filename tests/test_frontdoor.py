@@ -36,6 +36,9 @@ class FakeScheduler:
     def task_state(self, ref):
         return self.states.get(ref)
 
+    def status_report(self):
+        return {"workers": [], "tasks": {"queued": len(self.states)}}
+
 
 def door(**kwargs) -> tuple[FrontDoor, FakeScheduler]:
     sched = FakeScheduler()
@@ -321,3 +324,12 @@ def test_retention_forgets_in_bounded_batches():
     assert fd.next_deadline() <= 10.0  # the rest is due: the timer fires again at once
     fd.expire(10.0)
     assert fd.records == {}
+
+
+def test_status_answered_to_allowed_clients_only():
+    fd, _ = door()
+    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    [(ack, _)] = sent(fd.datagram(packet("status", 2), CLIENT, 0.0))
+    assert ack["params"]["tasks"] == {"queued": 1}
+    assert ack["params"]["front_door"]["received"] == 2
+    assert fd.datagram(packet("status", 3), ("192.0.2.1", 9), 0.0) == []

@@ -175,6 +175,9 @@ def test_udp_client_add_5_prints_result(tmp_path, sockdir):
         many = client(port, "add", "--ids-from", str(ids), "--payload", "x")
         assert many.returncode == 0, many.stderr
         assert b"succeeded: 50" in many.stderr and b"p99" in many.stderr
+        status = client(port, "status")
+        assert status.returncode == 0, status.stderr
+        assert b"workers: 2" in status.stdout and b"success 51" in status.stdout
     finally:
         stop(proc)
 

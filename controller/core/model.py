@@ -159,6 +159,7 @@ class Worker:
     checking: bool = False  # a GET_STATUS is in flight
     armed: bool = False  # a pulse-deadline entry for it is in the heap
     done: int = 0  # tasks fetched from it, for the status view
+    last_pulse: float = 0.0
 
     def advance(self, event: WorkerEvent) -> None:
         self.state = next_worker_state(self.state, event)

@@ -247,6 +247,40 @@ class Core:
         """When `expire` next has something to do (inf when nothing is pending)."""
         return self._heap[0][0] if self._heap else math.inf
 
+    def status(self, now: float, max_workers: int = 200) -> dict[str, object]:
+        """What `udp-client status` shows: workers, and tasks by state (an operator's query,
+        so it may look at every record)."""
+        by_state: dict[str, int] = {}
+        for task in self.tasks.values():
+            name = task.state.public
+            by_state[name] = by_state.get(name, 0) + 1
+        c = self.counters
+        workers = [
+            {
+                "id": w.worker_id,
+                "pid": w.pid,
+                "state": w.state.value,
+                "task": w.task.task_id if w.task is not None else 0,
+                "last_pulse_s": round(now - w.last_pulse, 2),
+                "done": w.done,
+            }
+            for w in itertools.islice(self.workers.values(), max_workers)
+        ]
+        return {
+            "workers": workers,
+            "workers_total": len(self.workers),
+            "tasks": {
+                "queued": by_state.get("queued", 0),
+                "running": by_state.get("running", 0),
+                "success": c.succeeded,
+                "error": c.errors,
+                "failed_post": c.failed_post,
+            },
+            "retries": c.retries,
+            "restarts_sent": c.restarts_sent,
+            "worker_losses": dict(c.worker_losses),
+        }
+
     def task_state(self, ref: int) -> TaskState | None:
         """State of a live task, None once it has finished."""
         task = self.tasks.get(ref)
@@ -280,6 +314,7 @@ class Core:
             self._dispatch(now, actions)
             return actions
         worker.deadline = now + max(1, pulse.next_pulse)
+        worker.last_pulse = now
         task_id = pulse.task_id
         state = worker.state
         adoptable = task_id and task_id in self._orphans and worker.task is None
@@ -310,6 +345,7 @@ class Core:
             uid=ev.uid,
             deadline=now + max(1, ev.pulse.next_pulse),
         )
+        worker.last_pulse = now
         self.workers[wid] = worker
         self.counters.registered += 1
         self._arm(worker)

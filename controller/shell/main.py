@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from controller.config import Config, ConfigError, load_config
 from controller.journal import Journal, JournalError, Recovered
 from controller.logs import LEVELS, setup_logging
 from controller.shell.committer import Committer
+from controller.shell.sdnotify import Notifier
 from controller.shell.server import ControllerShell, StartupError
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
@@ -124,6 +126,19 @@ def restore(shell: ControllerShell, door: UdpDoor, recovered: Recovered) -> None
         )
 
 
+def status_line(shell: ControllerShell, journal: Journal | None) -> str:
+    """One line for `systemctl status`."""
+    core = shell.core
+    running = len(core.tasks) - core.queued
+    line = (
+        f"{len(core.workers)} workers ({core.idle_workers} idle), "
+        f"{core.queued} queued, {running} running, {core.counters.succeeded} done"
+    )
+    if journal is not None and journal.failing:
+        line += f"; JOURNAL FAILING: {journal.failing}"
+    return line
+
+
 async def run_controller(config: Config, workers: int, worker_args: list[str]) -> None:
     journal = recovered = None
     if config.journal is not None:
@@ -134,6 +149,7 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
     door = UdpDoor(config, shell, journal)
     if committer is not None:
         committer.on_committed = door.release
+    notifier = Notifier()
     await shell.bind()
     door.bind()
     try:
@@ -144,6 +160,10 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
                 restore(shell, door, recovered)
             await nursery.start(shell.serve)
             await nursery.start(door.serve)
+            notifier.notify("READY=1")
+            nursery.start_soon(
+                notifier.run, functools.partial(status_line, shell, journal), shell.lag
+            )
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as local:
                     if workers:
@@ -152,11 +172,13 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
                         log.info("supervising %d local workers", workers)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
+                        notifier.notify("STOPPING=1")
                         break
                     # Local workers drain and say SHUTDOWN while main.sock still answers.
                     local.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:
+        notifier.close()
         if journal is not None:
             journal.close()
 

@@ -267,6 +267,10 @@ class ControllerShell:
 
     # ------------------------------------------------------------ deadlines
 
+    def lag(self) -> float:
+        """How far the scheduler is behind its earliest deadline (0 when on time)."""
+        return max(0.0, trio.current_time() - self.core.next_deadline())
+
     def _expire(self, now: float) -> None:
         self.execute(self.core.expire(now))
 

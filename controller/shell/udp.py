@@ -7,6 +7,7 @@ import contextlib
 import logging
 import socket as stdsocket
 import time
+from typing import Any
 
 import trio
 
@@ -35,6 +36,9 @@ class _CoreAdapter:
 
     def task_state(self, ref: int) -> TaskState | None:
         return self.shell.core.task_state(ref)
+
+    def status_report(self) -> dict[str, Any]:
+        return self.shell.core.status(trio.current_time())
 
 
 def open_udp_socket(host: str, port: int) -> stdsocket.socket:

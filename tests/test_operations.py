@@ -1,0 +1,283 @@
+"""Operations: sd_notify and the watchdog, local supervision, peer and socket-owner checks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from controller.core import TaskState
+from controller.shell.sdnotify import Notifier
+from controller.shell.supervisor import Supervisor
+from gen import worker_protocol_pb2 as pb
+from tests.conftest import running_controller
+from tests.fakes import FakeWorker, wait_until
+from tests.test_udp import free_udp_port
+
+NOBODY = 65534
+
+
+class NotifyListener:
+    """A datagram socket standing in for systemd's NOTIFY_SOCKET, timestamping what arrives."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop:
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def texts(self) -> list[str]:
+        return [text for _, text in self.messages]
+
+    def wait_for(self, text: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(m.startswith(text) for m in self.texts()):
+            assert time.monotonic() < deadline, f"no {text!r} in {self.texts()[-5:]}"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+
+
+def test_sd_notify_ready_status_watchdog_stopping(tmp_path, sockdir):
+    listener = NotifyListener(tmp_path / "notify.sock")
+    config = tmp_path / "c.json"
+    config.write_text(
+        json.dumps(
+            {
+                "socket_dir": str(sockdir),
+                "journal": None,
+                "client_address": {"host": "127.0.0.1", "port": free_udp_port()},
+            }
+        )
+    )
+    env = dict(os.environ, NOTIFY_SOCKET=str(listener.path), WATCHDOG_USEC="400000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller", "--config", str(config)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        listener.wait_for("READY=1")
+        assert (sockdir / "main.sock").exists()  # READY only once serving
+        listener.wait_for("STATUS=0 workers")
+        deadline = time.monotonic() + 5
+        while listener.texts().count("WATCHDOG=1") < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        listener.wait_for("STOPPING=1")
+        texts = listener.texts()
+        assert texts.index("READY=1") < texts.index("STOPPING=1")
+    finally:
+        proc.kill()
+        proc.wait()
+        listener.close()
+
+
+async def test_watchdog_pings_stop_while_the_loop_is_blocked(tmp_path):
+    listener = NotifyListener(tmp_path / "notify.sock")
+    notifier = Notifier({"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "100000"})
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(notifier.run, lambda: "ok", lambda: 0.0)
+            await trio.sleep(0.3)
+            blocked_at = time.monotonic()
+            time.sleep(0.6)  # noqa: ASYNC251 -- on purpose: the event loop is stuck
+            unblocked_at = time.monotonic()
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+        pings = [t for t, text in listener.messages if text == "WATCHDOG=1"]
+        assert any(t < blocked_at for t in pings) and any(t > unblocked_at for t in pings)
+        assert not any(blocked_at + 0.05 < t < unblocked_at - 0.05 for t in pings)
+    finally:
+        notifier.close()
+        listener.close()
+
+
+async def test_no_watchdog_while_scheduler_lags(tmp_path):
+    listener = NotifyListener(tmp_path / "notify.sock")
+    notifier = Notifier({"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "100000"})
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(notifier.run, lambda: "behind", lambda: 60.0)
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+        assert "WATCHDOG=1" not in listener.texts() and "STATUS=behind" in listener.texts()
+    finally:
+        notifier.close()
+        listener.close()
+
+
+def test_notifier_is_silent_outside_systemd():
+    notifier = Notifier({})
+    assert not notifier.enabled
+    notifier.notify("READY=1")  # does nothing, raises nothing
+
+
+# ---------------------------------------------------------------- local supervision
+
+
+async def test_supervisor_restarts_a_killed_worker(caplog):
+    supervisor = Supervisor(1, ["sleep", "30"])
+    with caplog.at_level(logging.INFO, logger="controller.supervisor"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.run)
+            await wait_until(lambda: 0 in supervisor.pids)
+            first = supervisor.pids[0]
+            os.kill(first, signal.SIGKILL)
+            await wait_until(lambda: supervisor.pids.get(0, first) != first, timeout=5)
+            nursery.cancel_scope.cancel()
+    assert "killed by SIGKILL" in caplog.text
+
+
+async def test_supervisor_backs_off_for_a_worker_that_exits_at_once(caplog):
+    supervisor = Supervisor(1, ["sh", "-c", "exit 3"])
+    with caplog.at_level(logging.WARNING, logger="controller.supervisor"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.run)
+            await trio.sleep(1.6)
+            nursery.cancel_scope.cancel()
+    # delays 0.1, 0.2, 0.4, 0.8 s: a handful of starts, not a fork loop
+    assert 3 <= supervisor.restarts <= 5
+    assert "exited with status 3" in caplog.text
+
+
+# ---------------------------------------------------------------- peer credentials
+
+
+def can_run_as_nobody() -> bool:
+    if os.getuid() != 0:
+        return False
+    probe = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            "import controller.wire",
+        ],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+as_root = pytest.mark.skipif(
+    not can_run_as_nobody(), reason="needs root and a repo nobody can read"
+)
+
+
+def run_as_nobody(*args: str) -> subprocess.Popen[bytes]:
+    cmd = [
+        "setpriv",
+        f"--reuid={NOBODY}",
+        f"--regid={NOBODY}",
+        "--clear-groups",
+        sys.executable,
+        *args,
+    ]
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE)
+
+
+def reap(proc: subprocess.Popen[bytes]) -> bytes:
+    proc.kill()
+    proc.wait()
+    assert proc.stderr is not None
+    out = proc.stderr.read()
+    proc.stderr.close()
+    return out
+
+
+@as_root
+async def test_worker_of_unknown_uid_is_refused(sockdir):
+    sockdir.chmod(0o711)
+    async with running_controller(sockdir) as (shell, _):
+        os.chmod(sockdir / "main.sock", 0o666)
+        proc = run_as_nobody("-m", "worker", "--socket-dir", str(sockdir))
+        try:
+            await wait_until(lambda: shell.refused_peers >= 1)
+            assert shell.core.workers == {}
+        finally:
+            err = reap(proc)
+        assert b"registration refused" in err
+
+
+@as_root
+async def test_worker_of_allowed_uid_runs_tasks(sockdir):
+    sockdir.chmod(0o1777)  # sticky: a shared directory nobody can squat in
+    async with running_controller(sockdir, allowed_uids=(0, NOBODY)) as (shell, outcomes):
+        os.chmod(sockdir / "main.sock", 0o666)
+        proc = run_as_nobody("-m", "worker", "--socket-dir", str(sockdir))
+        try:
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            [worker] = shell.core.workers.values()
+            assert worker.uid == NOBODY
+            shell.submit(3, b"as nobody")
+            [done] = await outcomes.wait(1)
+            assert (done.state, done.result) == (TaskState.SUCCESS, b"as nobody")
+        finally:
+            reap(proc)
+
+
+@as_root
+async def test_pulse_for_another_uids_worker_is_refused(sockdir, nursery):
+    sockdir.chmod(0o711)
+    async with running_controller(sockdir, allowed_uids=(0, NOBODY)):
+        os.chmod(sockdir / "main.sock", 0o666)
+        w = await FakeWorker(sockdir).start(nursery)  # registered by root
+        script = (
+            "import sys, trio; from controller import sockets; from gen import worker_protocol_pb2 as pb\n"
+            f"msg = pb.WorkerPulse(type=pb.PULSE_OK, worker_id={w.worker_id}, next_pulse=2)\n"
+            f"resp, _ = trio.run(lambda: sockets.exchange({str(sockdir / 'main.sock')!r}, msg, pb.PulseResponse, timeout=5))\n"
+            "sys.exit(resp.error)"
+        )
+        proc = run_as_nobody("-c", script)
+        with trio.fail_after(20):
+            while proc.poll() is None:
+                await trio.sleep(0.02)
+        reap(proc)
+        assert proc.returncode == pb.CTRL_ERR_FAILED
+
+
+@as_root
+async def test_socket_owned_by_another_uid_is_not_dialled(sockdir, nursery):
+    async with running_controller(sockdir) as (shell, outcomes):
+        squatted = await FakeWorker(sockdir).start(nursery)
+        os.chown(sockdir / f"{squatted.worker_id}.sock", NOBODY, NOBODY)
+        shell.submit(1, b"x")
+        await wait_until(lambda: squatted.worker_id not in shell.core.workers)
+        assert squatted.received == []  # nothing was sent to that socket
+        assert shell.core.counters.worker_losses == {"socket owned by another uid": 1}
+        good = await FakeWorker(sockdir).start(nursery)
+        await good.wait_for(pb.CTRL_SET_TASK)
+        await good.pulse(pb.PULSE_FETCH_ME)
+        assert (await outcomes.wait(1))[0].state is TaskState.SUCCESS
