@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -65,3 +66,18 @@ def test_controller_corrupt_journal_exit_2_naming_path(tmp_path):
     proc = run("-m", "controller", "--config", str(config))
     assert proc.returncode == 2
     assert str(journal) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_logs_without_timestamps_under_systemd(monkeypatch, capsys):
+    import logging
+
+    from controller.logs import setup_logging
+
+    monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
+    setup_logging("INFO", "controller")
+    logging.getLogger("controller").info("hello")
+    assert capsys.readouterr().err == "INFO controller: hello\n"
+    monkeypatch.delenv("JOURNAL_STREAM")
+    setup_logging("INFO", "controller")
+    logging.getLogger("controller").info("hello")
+    assert capsys.readouterr().err.endswith(f"INFO controller[{os.getpid()}] controller: hello\n")

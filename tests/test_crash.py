@@ -18,6 +18,7 @@ import sys
 import trio
 
 from controller.client import Client
+from tests.conftest import write_config
 from tests.test_udp import free_udp_port
 
 ROUNDS = 20
@@ -28,17 +29,13 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
     rng = random.Random(20261126)
     port = free_udp_port()
     execlog = tmp_path / "executions.log"
-    config = tmp_path / "controller.json"
-    config.write_text(
-        json.dumps(
-            {
-                "socket_dir": str(sockdir),
-                "client_address": {"host": "127.0.0.1", "port": port},
-                "journal": str(tmp_path / "journal.sqlite3"),
-                "timeout_task_placement": 120,
-                "dial_timeout": 1.0,
-            }
-        )
+    config = write_config(
+        tmp_path,
+        socket_dir=str(sockdir),
+        client_address={"host": "127.0.0.1", "port": port},
+        journal=str(tmp_path / "journal.sqlite3"),
+        timeout_task_placement=120,
+        dial_timeout=1.0,
     )
     controller_cmd = [sys.executable, "-m", "controller", "--config", str(config)]
     worker_cmd = [
@@ -148,15 +145,11 @@ def test_full_disk_refuses_new_tasks_loudly(tmp_path, sockdir):
     import resource
 
     port = free_udp_port()
-    config = tmp_path / "controller.json"
-    config.write_text(
-        json.dumps(
-            {
-                "socket_dir": str(sockdir),
-                "client_address": {"host": "127.0.0.1", "port": port},
-                "journal": str(tmp_path / "journal.sqlite3"),
-            }
-        )
+    config = write_config(
+        tmp_path,
+        socket_dir=str(sockdir),
+        client_address={"host": "127.0.0.1", "port": port},
+        journal=str(tmp_path / "journal.sqlite3"),
     )
     limit = 256 * 1024
 

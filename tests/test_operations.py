@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -20,7 +19,7 @@ from controller.core import TaskState
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor
 from gen import worker_protocol_pb2 as pb
-from tests.conftest import running_controller
+from tests.conftest import running_controller, write_config
 from tests.fakes import FakeWorker, wait_until
 from tests.test_udp import free_udp_port
 
@@ -67,15 +66,11 @@ class NotifyListener:
 
 def test_sd_notify_ready_status_watchdog_stopping(tmp_path, sockdir):
     listener = NotifyListener(tmp_path / "notify.sock")
-    config = tmp_path / "c.json"
-    config.write_text(
-        json.dumps(
-            {
-                "socket_dir": str(sockdir),
-                "journal": None,
-                "client_address": {"host": "127.0.0.1", "port": free_udp_port()},
-            }
-        )
+    config = write_config(
+        tmp_path,
+        socket_dir=str(sockdir),
+        journal=None,
+        client_address={"host": "127.0.0.1", "port": free_udp_port()},
     )
     env = dict(os.environ, NOTIFY_SOCKET=str(listener.path), WATCHDOG_USEC="400000")
     proc = subprocess.Popen(

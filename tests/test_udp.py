@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import random
 import socket as stdsocket
 import subprocess
@@ -17,6 +16,7 @@ from controller.client import Client
 from controller.config import ClientAddress, Config
 from controller.shell.server import ControllerShell
 from controller.shell.udp import UdpDoor
+from tests.conftest import write_config
 from tests.fakes import wait_until
 from worker.runner import handler_runner
 from worker.shell import WorkerShell
@@ -117,6 +117,31 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
     print(f"duplicates suppressed at the client: {client.duplicates}")
 
 
+async def test_large_result_read_with_get_result(sockdir, nursery):
+    config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
+    shell = ControllerShell(config)
+    udp = UdpDoor(config, shell)
+    server = udp.bind()
+    await nursery.start(shell.serve)
+    await nursery.start(udp.serve)
+    big = bytes(range(256)) * 1000  # 256,000 bytes: five get_result chunks and more
+
+    async def large(payload: bytes) -> bytes:
+        return big
+
+    worker = WorkerShell(sockdir, handler_runner(large, 1 << 20))
+    nursery.start_soon(lambda: worker.run(handle_signals=False))
+    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    await sock.bind(("127.0.0.1", 0))
+    client = Client(sock, server, timeout=30)
+    with sock:
+        async with trio.open_nursery() as inner:
+            inner.start_soon(client.receive)
+            outcome = await client.run_task(9, {})
+            inner.cancel_scope.cancel()
+    assert outcome.status == "success" and outcome.result == big
+
+
 # ---------------------------------------------------------------- real processes
 
 
@@ -129,14 +154,10 @@ def free_udp_port() -> int:
 def start_controller(
     tmp: Path, sockdir: Path, port: int, *args: str, **settings
 ) -> subprocess.Popen[bytes]:
-    config = {
-        "socket_dir": str(sockdir),
-        "client_address": {"host": "127.0.0.1", "port": port},
-        "journal": None,
-        **settings,
-    }
-    path = tmp / "controller.json"
-    path.write_text(json.dumps(config))
+    settings = {"journal": None, **settings}
+    path = write_config(
+        tmp, socket_dir=str(sockdir), client_address={"host": "127.0.0.1", "port": port}, **settings
+    )
     cmd = [
         sys.executable,
         "-m",

@@ -194,6 +194,9 @@ class ControllerShell:
             if not self._allowed(uid, gid):
                 self.refused_peers += 1
                 log.warning("main.sock: refused a connection from uid %d (pid %d)", uid, pid)
+                # Read its pulse first, so that it gets the answer rather than a broken pipe.
+                with contextlib.suppress(wire.RemoteProtocolError):
+                    await wire.recv_frame(conn, pb.WorkerPulse, timeout=timeout)
                 await wire.send_frame(conn, _FAILED, timeout=timeout)
                 return
             try:
