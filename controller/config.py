@@ -50,6 +50,8 @@ class Config:
     max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE
     journal: Path | None = Path("/var/lib/controller/journal.sqlite3")
     allowed_uids: tuple[int, ...] = (0,)
+    # Prometheus endpoint (host, port); None: no endpoint.
+    metrics_address: ClientAddress | None = None
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (flags override the file)."""
@@ -127,6 +129,10 @@ def _client_address(value: Any) -> ClientAddress:
     return ClientAddress(host, port)
 
 
+def _optional_address(value: Any) -> ClientAddress | None:
+    return None if value is None else _client_address(value)
+
+
 def _networks(value: Any) -> tuple[IPNetwork, ...]:
     if not isinstance(value, list):
         raise ValueError(f'must be a list of CIDR strings like ["127.0.0.0/8"], got {value!r}')
@@ -160,6 +166,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_extra_size": _size,
     "journal": _optional_path,
     "allowed_uids": _uids,
+    "metrics_address": _optional_address,
 }
 
 

@@ -23,6 +23,12 @@ GOOD = [
     ({"allowed_uids": [0, 1000]}, "allowed_uids", (0, 1000)),
     ({"max_extra_size": 1024}, "max_extra_size", 1024),
     ({"notify_retries": 0}, "notify_retries", 0),
+    ({}, "metrics_address", None),
+    (
+        {"metrics_address": {"host": "127.0.0.1", "port": 9100}},
+        "metrics_address",
+        ClientAddress("127.0.0.1", 9100),
+    ),
 ]
 
 BAD = [
@@ -46,6 +52,7 @@ BAD = [
     ({"journal": 5}, "key 'journal' must be a non-empty path string"),
     ({"max_extra_size": 0}, "key 'max_extra_size' must be more than 0"),
     ([1, 2], "must be a JSON object"),
+    ({"metrics_address": 9100}, "key 'metrics_address' must be an object"),
 ]
 
 

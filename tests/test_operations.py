@@ -276,3 +276,94 @@ async def test_socket_owned_by_another_uid_is_not_dialled(sockdir, nursery):
         await good.wait_for(pb.CTRL_SET_TASK)
         await good.pulse(pb.PULSE_FETCH_ME)
         assert (await outcomes.wait(1))[0].state is TaskState.SUCCESS
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_metrics_scrape_parses(tmp_path, sockdir):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    udp, http = free_udp_port(), free_tcp_port()
+    config = write_config(
+        tmp_path,
+        socket_dir=str(sockdir),
+        journal=None,
+        client_address={"host": "127.0.0.1", "port": udp},
+        metrics_address={"host": "127.0.0.1", "port": http},
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller", "--config", str(config), "--workers", "1"],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "controller.client",
+                "--server",
+                f"127.0.0.1:{udp}",
+                "--timeout",
+                "20",
+                "add",
+                "1-5",
+                "--payload",
+                "m",
+            ],
+            capture_output=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        deadline = time.monotonic() + 10
+        while True:
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+            samples = {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+            if samples.get(("controller_workers", ())) == 1.0:
+                break
+            assert time.monotonic() < deadline, "workers gauge never refreshed"
+            time.sleep(0.1)
+        assert samples[("controller_tasks_total", (("outcome", "success"),))] == 5.0
+        assert samples[("controller_task_seconds_count", ())] == 5.0
+        assert samples[("controller_placement_seconds_count", ())] == 5.0
+        assert samples[("controller_queue_depth", ())] == 0.0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_metrics_address_in_use_is_a_startup_error(tmp_path, sockdir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = write_config(
+            tmp_path,
+            socket_dir=str(sockdir),
+            journal=None,
+            client_address={"host": "127.0.0.1", "port": 0},
+            metrics_address={"host": "127.0.0.1", "port": port},
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "controller", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 2 and f"metrics_address 127.0.0.1:{port}" in proc.stderr

@@ -142,6 +142,7 @@ class Task:
     placement_deadline: float = 0.0
     running_deadline: float = 0.0  # task_timeout; 0 = none
     last_error: str = ""
+    created_at: float = 0.0
 
     def advance(self, event: TaskEvent) -> None:
         self.state = next_task_state(self.state, event)
@@ -261,6 +262,7 @@ class TaskProgress:
     state: TaskState
     attempts: int
     failed_on: tuple[int, ...]
+    waited: float = 0.0  # seconds in the queue before this start (for the metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +275,7 @@ class TaskFinished:
     state: TaskState
     result: bytes = b""
     error: str = ""
+    age: float = 0.0  # seconds since it was submitted (or recovered)
 
 
 Action = Reply | Dial | WatchPid | TaskAccepted | TaskProgress | TaskFinished

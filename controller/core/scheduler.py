@@ -141,7 +141,7 @@ class Core:
             raise ValueError(f"task_id must be >= 1, got {task_id}")
         ref = self._next_ref
         self._next_ref += 1
-        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner)
+        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, created_at=now)
         self.tasks[ref] = task
         self.counters.submitted += 1
         actions: list[Action] = [TaskAccepted(ref)]
@@ -174,7 +174,14 @@ class Core:
         time. A running one waits `grace` seconds for a re-registering worker to
         report it (and is adopted without running again); then it is re-placed.
         """
-        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task = Task(
+            ref=ref,
+            task_id=task_id,
+            payload=payload,
+            owner=owner,
+            attempts=attempts,
+            created_at=now,
+        )
         task.failed_on.update(failed_on)
         self.tasks[ref] = task
         self._next_ref = max(self._next_ref, ref + 1)
@@ -215,6 +222,7 @@ class Core:
                     self._finish(
                         obj,
                         actions,
+                        now,
                         error=f"no free worker within {self.timeout_task_placement:g} s",
                     )
             elif kind == _GRACE:
@@ -403,7 +411,7 @@ class Core:
             task.attempts += 1
             worker.advance(WorkerEvent.ACCEPTED)
             task.advance(TaskEvent.ACCEPTED)
-            actions.append(self._progress(task))
+            actions.append(self._progress(task, waited=now - task.queued_at))
             if self.task_timeout > 0:
                 task.running_deadline = now + self.task_timeout
                 self._push(task.running_deadline, _RUNNING, task)
@@ -440,7 +448,7 @@ class Core:
             self._idle[worker.worker_id] = worker
             task.advance(TaskEvent.SUCCEED)
             self.counters.succeeded += 1
-            self._finish(task, actions, result=ev.extra)
+            self._finish(task, actions, now, result=ev.extra)
         elif err in (pb.WORKER_ERR_NO_FETCH, pb.WORKER_ERR_BUSY):
             worker.advance(WorkerEvent.NOTHING_TO_FETCH)
         elif err == pb.WORKER_ERR_TASK_FAILED and resp.task_id in (0, task.task_id):
@@ -538,8 +546,9 @@ class Core:
             self._orphans.pop(task.task_id, None)
 
     @staticmethod
-    def _progress(task: Task) -> TaskProgress:
-        return TaskProgress(task.ref, task.state, task.attempts, tuple(sorted(task.failed_on)))
+    def _progress(task: Task, waited: float = 0.0) -> TaskProgress:
+        failed_on = tuple(sorted(task.failed_on))
+        return TaskProgress(task.ref, task.state, task.attempts, failed_on, waited)
 
     # ------------------------------------------------------------ helpers
 
@@ -594,6 +603,7 @@ class Core:
             self._finish(
                 task,
                 actions,
+                now,
                 error=f"failed {task.attempts} times; last error: {task.last_error}",
             )
             return
@@ -652,14 +662,28 @@ class Core:
         return next(iter(idle.values()))
 
     def _finish(
-        self, task: Task, actions: list[Action], *, result: bytes = b"", error: str = ""
+        self,
+        task: Task,
+        actions: list[Action],
+        now: float,
+        *,
+        result: bytes = b"",
+        error: str = "",
     ) -> None:
         del self.tasks[task.ref]
         if self._orphans:
             self._unorphan(task)
         task.payload = b""
         actions.append(
-            TaskFinished(task.ref, task.task_id, task.owner, task.state, result=result, error=error)
+            TaskFinished(
+                task.ref,
+                task.task_id,
+                task.owner,
+                task.state,
+                result=result,
+                error=error,
+                age=now - task.created_at,
+            )
         )
 
     def _arm(self, worker: Worker) -> None:

@@ -17,6 +17,7 @@ from controller.config import Config, ConfigError, load_config
 from controller.journal import Journal, JournalError, Recovered
 from controller.logs import LEVELS, setup_logging
 from controller.shell.committer import Committer
+from controller.shell.metrics import Metrics
 from controller.shell.sdnotify import Notifier
 from controller.shell.server import ControllerShell, StartupError
 from controller.shell.supervisor import Supervisor, worker_command
@@ -145,13 +146,23 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
         journal = Journal.open(config.journal)
         recovered = journal.load()
     committer = Committer(journal) if journal is not None else None
-    shell = ControllerShell(config, journal=journal, committer=committer)
+    metrics = Metrics() if config.metrics_address is not None else None
+    shell = ControllerShell(config, journal=journal, committer=committer, metrics=metrics)
     door = UdpDoor(config, shell, journal)
     if committer is not None:
         committer.on_committed = door.release
     notifier = Notifier()
     await shell.bind()
     door.bind()
+    http = None
+    if metrics is not None and config.metrics_address is not None:
+        try:
+            http = metrics.serve(config.metrics_address)
+        except OSError as exc:
+            address = config.metrics_address
+            raise StartupError(
+                f"metrics_address {address.host}:{address.port}: {exc.strerror}"
+            ) from None
     try:
         async with trio.open_nursery() as nursery:
             if committer is not None:
@@ -160,6 +171,8 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
                 restore(shell, door, recovered)
             await nursery.start(shell.serve)
             await nursery.start(door.serve)
+            if metrics is not None:
+                nursery.start_soon(metrics.run, shell.core)
             notifier.notify("READY=1")
             nursery.start_soon(
                 notifier.run, functools.partial(status_line, shell, journal), shell.lag
@@ -178,6 +191,8 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
                     local.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:
+        if http is not None:
+            http.shutdown()
         notifier.close()
         if journal is not None:
             journal.close()

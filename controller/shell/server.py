@@ -37,6 +37,7 @@ from controller.core import (
 )
 from controller.journal import Journal
 from controller.shell.committer import Committer
+from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
 from controller.sockets import accept, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
@@ -106,10 +107,12 @@ class ControllerShell:
         on_finished: Callable[[TaskFinished], None] | None = None,
         journal: Journal | None = None,
         committer: Committer | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
         self.committer = committer
+        self.metrics = metrics
         self.core = core or Core(
             max_retries=config.max_retries,
             timeout_task_placement=config.timeout_task_placement,
@@ -170,10 +173,14 @@ class ControllerShell:
             if isinstance(action, Dial):
                 nursery.start_soon(self._dial, action)
             elif isinstance(action, TaskFinished):
+                if self.metrics is not None:
+                    self.metrics.task_finished(action)
                 self.on_finished(action)
             elif isinstance(action, WatchPid):
                 self._watch(action)
             elif isinstance(action, TaskProgress):
+                if self.metrics is not None:
+                    self.metrics.task_started(action)
                 if self.journal is not None:
                     self.journal.task_progress(
                         action.ref, action.state.value, action.attempts, action.failed_on

@@ -1,0 +1,86 @@
+"""The optional Prometheus endpoint (`metrics_address`), with prometheus_client.
+
+Histograms are observed in the event loop as tasks start and finish; the rest
+is copied from the core's counters once a second by a trio task, so the HTTP
+thread that prometheus_client runs only ever reads its own thread-safe metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from controller.config import ClientAddress
+from controller.core import Core, TaskFinished, TaskProgress, TaskState
+
+# Seconds between copies of the core's counters into the exported metrics.
+REFRESH_INTERVAL = 1.0
+# Latency buckets from 0.5 ms (an idle system) to a minute (a long queue).
+BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.outcomes = Counter(
+            "controller_tasks", "Finished tasks by outcome", ["outcome"], registry=r
+        )
+        self.queued = Gauge("controller_queue_depth", "Tasks waiting for a worker", registry=r)
+        self.running = Gauge("controller_tasks_running", "Tasks on a worker", registry=r)
+        self.workers = Gauge("controller_workers", "Live workers", registry=r)
+        self.idle = Gauge("controller_workers_idle", "Idle workers", registry=r)
+        self.retries = Counter(
+            "controller_retries", "Tasks placed again after a failure", registry=r
+        )
+        self.losses = Counter(
+            "controller_worker_losses", "Workers dropped, by cause", ["cause"], registry=r
+        )
+        self.placement = Histogram(
+            "controller_placement_seconds",
+            "Time from queued to accepted by a worker",
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.end_to_end = Histogram(
+            "controller_task_seconds",
+            "Time from submitted to finished",
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self._seen: dict[str, float] = {}
+
+    def serve(self, address: ClientAddress) -> Any:
+        """Start the HTTP endpoint in prometheus_client's own daemon thread."""
+        server, _thread = start_http_server(address.port, addr=address.host, registry=self.registry)
+        return server
+
+    def task_started(self, progress: TaskProgress) -> None:
+        if progress.state is TaskState.RUNNING:
+            self.placement.observe(progress.waited)
+
+    def task_finished(self, finished: TaskFinished) -> None:
+        self.outcomes.labels(finished.state.value).inc()
+        self.end_to_end.observe(finished.age)
+
+    def refresh(self, core: Core) -> None:
+        self.queued.set(core.queued)
+        self.running.set(len(core.tasks) - core.queued)
+        self.workers.set(len(core.workers))
+        self.idle.set(core.idle_workers)
+        self._advance(self.retries, "retries", core.counters.retries)
+        for cause, total in core.counters.worker_losses.items():
+            self._advance(self.losses.labels(cause), f"loss:{cause}", total)
+
+    def _advance(self, counter: Any, key: str, total: float) -> None:
+        delta = total - self._seen.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[key] = total
+
+    async def run(self, core: Core) -> None:
+        while True:
+            self.refresh(core)
+            await trio.sleep(REFRESH_INTERVAL)
