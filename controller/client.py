@@ -18,6 +18,7 @@ import base64
 import itertools
 import json
 import math
+import os
 import socket as stdsocket
 import statistics
 import sys
@@ -473,6 +474,15 @@ async def run_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`udp-client status | head`): no traceback, like other tools.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "status":

@@ -291,3 +291,18 @@ def test_cli_bad_handler_exit_2():
         [sys.executable, "-m", "worker", "--handler", "nope"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "MODULE:FUNC" in proc.stderr
+
+
+async def test_exit_with_parent_drains_when_the_parent_is_killed(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    cmd = f"{sys.executable} -m worker --socket-dir {sockdir} --exit-with-parent & wait"
+    parent = subprocess.Popen(["sh", "-c", cmd])
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        parent.kill()  # SIGKILL: no chance to stop its child itself
+        parent.wait()
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_SHUTDOWN)))
+    finally:
+        parent.kill()
+        parent.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="drain and exit when the parent process ends (used by controller --workers)",
+    )
+    parser.add_argument(
         "--handler",
         metavar="MODULE:FUNC",
         help="Python callable: payload bytes in, result bytes out; an exception fails the task",
@@ -95,5 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout=args.drain_timeout,
         dial_timeout=config.dial_timeout,
         max_extra_size=config.max_extra_size,
+        parent_pid=os.getppid() if args.exit_with_parent else None,
     )
     return trio.run(shell.run)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import socket
 from pathlib import Path
@@ -53,8 +54,10 @@ class WorkerShell:
         drain_timeout: float = 30.0,
         dial_timeout: float = 2.0,
         max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+        parent_pid: int | None = None,
     ) -> None:
         self.socket_dir = socket_dir
+        self.parent_pid = parent_pid
         self.runner = runner
         self.pulse_period = pulse_period
         self.next_pulse = promised_next_pulse(pulse_period)
@@ -78,6 +81,8 @@ class WorkerShell:
             self._top = nursery
             if handle_signals:
                 nursery.start_soon(self._signals)
+            if self.parent_pid is not None and self.parent_pid > 1:
+                nursery.start_soon(self._watch_parent, self.parent_pid)
             await self._sessions()
             nursery.cancel_scope.cancel()
         return self.exit_code
@@ -105,6 +110,20 @@ class WorkerShell:
                     self._stop(128 + signum)
                     return
                 self.drain()
+
+    async def _watch_parent(self, pid: int) -> None:
+        """A supervised worker leaves with its supervisor, even one killed with SIGKILL."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            log.warning("cannot watch parent pid %d; staying up on its own", pid)
+            return
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+        log.warning("parent process %d ended", pid)
+        self.drain()
 
     async def _sessions(self) -> None:
         while True:

@@ -26,7 +26,15 @@ STOP_GRACE = 10.0
 
 
 def worker_command(socket_dir: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "worker", "--socket-dir", socket_dir, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "--socket-dir",
+        socket_dir,
+        "--exit-with-parent",
+        *extra,
+    ]
 
 
 def describe_exit(code: int) -> str:
@@ -52,7 +60,9 @@ class Supervisor:
         delay = BACKOFF_START
         while True:
             started = trio.current_time()
-            proc = await trio.lowlevel.open_process(self.argv)
+            # Its own session: a Ctrl-C at the terminal reaches only the controller, which then
+            # stops the workers once (they drain); --exit-with-parent covers a SIGKILLed controller.
+            proc = await trio.lowlevel.open_process(self.argv, start_new_session=True)
             self.pids[slot] = proc.pid
             log.info("worker slot %d: started pid %d", slot, proc.pid)
             try:
