@@ -12,6 +12,7 @@ from pathlib import Path
 
 import trio
 
+from bench.chaos import lossy_router
 from controller.client import Client
 from controller.config import ClientAddress, Config
 from controller.shell.server import ControllerShell
@@ -20,46 +21,6 @@ from tests.conftest import write_config
 from tests.fakes import wait_until
 from worker.runner import handler_runner
 from worker.shell import WorkerShell
-
-
-async def lossy_router(
-    rng: random.Random,
-    server: tuple[str, int],
-    *,
-    drop: float,
-    dup: float,
-    reorder: float,
-    task_status=trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Forward datagrams client <-> server, dropping, duplicating and delaying some."""
-    down = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    up = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await down.bind(("127.0.0.1", 0))
-    await up.bind(("127.0.0.1", 0))
-    client: list[tuple[str, int]] = []
-
-    async def deliver(sock, data, addr) -> None:
-        if rng.random() < reorder:
-            await trio.sleep(rng.uniform(0.001, 0.05))
-        await sock.sendto(data, addr)
-
-    async def pump(src, dst, nursery, to_client: bool) -> None:
-        while True:
-            data, addr = await src.recvfrom(65535)
-            if not to_client and not client:
-                client.append(addr)
-            target = client[0] if to_client else server
-            if rng.random() < drop:
-                continue
-            copies = 2 if rng.random() < dup else 1
-            for _ in range(copies):
-                nursery.start_soon(deliver, dst, data, target)
-
-    with down, up:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, down, up, nursery, False)
-            nursery.start_soon(pump, up, down, nursery, True)
-            task_status.started(down.getsockname())
 
 
 async def test_200_tasks_through_lossy_network(sockdir, nursery):

@@ -293,11 +293,15 @@ def test_cli_bad_handler_exit_2():
     assert proc.returncode == 2 and "MODULE:FUNC" in proc.stderr
 
 
+def spawn_parent_of_worker(sockdir) -> subprocess.Popen[bytes]:
+    cmd = f"{sys.executable} -m worker --socket-dir {sockdir} --exit-with-parent & wait"
+    return subprocess.Popen(["sh", "-c", cmd])
+
+
 async def test_exit_with_parent_drains_when_the_parent_is_killed(sockdir, nursery):
     fake = FakeController(sockdir)
     await nursery.start(fake.serve)
-    cmd = f"{sys.executable} -m worker --socket-dir {sockdir} --exit-with-parent & wait"
-    parent = subprocess.Popen(["sh", "-c", cmd])
+    parent = spawn_parent_of_worker(sockdir)
     try:
         await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
         parent.kill()  # SIGKILL: no chance to stop its child itself
