@@ -32,6 +32,7 @@ lint: $(STAMP)
 	$(BIN)/mypy .
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench
 
 # Every fault at once for 4 minutes (seeded); exit status 1 if an acknowledged task was lost.

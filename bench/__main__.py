@@ -1,26 +1,38 @@
-"""`make bench`: every benchmark, its figures beside its baseline, and bench/results.json."""
+"""`make bench`: every benchmark, its figures beside its baseline, bench/results.json and PNG plots."""
 
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import time
 from pathlib import Path
 
-from bench import controller_bench, e2e_bench, worker_bench
+from bench import controller_bench, e2e_bench, failure_bench, plots, worker_bench
+
+HERE = Path(__file__).parent
 
 
 def main() -> None:
-    results = {
+    logging.disable(logging.WARNING)  # the controllers under test log their faults on purpose
+    results: dict[str, object] = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
-        "controller": controller_bench.main(),
-        "worker": worker_bench.main(),
-        "end_to_end": e2e_bench.main(),
     }
-    path = Path(__file__).parent / "results.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"written {path}")
+    results["controller"] = controller_bench.main()
+    print("controller, tasks queued at once (100 fake workers):")
+    results["queued"] = controller_bench.bench_queued()
+    results["worker"] = worker_bench.main()
+    results["end_to_end"] = e2e_bench.main()
+    print("end to end against worker count:")
+    scaling = e2e_bench.scaling()
+    results["scaling"] = scaling
+    samples = e2e_bench.latency_samples()
+    results["failure"] = failure_bench.main()
+    plots.throughput(scaling, HERE / "throughput.png")
+    plots.latency(samples, HERE / "latency.png")
+    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"written {HERE / 'results.json'}, {HERE / 'throughput.png'}, {HERE / 'latency.png'}")
 
 
 main()

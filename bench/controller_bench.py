@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -113,6 +114,63 @@ async def _run_tasks(sockdir: Path, tasks: int, workers: int) -> dict[str, Any]:
         "tasks_per_s": round(tasks / (t1 - t0)),
         "controller_cpu_us_per_task": round(1e6 * (cpu1 - cpu0) / tasks, 1),
     }
+
+
+async def _run_queued(sockdir: Path, tasks: int, workers: int) -> dict[str, Any]:
+    """Queue `tasks` at once with no worker, note memory, then let fake workers drain them."""
+    done = 0
+    finished = trio.Event()
+
+    def on_finished(_: object) -> None:
+        nonlocal done
+        done += 1
+        if done == tasks:
+            finished.set()
+
+    shell = ControllerShell(Config(socket_dir=sockdir, journal=None), on_finished=on_finished)
+    base = rss_mb(os.getpid())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(shell.serve)
+        fakes = await trio.to_thread.run_sync(
+            lambda: start_fakes(sockdir, "--mode", "answer", "--count", str(workers))
+        )
+        try:
+            while shell.core.idle_workers < workers:
+                await trio.sleep(0.01)
+            t0 = time.perf_counter()
+            for i in range(tasks):  # no await in between: all of them are queued at once
+                shell.submit(i % 1_000_000 + 1, b"payload-%d" % i)
+            submit_us = 1e6 * (time.perf_counter() - t0) / tasks
+            peak = rss_mb(os.getpid())
+            await finished.wait()
+            rate = tasks / (time.perf_counter() - t0)
+        finally:
+            fakes.kill()
+            fakes.wait()
+        nursery.cancel_scope.cancel()
+    return {
+        "queued": tasks,
+        "submit_us_per_task": round(submit_us, 1),
+        "drain_tasks_per_s": round(rate),
+        "rss_mb": round(peak, 1),
+        "rss_growth_mb": round(peak - base, 1),
+    }
+
+
+def bench_queued(
+    sizes: tuple[int, ...] = (1_000, 10_000, 100_000), workers: int = 100
+) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        with socket_dir() as sockdir:
+            rows.append(trio.run(_run_queued, sockdir, size, workers))
+        r = rows[-1]
+        print(
+            f"  {size:,} queued at once: {r['submit_us_per_task']} us to queue each, drained at "
+            f"{r['drain_tasks_per_s']:,} tasks/s, controller RSS {r['rss_mb']} MB (+{r['rss_growth_mb']})",
+            flush=True,
+        )
+    return rows
 
 
 def bench_tasks(tasks: int = 20_000, workers: int = 100) -> dict[str, Any]:

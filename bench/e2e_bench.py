@@ -122,6 +122,54 @@ def run(
     }
 
 
+def scaling(
+    counts: tuple[int, ...] = (1, 2, 4, 8), tasks: int = 3000, rounds: int = 2
+) -> list[dict[str, Any]]:
+    """Throughput against worker count, each beside ProcessPoolExecutor(N) in the same run."""
+    rows = []
+    for n in counts:
+        port = free_udp_port()
+        with socket_dir() as sockdir:
+            proc = start_controller(sockdir, port, n, {})
+            try:
+                trio.run(drive, port, 200, 8, 10_000_000)
+                rates, ppe = [], []
+                for r in range(rounds):
+                    rates.append(trio.run(drive, port, tasks, 64, 1 + r * tasks)[0])
+                    ppe.append(ppe_rate(n, tasks))
+            finally:
+                proc.terminate()
+                proc.wait()
+        rows.append(
+            {
+                "workers": n,
+                "tasks_per_s": round(median(rates)),
+                "ppe_tasks_per_s": round(median(ppe)),
+                "ratio_to_ppe": round(median(rates) / median(ppe), 3),
+            }
+        )
+        print(
+            f"  N={n}: {rows[-1]['tasks_per_s']:,} tasks/s vs ProcessPoolExecutor({n}) "
+            f"{rows[-1]['ppe_tasks_per_s']:,} ({rows[-1]['ratio_to_ppe']:.0%})",
+            flush=True,
+        )
+    return rows
+
+
+def latency_samples(tasks: int = 2000) -> list[float]:
+    """Round trips of one task at a time through 2 workers, for the histogram."""
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        proc = start_controller(sockdir, port, 2, {})
+        try:
+            trio.run(drive, port, 200, 8, 10_000_000)
+            _, lat = trio.run(drive, port, tasks, 1, 1)
+        finally:
+            proc.terminate()
+            proc.wait()
+    return lat
+
+
 def journal_on_off(rounds: int = 3, tasks: int = 5000) -> dict[str, Any]:
     """Throughput with the journal on and off, alternating, in the same run."""
     on: list[float] = []
