@@ -24,6 +24,7 @@ def main() -> None:
     results["queued"] = controller_bench.bench_queued()
     results["worker"] = worker_bench.main()
     results["end_to_end"] = e2e_bench.main()
+    results["journal"] = e2e_bench.journal_main()
     print("end to end against worker count:")
     scaling = e2e_bench.scaling()
     results["scaling"] = scaling

@@ -232,5 +232,19 @@ def main() -> dict[str, Any]:
     return r
 
 
+def journal_main() -> dict[str, Any]:
+    j = journal_on_off()
+    print(
+        f"journal: {j['journal_on_tasks_per_s']:,} tasks/s on vs {j['journal_off_tasks_per_s']:,} off "
+        f"(cost {j['journal_cost']:.0%}) [target: at most 15%]"
+    )
+    size = journal_size()
+    print(
+        f"journal after {size['tasks']:,} tasks with result_retention {size['retention_s']:g} s: "
+        f"{size['journal_mb']} MB (database + WAL) at {size['tasks_per_s']:,} tasks/s"
+    )
+    return {**j, "size": size}
+
+
 if __name__ == "__main__":
     main()
