@@ -248,13 +248,6 @@ class WatchPid:
 
 
 @dataclass(frozen=True, slots=True)
-class TaskAccepted:
-    """The core took a submitted task; `ref` is its handle from now on."""
-
-    ref: int
-
-
-@dataclass(frozen=True, slots=True)
 class TaskProgress:
     """A task started running, or went back to the queue after running (for the journal)."""
 
@@ -278,4 +271,4 @@ class TaskFinished:
     age: float = 0.0  # seconds since it was submitted (or recovered)
 
 
-Action = Reply | Dial | WatchPid | TaskAccepted | TaskProgress | TaskFinished
+Action = Reply | Dial | WatchPid | TaskProgress | TaskFinished

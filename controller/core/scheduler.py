@@ -35,7 +35,6 @@ from controller.core.model import (
     Reply,
     SubmitTask,
     Task,
-    TaskAccepted,
     TaskEvent,
     TaskFinished,
     TaskProgress,
@@ -144,7 +143,7 @@ class Core:
         task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, created_at=now)
         self.tasks[ref] = task
         self.counters.submitted += 1
-        actions: list[Action] = [TaskAccepted(ref)]
+        actions: list[Action] = []
         self._enqueue(task, now)
         self._dispatch(now, actions)
         return ref, actions
