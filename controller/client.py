@@ -299,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(allowed clients only).",
     )
     status.add_argument("--json", action="store_true", help="print the raw report as JSON")
+    # The global options are accepted after the command too (`udp-client add 5 --server H:P`).
+    for command in (add, status):
+        command.add_argument(
+            "--server", type=parse_server, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+        command.add_argument(
+            "--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     return parser
 
 

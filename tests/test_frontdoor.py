@@ -333,3 +333,11 @@ def test_status_answered_to_allowed_clients_only():
     assert ack["params"]["tasks"] == {"queued": 1}
     assert ack["params"]["front_door"]["received"] == 2
     assert fd.datagram(packet("status", 3), ("192.0.2.1", 9), 0.0) == []
+
+
+def test_encoded_notification_never_over_60000_bytes():
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    result = b"\xff" * 50_000  # fits raw, but its base64 would not
+    [(note, _)] = finish(fd, 1, result=result)
+    assert note["params"] == {"task_id": 5, "status": "success", "result_size": 50_000}

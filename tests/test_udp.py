@@ -180,6 +180,25 @@ def test_no_answer_exits_3():
     assert done.returncode == 3 and b"no answer" in done.stderr
 
 
+def test_global_options_after_the_command():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "controller.client",
+            "add",
+            "1",
+            "--server",
+            f"127.0.0.1:{free_udp_port()}",
+            "--timeout",
+            "0.5",
+        ],
+        capture_output=True,
+        timeout=30,
+    )
+    assert done.returncode == 3 and b"within 0.5 s" in done.stderr
+
+
 def test_usage_error_exits_2():
     assert client(1, "add", "abc").returncode == 2
     assert client(1, "add", "5-1").returncode == 2
