@@ -42,7 +42,8 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
         return b"done:" + payload
 
     for _ in range(2):
-        worker = WorkerShell(sockdir, handler_runner(counted, 1 << 20), pulse_period=0.5)
+        # One loop hosts everything here: a 1 s period (2 s promised) leaves room for stalls.
+        worker = WorkerShell(sockdir, handler_runner(counted, 1 << 20), pulse_period=1.0)
         nursery.start_soon(lambda w=worker: w.run(handle_signals=False))
     await wait_until(lambda: shell.core.idle_workers == 2)
     rng = random.Random(20261126)
