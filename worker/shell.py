@@ -39,6 +39,9 @@ REGISTER_BACKOFF_MAX = 5.0
 CONTROL_BACKLOG = 64
 
 
+_UNWATCHABLE = -1
+
+
 def promised_next_pulse(period: float) -> int:
     """What the worker promises in `next_pulse`: whole seconds, twice the real period."""
     return max(1, math.ceil(2 * period))
@@ -82,7 +85,9 @@ class WorkerShell:
             if handle_signals:
                 nursery.start_soon(self._signals)
             if self.parent_pid is not None and self.parent_pid > 1:
-                nursery.start_soon(self._watch_parent, self.parent_pid)
+                fd = self._open_parent(self.parent_pid)
+                if fd != _UNWATCHABLE:
+                    nursery.start_soon(self._watch_parent, fd)
             await self._sessions()
             nursery.cancel_scope.cancel()
         return self.exit_code
@@ -111,18 +116,28 @@ class WorkerShell:
                     return
                 self.drain()
 
-    async def _watch_parent(self, pid: int) -> None:
-        """A supervised worker leaves with its supervisor, even one killed with SIGKILL."""
+    def _open_parent(self, pid: int) -> int | None:
+        """A pidfd on the parent, opened before anything can yield; None if it is already gone."""
         try:
             fd = os.pidfd_open(pid)
-        except OSError:
-            log.warning("cannot watch parent pid %d; staying up on its own", pid)
-            return
-        try:
-            await trio.lowlevel.wait_readable(fd)
-        finally:
+        except ProcessLookupError:
+            return None
+        except OSError as exc:  # no pidfd here (old kernel, seccomp): carry on unwatched
+            log.warning("cannot watch parent pid %d (%s); staying up on its own", pid, exc)
+            return _UNWATCHABLE
+        if os.getppid() != pid:  # it died before we looked, and the pid may be reused
             os.close(fd)
-        log.warning("parent process %d ended", pid)
+            return None
+        return fd
+
+    async def _watch_parent(self, fd: int | None) -> None:
+        """A supervised worker leaves with its supervisor, even one killed with SIGKILL."""
+        if fd is not None:
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            finally:
+                os.close(fd)
+        log.warning("parent process %s ended", self.parent_pid)
         self.drain()
 
     async def _sessions(self) -> None:
