@@ -7,12 +7,27 @@ import resource
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def worker_argv(socket_dir: Path, *args: str) -> list[str]:
+    """The command line of one quiet real worker on `socket_dir`, plus `args`."""
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "--socket-dir",
+        str(socket_dir),
+        "--log-level",
+        "ERROR",
+        *args,
+    ]
 
 
 def process_cpu(pid: int) -> float:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from bench.common import median, socket_dir
+from bench.common import median, socket_dir, worker_argv
 from controller import sockets, wire
 from controller.config import Config
 from controller.shell.server import ControllerShell
@@ -62,20 +61,7 @@ async def one(how: int, pulse: float) -> float:
         shell = ControllerShell(Config(socket_dir=sockdir, journal=None))
         async with trio.open_nursery() as nursery:
             await nursery.start(shell.serve)
-            cmd = [
-                sys.executable,
-                "-m",
-                "worker",
-                "--socket-dir",
-                str(sockdir),
-                "--pulse",
-                str(pulse),
-                "--log-level",
-                "ERROR",
-                "--exec",
-                "sleep",
-                "60",
-            ]
+            cmd = worker_argv(sockdir, "--pulse", str(pulse), "--exec", "sleep", "60")
             proc = subprocess.Popen(cmd)
             try:
                 while shell.core.idle_workers < 1:

@@ -7,14 +7,13 @@ Printed beside a bare `subprocess.run(["true"])` loop measured in the same run, 
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from bench.common import median, socket_dir
+from bench.common import median, socket_dir, worker_argv
 from controller import sockets, wire
 from gen import worker_protocol_pb2 as pb
 
@@ -54,16 +53,7 @@ async def drive(args: list[str], tasks: int) -> float:
         ctl = MiniController(sockdir)
         async with trio.open_nursery() as nursery:
             await nursery.start(ctl.serve)
-            cmd = [
-                sys.executable,
-                "-m",
-                "worker",
-                "--socket-dir",
-                str(sockdir),
-                "--log-level",
-                "ERROR",
-                *args,
-            ]
+            cmd = worker_argv(sockdir, *args)
             proc = subprocess.Popen(cmd)
             try:
                 await ctl.ready.wait()
