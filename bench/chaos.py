@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import random
 import signal
@@ -29,6 +28,7 @@ from typing import Any
 
 import trio
 
+from bench.common import recording_exec, worker_argv, write_config
 from controller import sockets
 from controller.client import Client, Outcome
 
@@ -100,18 +100,14 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
     sockdir.mkdir(mode=0o750)
     execlog = workdir / "executions.log"
     execlog.touch()
-    config = workdir / "controller.json"
-    config.write_text(
-        json.dumps(
-            {
-                "socket_dir": str(sockdir),
-                "client_address": {"host": "127.0.0.1", "port": port},
-                "journal": str(workdir / "journal.sqlite3"),
-                "timeout_task_placement": 120,
-                "max_retries": 10,
-                "dial_timeout": 1.0,
-            }
-        )
+    config = write_config(
+        workdir,
+        socket_dir=str(sockdir),
+        client_address={"host": "127.0.0.1", "port": port},
+        journal=str(workdir / "journal.sqlite3"),
+        timeout_task_placement=120,
+        max_retries=10,
+        dial_timeout=1.0,
     )
     controller_cmd = [
         sys.executable,
@@ -122,21 +118,7 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
         "--log-level",
         "WARNING",
     ]
-    worker_cmd = [
-        sys.executable,
-        "-m",
-        "worker",
-        "--socket-dir",
-        str(sockdir),
-        "--pulse",
-        "0.3",
-        "--log-level",
-        "ERROR",
-        "--exec",
-        "sh",
-        "-c",
-        f'echo "$TASK_ID" >> {execlog}; cat',
-    ]
+    worker_cmd = worker_argv(sockdir, "--pulse", "0.3", *recording_exec(execlog))
     controller_log = (workdir / "controller.log").open("ab")
     tally = Tally()
     procs: dict[str, trio.Process] = {}

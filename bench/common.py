@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -16,8 +17,20 @@ from pathlib import Path
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def worker_argv(socket_dir: Path, *args: str) -> list[str]:
-    """The command line of one quiet real worker on `socket_dir`, plus `args`."""
+def write_config(directory: Path, **settings: object) -> Path:
+    """A controller.json in `directory` with these settings (tests and benchmarks)."""
+    path = directory / "controller.json"
+    path.write_text(json.dumps(settings))
+    return path
+
+
+def recording_exec(execlog: Path) -> list[str]:
+    """`--exec` arguments for a job that logs its TASK_ID (to count executions) and echoes."""
+    return ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; cat']
+
+
+def worker_argv(socket_dir: Path, *args: str, log_level: str = "ERROR") -> list[str]:
+    """The command line of one real worker on `socket_dir` (quiet by default), plus `args`."""
     return [
         sys.executable,
         "-m",
@@ -25,7 +38,7 @@ def worker_argv(socket_dir: Path, *args: str) -> list[str]:
         "--socket-dir",
         str(socket_dir),
         "--log-level",
-        "ERROR",
+        log_level,
         *args,
     ]
 

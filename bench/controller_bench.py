@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 import trio
 
-from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
+from bench.common import process_cpu, rss_mb, self_cpu, socket_dir, write_config
 from controller.config import Config
 from controller.shell.server import ControllerShell
 
@@ -35,15 +34,11 @@ def start_fakes(sockdir: Path, *args: str) -> subprocess.Popen[str]:
 
 def bench_pulses(count: int = 5000, seconds: float = 10.0) -> dict[str, Any]:
     with socket_dir() as sockdir:
-        config = sockdir / "c.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "socket_dir": str(sockdir),
-                    "journal": None,
-                    "client_address": {"host": "127.0.0.1", "port": 0},
-                }
-            )
+        config = write_config(
+            sockdir,
+            socket_dir=str(sockdir),
+            journal=None,
+            client_address={"host": "127.0.0.1", "port": 0},
         )
         ctl = subprocess.Popen(
             [sys.executable, "-m", "controller", "--config", str(config), "--log-level", "ERROR"],

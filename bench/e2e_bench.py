@@ -7,7 +7,6 @@ one future per task, measured in the same run (the machine is shared: medians).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import socket as stdsocket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 import trio
 
-from bench.common import free_udp_port, median, percentile, socket_dir
+from bench.common import free_udp_port, median, percentile, socket_dir, write_config
 from controller.client import Client
 
 HANDLER = "worker.runner:noop"
@@ -40,16 +39,12 @@ def ppe_rate(workers: int, tasks: int) -> float:
 def start_controller(
     sockdir: Path, port: int, workers: int, extra: dict[str, Any]
 ) -> subprocess.Popen[bytes]:
-    config = sockdir / "c.json"
-    config.write_text(
-        json.dumps(
-            {
-                "socket_dir": str(sockdir / "s"),
-                "journal": None,
-                "client_address": {"host": "127.0.0.1", "port": port},
-                **extra,
-            }
-        )
+    settings: dict[str, Any] = {"journal": None, **extra}
+    config = write_config(
+        sockdir,
+        socket_dir=str(sockdir / "s"),
+        client_address={"host": "127.0.0.1", "port": port},
+        **settings,
     )
     cmd = [
         sys.executable,

@@ -74,7 +74,6 @@ class Client:
         self._txid = itertools.count(int(time.time() * 1000))
         self._acks: dict[int, _Waiter] = {}
         self._notes: dict[int, _Waiter] = {}
-        self._done: set[int] = set()
 
     async def receive(self) -> None:
         while True:
@@ -153,7 +152,6 @@ class Client:
             return outcome
         finally:
             self._notes.pop(task_id, None)
-            self._done.add(task_id)
 
     async def _await_outcome(
         self, task_id: int, waiter: _Waiter, deadline: float

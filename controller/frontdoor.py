@@ -288,6 +288,7 @@ class FrontDoor:
                 "unparseable": self.stats.unparseable,
                 "not_allowed": self.stats.not_allowed,
                 "duplicates": self.stats.duplicates,
+                "refused_by_code": dict(self.stats.by_code),
                 "records": len(self.records),
             }
             return [], report

@@ -20,6 +20,7 @@ import json
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,10 +111,11 @@ class Journal:
         self.generation = 1  # generation of the batch being staged
         self.committed = 0  # highest generation known to be on disk
         self.failing = ""  # why the last commit failed ("" while healthy)
+        # Called when the first change of a batch is staged: the committer wakes up.
+        self.on_dirty: Callable[[], None] = lambda: None
         self.ceiling = 0  # worker ids below this are reserved (staged or written)
         self.durable_ceiling = 0  # worker ids below this are reserved on disk
         self._ceiling_generation = 0
-        self.commits = 0
 
     # ------------------------------------------------------------ opening
 
@@ -236,9 +238,6 @@ class Journal:
         if len(self._staged) == 1:
             self.on_dirty()
 
-    def on_dirty(self) -> None:
-        """Called when the first change of a batch is staged (the committer sets it)."""
-
     def accepting(self) -> str:
         """Why new tasks must be refused right now ("" when they are welcome)."""
         return self.failing
@@ -308,4 +307,3 @@ class Journal:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
-        self.commits += 1

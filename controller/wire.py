@@ -17,6 +17,7 @@ opens, accepts and dials the sockets themselves.
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Final, Generic, NoReturn, TypeVar
 
 import trio
@@ -81,9 +82,15 @@ class ConnectionLost(RemoteProtocolError):
     can_reply = False
 
 
+_HAS_EXTRA: dict[type[Message], bool] = {}
+
+
 def has_extra(msg_type: type[Message]) -> bool:
-    """True for the message types followed by `extra_size` raw bytes."""
-    return "extra_size" in msg_type.DESCRIPTOR.fields_by_name
+    """True for the message types followed by `extra_size` raw bytes (cached: per frame)."""
+    known = _HAS_EXTRA.get(msg_type)
+    if known is None:
+        known = _HAS_EXTRA[msg_type] = "extra_size" in msg_type.DESCRIPTOR.fields_by_name
+    return known
 
 
 def encode_varint(value: int) -> bytes:
@@ -193,6 +200,16 @@ class FrameDecoder(Generic[M]):
         return True
 
 
+async def _ready_by(
+    wait: Callable[[socket.socket], Awaitable[None]], sock: socket.socket, deadline: float
+) -> bool:
+    """Wait for the socket to be ready; False if `deadline` came first."""
+    with trio.move_on_at(deadline):
+        await wait(sock)
+        return True
+    return False
+
+
 async def recv_frame(
     sock: socket.socket,
     msg_type: type[M],
@@ -215,8 +232,7 @@ async def recv_frame(
         try:
             data = sock.recv(decoder.wanted())
         except BlockingIOError:
-            with trio.move_on_at(deadline):
-                await trio.lowlevel.wait_readable(sock)
+            if await _ready_by(trio.lowlevel.wait_readable, sock, deadline):
                 continue
             raise PeerTimeout(
                 f"peer silent for {timeout:g} s while sending a {msg_type.__name__}"
@@ -239,8 +255,7 @@ async def send_frame(
         try:
             sent = sock.send(data)
         except BlockingIOError:
-            with trio.move_on_at(deadline):
-                await trio.lowlevel.wait_writable(sock)
+            if await _ready_by(trio.lowlevel.wait_writable, sock, deadline):
                 continue
             raise PeerTimeout(
                 f"peer did not read a {type(msg).__name__} within {timeout:g} s"

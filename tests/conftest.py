@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -41,13 +40,6 @@ class Outcomes:
             while len(self.items) < count:
                 await self._changed.wait()
         return self.items
-
-
-def write_config(directory: Path, **settings: object) -> Path:
-    """A controller.json in `directory` (for tests that start the real command)."""
-    path = directory / "controller.json"
-    path.write_text(json.dumps(settings))
-    return path
 
 
 @asynccontextmanager

@@ -17,8 +17,8 @@ import sys
 
 import trio
 
+from bench.common import recording_exec, worker_argv, write_config
 from controller.client import Client
-from tests.conftest import write_config
 from tests.test_udp import free_udp_port
 
 ROUNDS = 20
@@ -38,19 +38,8 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
         dial_timeout=1.0,
     )
     controller_cmd = [sys.executable, "-m", "controller", "--config", str(config)]
-    worker_cmd = [
-        sys.executable,
-        "-m",
-        "worker",
-        "--socket-dir",
-        str(sockdir),
-        "--pulse",
-        "0.2",
-        "--exec",
-        "sh",
-        "-c",
-        f'echo "$TASK_ID" >> {execlog}; cat',
-    ]
+    # INFO: the "registered as worker N" lines are how worker ids are checked below
+    worker_cmd = worker_argv(sockdir, "--pulse", "0.2", *recording_exec(execlog), log_level="INFO")
     logs = [tmp_path / f"controller-{i}.log" for i in range(ROUNDS + 1)]
     worker_logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
     outcomes = {}

@@ -252,6 +252,11 @@ def error_code(fd, data, addr=CLIENT):
         (packet(task_id=5, payload="x" * 101), "payload_too_large"),
         (b'{"method":"x","packet_type":1,"transmission_id":1}', None),  # reply would outgrow it
         (b"\xff" * 65536, None),
+        (
+            b'{"method": "add_task", "params": [5], "packet_type": 1, "transmission_id": 7, "pad": "%s"}'
+            % PAD,
+            "bad_params",
+        ),
     ],
     ids=[
         "not-json",
@@ -270,6 +275,7 @@ def error_code(fd, data, addr=CLIENT):
         "payload-too-large",
         "tiny-unknown-method-withheld",
         "64k-garbage",
+        "params-not-object",
     ],
 )
 def test_bad_input(data, code):
@@ -341,3 +347,20 @@ def test_encoded_notification_never_over_60000_bytes():
     result = b"\xff" * 50_000  # fits raw, but its base64 would not
     [(note, _)] = finish(fd, 1, result=result)
     assert note["params"] == {"task_id": 5, "status": "success", "result_size": 50_000}
+
+
+def test_get_result_refuses_unfinished_tasks_and_bad_ranges():
+    fd, _ = door()
+    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+
+    def code(txid, **params):
+        [(ack, _)] = sent(
+            fd.datagram(packet("get_result", txid, task_id=5, pad="x" * 60, **params), CLIENT, 0.0)
+        )
+        return ack.get("error", {}).get("code")
+
+    assert code(2) == "no_result"
+    finish(fd, 1, result=b"r" * 10)
+    assert code(3, offset=-1) == "bad_range"
+    assert code(4, length="all") == "bad_range"
+    assert code(5, offset=0, length=4) is None

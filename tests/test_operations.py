@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from bench.common import write_config
 from controller.core import TaskState
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor
 from gen import worker_protocol_pb2 as pb
-from tests.conftest import running_controller, write_config
+from tests.conftest import running_controller
 from tests.fakes import FakeWorker, wait_until
 from tests.test_udp import free_udp_port
 
@@ -97,38 +98,48 @@ def test_sd_notify_ready_status_watchdog_stopping(tmp_path, sockdir):
         listener.close()
 
 
-async def test_watchdog_pings_stop_while_the_loop_is_blocked(tmp_path):
+@pytest.fixture
+def watchdog(tmp_path):
+    """A listener and a notifier pinging it every 50 ms (WATCHDOG_USEC 100 ms)."""
     listener = NotifyListener(tmp_path / "notify.sock")
     notifier = Notifier({"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "100000"})
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(notifier.run, lambda: "ok", lambda: 0.0)
-            await trio.sleep(0.3)
-            blocked_at = time.monotonic()
-            time.sleep(0.6)  # noqa: ASYNC251 -- on purpose: the event loop is stuck
-            unblocked_at = time.monotonic()
-            await trio.sleep(0.3)
-            nursery.cancel_scope.cancel()
-        pings = [t for t, text in listener.messages if text == "WATCHDOG=1"]
-        assert any(t < blocked_at for t in pings) and any(t > unblocked_at for t in pings)
-        assert not any(blocked_at + 0.05 < t < unblocked_at - 0.05 for t in pings)
-    finally:
-        notifier.close()
-        listener.close()
+    yield listener, notifier
+    notifier.close()
+    listener.close()
 
 
-async def test_no_watchdog_while_scheduler_lags(tmp_path):
-    listener = NotifyListener(tmp_path / "notify.sock")
-    notifier = Notifier({"NOTIFY_SOCKET": str(listener.path), "WATCHDOG_USEC": "100000"})
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(notifier.run, lambda: "behind", lambda: 60.0)
-            await trio.sleep(0.3)
-            nursery.cancel_scope.cancel()
-        assert "WATCHDOG=1" not in listener.texts() and "STATUS=behind" in listener.texts()
-    finally:
-        notifier.close()
-        listener.close()
+def pings(listener: NotifyListener, after: float = 0.0) -> list[float]:
+    return [t for t, text in listener.messages if text == "WATCHDOG=1" and t > after]
+
+
+async def test_watchdog_pings_stop_while_the_loop_is_blocked(watchdog):
+    listener, notifier = watchdog
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(notifier.run, lambda: "ok", lambda: 0.0)
+        await wait_until(lambda: len(pings(listener)) >= 3, timeout=5)
+        blocked_at = time.monotonic()
+        time.sleep(0.6)  # noqa: ASYNC251 -- on purpose: the event loop is stuck
+        unblocked_at = time.monotonic()
+        await wait_until(lambda: bool(pings(listener, after=unblocked_at)), timeout=5)
+        nursery.cancel_scope.cancel()
+    assert not any(blocked_at + 0.05 < t < unblocked_at - 0.05 for t in pings(listener))
+
+
+async def test_no_watchdog_while_scheduler_lags(watchdog):
+    listener, notifier = watchdog
+    checks = []
+
+    def lag() -> float:
+        checks.append(1)
+        return 60.0
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(notifier.run, lambda: "behind", lag)
+        await wait_until(
+            lambda: len(checks) >= 5 and "STATUS=behind" in listener.texts(), timeout=5
+        )
+        nursery.cancel_scope.cancel()
+    assert pings(listener) == []
 
 
 def test_notifier_is_silent_outside_systemd():
@@ -157,11 +168,13 @@ async def test_supervisor_backs_off_for_a_worker_that_exits_at_once(caplog):
     supervisor = Supervisor(1, ["sh", "-c", "exit 3"])
     with caplog.at_level(logging.WARNING, logger="controller.supervisor"):
         async with trio.open_nursery() as nursery:
+            start = trio.current_time()
             await nursery.start(supervisor.run)
-            await trio.sleep(1.6)
+            await wait_until(lambda: supervisor.restarts >= 4, timeout=10)
+            elapsed = trio.current_time() - start
             nursery.cancel_scope.cancel()
-    # delays 0.1, 0.2, 0.4, 0.8 s: a handful of starts, not a fork loop
-    assert 3 <= supervisor.restarts <= 5
+    # Between four exits it waited 0.1 + 0.2 + 0.4 s: a doubling delay, not a fork loop.
+    assert elapsed >= 0.7
     assert "exited with status 3" in caplog.text
 
 

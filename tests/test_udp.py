@@ -13,11 +13,11 @@ from pathlib import Path
 import trio
 
 from bench.chaos import lossy_router
+from bench.common import write_config
 from controller.client import Client
 from controller.config import ClientAddress, Config
 from controller.shell.server import ControllerShell
 from controller.shell.udp import UdpDoor
-from tests.conftest import write_config
 from tests.fakes import wait_until
 from worker.runner import handler_runner
 from worker.shell import WorkerShell
@@ -200,6 +200,13 @@ def test_global_options_after_the_command():
     assert done.returncode == 3 and b"within 0.5 s" in done.stderr
 
 
-def test_usage_error_exits_2():
+def test_usage_error_exits_2(tmp_path):
     assert client(1, "add", "abc").returncode == 2
     assert client(1, "add", "5-1").returncode == 2
+    ids = tmp_path / "ids"
+    ids.write_text("1\n2\nthree\n")
+    bad_line = client(1, "add", "--ids-from", str(ids))
+    assert bad_line.returncode == 2 and b"line 3" in bad_line.stderr
+    missing = client(1, "add", "--ids-from", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and b"nope" in missing.stderr
+    assert client(1, "add", "5", "--ids-from", str(ids)).returncode == 2  # not both

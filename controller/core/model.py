@@ -208,14 +208,7 @@ class WorkerExited:
     worker_id: int
 
 
-@dataclass(frozen=True, slots=True)
-class SubmitTask:
-    task_id: int
-    payload: bytes
-    owner: object = None
-
-
-Event = PulseReceived | DialDone | WorkerExited | SubmitTask
+Event = PulseReceived | DialDone | WorkerExited
 
 
 # ---------------------------------------------------------------- actions out

@@ -6,7 +6,7 @@ back a list of actions (answer the pulse, dial a worker, watch a pid, report a
 finished task). `expire(now)` handles the deadlines that passed and
 `next_deadline()` says when to call it next.
 
-Per-task path in the common case: SubmitTask -> Dial(SET_TASK) -> DialDone(OK)
+Per-task path in the common case: submit() -> Dial(SET_TASK) -> DialDone(OK)
 -> PulseReceived(FETCH_ME) -> Dial(FETCH) -> DialDone(OK) -> TaskFinished, and
 the freed worker is given the next queued task in the same step.
 
@@ -33,7 +33,6 @@ from controller.core.model import (
     Event,
     PulseReceived,
     Reply,
-    SubmitTask,
     Task,
     TaskEvent,
     TaskFinished,
@@ -127,9 +126,6 @@ class Core:
             return self._on_dial_done(event, now)
         if isinstance(event, WorkerExited):
             return self._on_exited(event, now)
-        if isinstance(event, SubmitTask):
-            _, actions = self.submit(event.task_id, event.payload, event.owner, now)
-            return actions
         raise TypeError(f"not a core event: {event!r}")
 
     def submit(
@@ -191,10 +187,7 @@ class Core:
             task.state = TaskState.ORPHAN
             self._push(now + grace, _GRACE, task)
         else:
-            left = self.timeout_task_placement if placement_left is None else placement_left
-            self._enqueue(task, now)
-            task.placement_deadline = now + max(0.0, left)
-            self._push(task.placement_deadline, _PLACEMENT, task)
+            self._enqueue(task, now, placement_left=placement_left)
 
     def expire(self, now: float) -> list[Action]:
         """Handle every deadline at or before `now`."""
@@ -283,6 +276,8 @@ class Core:
                 "error": c.errors,
                 "failed_post": c.failed_post,
             },
+            "submitted": c.submitted,
+            "registered": c.registered,
             "retries": c.retries,
             "restarts_sent": c.restarts_sent,
             "worker_losses": dict(c.worker_losses),
@@ -618,9 +613,12 @@ class Core:
         if was_running:
             actions.append(self._progress(task))
 
-    def _enqueue(self, task: Task, now: float, front: bool = False) -> None:
+    def _enqueue(
+        self, task: Task, now: float, front: bool = False, placement_left: float | None = None
+    ) -> None:
+        left = self.timeout_task_placement if placement_left is None else max(0.0, placement_left)
         task.queued_at = now
-        task.placement_deadline = now + self.timeout_task_placement
+        task.placement_deadline = now + left
         self._push(task.placement_deadline, _PLACEMENT, task)
         self._queued += 1
         if front:

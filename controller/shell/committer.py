@@ -28,7 +28,10 @@ class Committer:
         self.on_committed = on_committed
         self._wake = trio.Event()
         self._committed = trio.Event()
-        journal.on_dirty = self._wake.set  # type: ignore[method-assign]
+        journal.on_dirty = self._kick
+
+    def _kick(self) -> None:
+        self._wake.set()
 
     async def wait_for(self, generation: int) -> None:
         """Return once every change of `generation` (and before) is on disk."""
@@ -42,7 +45,6 @@ class Committer:
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
-                journal.on_dirty = self._wake.set  # type: ignore[method-assign]
                 while journal.dirty:
                     batch, generation = journal.take()
                     try:

@@ -26,19 +26,22 @@ MAX_DATAGRAM = 65_535
 
 
 class _CoreAdapter:
-    """The front door's view of the scheduler."""
+    """The front door's view of the scheduler (and of the shell's own counters)."""
 
-    def __init__(self, shell: ControllerShell) -> None:
-        self.shell = shell
+    def __init__(self, udp: UdpDoor) -> None:
+        self.udp = udp
 
     def submit_task(self, task_id: int, payload: bytes, owner: Address) -> int:
-        return self.shell.submit(task_id, payload, owner)
+        return self.udp.shell.submit(task_id, payload, owner)
 
     def task_state(self, ref: int) -> TaskState | None:
-        return self.shell.core.task_state(ref)
+        return self.udp.shell.core.task_state(ref)
 
     def status_report(self) -> dict[str, Any]:
-        return self.shell.core.status(trio.current_time())
+        report = self.udp.shell.core.status(trio.current_time())
+        report["refused_peers"] = self.udp.shell.refused_peers
+        report["send_errors"] = self.udp.send_errors
+        return report
 
 
 def open_udp_socket(host: str, port: int) -> stdsocket.socket:
@@ -70,9 +73,10 @@ class UdpDoor:
         self.config = config
         self.shell = shell
         self.journal = journal
+        self.send_errors = 0
         self._held: collections.deque[tuple[int, Send]] = collections.deque()
         self.door = FrontDoor(
-            _CoreAdapter(shell),
+            _CoreAdapter(self),
             allowed_clients=config.allowed_clients,
             notify_retries=config.notify_retries,
             result_retention=config.result_retention,
@@ -81,7 +85,6 @@ class UdpDoor:
             first_txid=int(time.time() * 1000),
             journal=journal,
         )
-        self.send_errors = 0
         self._sock: stdsocket.socket | None = None
         self._timer = DeadlineTimer(self.door.next_deadline, self._expire)
         shell.on_finished = self._finished
@@ -107,21 +110,17 @@ class UdpDoor:
             with sock:
                 while True:
                     data, addr = await sock.recvfrom(MAX_DATAGRAM)
-                    self._send(door.datagram(data, addr[:2], trio.current_time()))
+                    self.send(door.datagram(data, addr[:2], trio.current_time()))
                     self._timer.poke()
 
     def _finished(self, finished: TaskFinished) -> None:
-        self._send(self.door.task_finished(finished, trio.current_time()))
+        self.send(self.door.task_finished(finished, trio.current_time()))
         self._timer.poke()
 
     def _expire(self, now: float) -> None:
-        self._send(self.door.expire(now))
+        self.send(self.door.expire(now))
 
     def send(self, sends: list[Send]) -> None:
-        """Send datagrams the front door produced outside a datagram (recovery)."""
-        self._send(sends)
-
-    def _send(self, sends: list[Send]) -> None:
         """Send now, or, with a journal, once the batch these datagrams depend on is on disk."""
         journal = self.journal
         if journal is not None and sends:
