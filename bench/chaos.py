@@ -177,8 +177,8 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
                         conn.send(os.urandom(rng.randrange(1, 64)))
                 tally.kills["garbage connections x5"] += 1
 
-    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
+    sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
     await start_controller()
     try:
         async with trio.open_nursery() as nursery:

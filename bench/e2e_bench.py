@@ -19,7 +19,7 @@ import trio
 from bench.common import free_udp_port, median, percentile, socket_dir, write_config
 from controller.client import Client
 
-HANDLER = "worker.runner:noop"
+HANDLER = "worker.runner:anoop"
 
 
 def noop(payload: bytes) -> bytes:
@@ -66,8 +66,8 @@ def start_controller(
 
 
 async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[float, list[float]]:
-    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
+    sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
     client = Client(sock, ("127.0.0.1", port), timeout=60)
     latencies: list[float] = []
     limiter = trio.CapacityLimiter(window)

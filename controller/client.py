@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import itertools
 import json
 import math
@@ -36,6 +37,8 @@ RESEND_MAX = 2.0
 # With no notification this long after the acknowledgement, ask with get_task (then again).
 POLL_AFTER = 3.0
 CHUNK = 32_768
+# Datagrams handled in a row before the receiver lets the tasks it woke run.
+RECEIVE_BURST = 64
 
 
 class UsageError(Exception):
@@ -64,9 +67,15 @@ class _Waiter:
 
 
 class Client:
-    def __init__(
-        self, sock: trio.socket.SocketType, server: tuple[str, int], timeout: float
-    ) -> None:
+    """Runs tasks through one bound UDP socket; `receive()` must run beside `run_task`.
+
+    The socket is a plain stdlib socket used without blocking: sending never
+    waits (a datagram the kernel cannot take is lost, and repeated like any
+    other), and `receive` drains every datagram that is there before it waits.
+    """
+
+    def __init__(self, sock: stdsocket.socket, server: tuple[str, int], timeout: float) -> None:
+        sock.setblocking(False)
         self.sock = sock
         self.server = server
         self.timeout = timeout
@@ -76,8 +85,20 @@ class Client:
         self._notes: dict[int, _Waiter] = {}
 
     async def receive(self) -> None:
+        sock = self.sock
+        burst = 0
         while True:
-            data, _ = await self.sock.recvfrom(65_535)
+            try:
+                data = sock.recv(65_535)
+            except BlockingIOError:
+                burst = 0
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            except OSError:
+                continue  # an ICMP error from an earlier send: the repeats deal with it
+            burst += 1
+            if burst % RECEIVE_BURST == 0:
+                await trio.lowlevel.checkpoint()  # let the waiting tasks run
             try:
                 packet = json.loads(data)
             except ValueError:
@@ -90,13 +111,19 @@ class Client:
                     waiter.packet = packet
                     waiter.event.set()
             elif packet.get("method") == "notify_task":
-                await self._on_notify(packet)
+                self._on_notify(packet)
 
-    async def _on_notify(self, packet: dict[str, Any]) -> None:
+    def _send(self, data: bytes) -> None:
+        # A datagram the kernel refuses (full buffer, unreachable) is lost like any
+        # other: requests are repeated, and a lost ack brings the notification again.
+        with contextlib.suppress(OSError):
+            self.sock.sendto(data, self.server)
+
+    def _on_notify(self, packet: dict[str, Any]) -> None:
         txid = packet.get("transmission_id")
         if packet.get("packet_type") == 1 and isinstance(txid, int):
             ack = {"method": "ack", "packet_type": 2, "transmission_id": txid}
-            await self.sock.sendto(json.dumps(ack).encode(), self.server)
+            self._send(json.dumps(ack).encode())
         params = packet.get("params")
         if not isinstance(params, dict):
             return
@@ -121,7 +148,7 @@ class Client:
         interval = RESEND_FIRST
         try:
             while trio.current_time() < deadline:
-                await self.sock.sendto(data, self.server)
+                self._send(data)
                 with trio.move_on_at(min(deadline, trio.current_time() + interval)):
                     await waiter.event.wait()
                     return waiter.packet
@@ -388,9 +415,8 @@ def summary(outcomes: list[Outcome], duplicates: int, elapsed: float) -> str:
 
 async def run_add(args: argparse.Namespace, ids: list[int], payload: dict[str, Any]) -> int:
     family, server = resolve(args.server)
-    sock = trio.socket.socket(family, stdsocket.SOCK_DGRAM)
-    with sock:
-        await sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
+    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
+        sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
         client = Client(sock, server, args.timeout)
         outcomes: list[Outcome] = []
         progress = Progress(len(ids)) if len(ids) > 1 else None
@@ -460,9 +486,8 @@ def format_status(report: dict[str, Any]) -> str:
 
 async def run_status(args: argparse.Namespace) -> int:
     family, server = resolve(args.server)
-    sock = trio.socket.socket(family, stdsocket.SOCK_DGRAM)
-    with sock:
-        await sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
+    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
+        sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
         client = Client(sock, server, args.timeout)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.receive)

@@ -63,8 +63,8 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
                     proc.kill()
 
     controller = await spawn(controller_cmd, logs[0])
-    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
+    sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
     client = Client(sock, ("127.0.0.1", port), timeout=180)
     limiter = trio.CapacityLimiter(32)
 

@@ -51,8 +51,8 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
         functools.partial(lossy_router, rng, server, drop=0.3, dup=0.1, reorder=0.2)
     )
 
-    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
+    sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
     client = Client(sock, router, timeout=60)
     results = {}
     reported = collections.Counter[int]()
@@ -93,8 +93,8 @@ async def test_large_result_read_with_get_result(sockdir, nursery):
 
     worker = WorkerShell(sockdir, handler_runner(large, 1 << 20))
     nursery.start_soon(lambda: worker.run(handle_signals=False))
-    sock = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await sock.bind(("127.0.0.1", 0))
+    sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
     client = Client(sock, server, timeout=30)
     with sock:
         async with trio.open_nursery() as inner:

@@ -12,10 +12,11 @@ and exits 0; a second signal exits at once.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import math
 import os
+import select
 import signal
 import socket
 from pathlib import Path
@@ -23,7 +24,8 @@ from pathlib import Path
 import trio
 
 from controller import wire
-from controller.sockets import accept, exchange, listen_unix
+from controller.reactor import Incoming, Outgoing, Reactor, Result
+from controller.sockets import exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
 from worker.runner import Runner, TaskFailed
@@ -75,6 +77,8 @@ class WorkerShell:
         self._top: trio.Nursery | None = None
         self._drain_deadline = math.inf
         self._controller_ok = True
+        self._reactor = Reactor()
+        self._main_socket = str(socket_dir / "main.sock")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -82,6 +86,7 @@ class WorkerShell:
         """Run until SHUTDOWN or RESTART; returns the exit status."""
         async with trio.open_nursery() as nursery:
             self._top = nursery
+            await nursery.start(self._reactor.run)
             if handle_signals:
                 nursery.start_soon(self._signals)
             if self.parent_pid is not None and self.parent_pid > 1:
@@ -149,12 +154,11 @@ class WorkerShell:
             path = self.socket_dir / f"{wid}.sock"
             path.unlink(missing_ok=True)
             listener = listen_unix(path, CONTROL_BACKLOG, 0o660)
+            self._reactor.watch(listener, select.EPOLLIN, functools.partial(self._accept, listener))
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._serve_control, listener, nursery)
-                    again = await self._pulse_loop()
-                    nursery.cancel_scope.cancel()
+                again = await self._pulse_loop()
             finally:
+                self._reactor.unwatch(listener)
                 listener.close()
                 path.unlink(missing_ok=True)
             if not again:
@@ -247,51 +251,74 @@ class WorkerShell:
 
     # ------------------------------------------------------------ control socket
 
-    async def _serve_control(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+    def _accept(self, listener: socket.socket, events: int) -> None:
         while True:
-            nursery.start_soon(self._handle_control, await accept(sock))
-
-    async def _handle_control(self, conn: socket.socket) -> None:
-        timeout = self.dial_timeout
-        try:
             try:
-                msg, extra = await wire.recv_frame(
-                    conn, pb.ControlMsg, timeout=timeout, max_extra_size=self.max_extra_size
-                )
-            except wire.RemoteProtocolError as exc:
-                log.warning("control socket: bad message: %s", exc)
-                if exc.can_reply:
-                    await wire.send_frame(
-                        conn,
-                        pb.WorkerResponse(error=pb.WORKER_ERR_FAILED, task_id=self.session.task_id),
-                        str(exc).encode()[:1024],
-                        timeout=timeout,
-                    )
+                conn, _ = listener.accept()
+            except BlockingIOError:
                 return
-            answer = self.session.on_control(msg, extra)
-            effect = answer.effect
-            if effect is Effect.START:
-                assert self._top is not None
-                self._top.start_soon(self._run_task, msg.task_id, extra)
-            elif effect is Effect.RESTART:
-                log.warning("controller sent RESTART: stopping and exiting %d", EXIT_RESTART)
-                if self._task_scope is not None:
-                    self._task_scope.cancel()
-                with contextlib.suppress(wire.RemoteProtocolError):
-                    await wire.send_frame(conn, answer.response, timeout=timeout)
-                self._stop(EXIT_RESTART)
-                return
-            await wire.send_frame(conn, answer.response, answer.extra, timeout=timeout)
-            if effect is Effect.FETCHED:
-                self.session.fetched(answer.response.task_id)
-                if self.session.draining:
-                    self._pulse_now.set()
-        except wire.RemoteProtocolError:
-            pass  # the controller hung up; it will ask again
-        finally:
-            conn.close()
+            conn.setblocking(False)
+            Incoming(
+                self._reactor,
+                conn,
+                pb.ControlMsg,
+                self._on_control,
+                self._on_bad_control,
+                timeout=self.dial_timeout,
+                max_extra_size=self.max_extra_size,
+            )
+
+    def _on_bad_control(self, conn: Incoming[pb.ControlMsg], exc: wire.RemoteProtocolError) -> None:
+        log.warning("control socket: bad message: %s", exc)
+        if exc.can_reply:
+            response = pb.WorkerResponse(error=pb.WORKER_ERR_FAILED, task_id=self.session.task_id)
+            conn.reply(wire.encode_frame(response, str(exc).encode()[:1024]))
+
+    def _on_control(self, conn: Incoming[pb.ControlMsg], msg: pb.ControlMsg, extra: bytes) -> None:
+        answer = self.session.on_control(msg, extra)
+        effect = answer.effect
+        data = wire.encode_frame(answer.response, answer.extra)
+        if effect is Effect.START:
+            assert self._top is not None
+            self._top.start_soon(self._run_task, msg.task_id, extra)
+        elif effect is Effect.RESTART:
+            log.warning("controller sent RESTART: stopping and exiting %d", EXIT_RESTART)
+            if self._task_scope is not None:
+                self._task_scope.cancel()
+            conn.reply(data)
+            self._stop(EXIT_RESTART)
+            return
+        elif effect is Effect.FETCHED:
+            conn.reply(data, functools.partial(self._fetched, answer.response.task_id))
+            return
+        conn.reply(data)
+
+    def _fetched(self, task_id: int) -> None:
+        """The outcome went out whole: back to idle."""
+        self.session.fetched(task_id)
+        if self.session.draining:
+            self._pulse_now.set()
 
     # ------------------------------------------------------------ the task
+
+    def _fetch_me(self) -> None:
+        """Say FETCH_ME now, not at the next period (the periodic pulse repeats it if lost)."""
+        session = self.session
+        if session.draining or not session.has_outcome:
+            self._pulse_now.set()  # the pulse loop also decides when to leave
+            return
+        Outgoing(
+            self._reactor,
+            self._main_socket,
+            wire.encode_frame(session.pulse(self.next_pulse)),
+            pb.PulseResponse,
+            self._fetch_me_answered,
+            timeout=self.dial_timeout,
+        )
+
+    def _fetch_me_answered(self, result: Result[pb.PulseResponse]) -> None:
+        if not isinstance(result, tuple) or result[0].error != pb.CTRL_ERR_OK:
+            self._pulse_now.set()  # the pulse loop retries, logs, or registers again
 
     async def _run_task(self, task_id: int, payload: bytes) -> None:
         with trio.CancelScope() as scope:
@@ -306,6 +333,6 @@ class WorkerShell:
                 log.exception("task %d: runner crashed", task_id)
                 result, ok = f"worker error: {type(exc).__name__}: {exc}".encode(), False
             self.session.finished(task_id, ok, result)
-            self._pulse_now.set()  # FETCH_ME now, not at the next period
+            self._fetch_me()
         if self._task_scope is scope:
             self._task_scope = None

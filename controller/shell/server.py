@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -36,10 +38,11 @@ from controller.core import (
     WorkerExited,
 )
 from controller.journal import Journal
+from controller.reactor import Incoming, Outgoing, Reactor, Result
 from controller.shell.committer import Committer
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
-from controller.sockets import accept, exchange, listen_unix
+from controller.sockets import listen_unix
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")
@@ -48,7 +51,7 @@ log = logging.getLogger("controller")
 # at once (or a flood) should not see ECONNREFUSED.
 LISTEN_BACKLOG = 1024
 _PEERCRED = struct.Struct("3i")
-_FAILED = pb.PulseResponse(error=pb.CTRL_ERR_FAILED)
+_FAILED = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
 
 
 class StartupError(Exception):
@@ -121,6 +124,7 @@ class ControllerShell:
         self.on_finished = on_finished or (lambda finished: None)
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
+        self._reactor = Reactor()
         self._timer = DeadlineTimer(self.core.next_deadline, self._expire)
         self._watched: dict[int, set[int]] = {}
         self._own_uid = os.getuid()
@@ -149,11 +153,12 @@ class ControllerShell:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._timer.run)
+                await nursery.start(self._reactor.run)
+                self._reactor.watch(sock, select.EPOLLIN, self._accept)
                 log.info("listening for workers on %s", cfg.main_socket)
                 task_status.started()
-                while True:
-                    nursery.start_soon(self._serve_pulse, await accept(sock))
         finally:
+            self._reactor.unwatch(sock)
             sock.close()
             self._sock = None
             with contextlib.suppress(OSError):
@@ -171,7 +176,7 @@ class ControllerShell:
         assert nursery is not None, "execute() before serve() started"
         for action in actions:
             if isinstance(action, Dial):
-                nursery.start_soon(self._dial, action)
+                self._dial(action)
             elif isinstance(action, TaskFinished):
                 if self.metrics is not None:
                     self.metrics.task_finished(action)
@@ -194,56 +199,83 @@ class ControllerShell:
     def _allowed(self, uid: int, gid: int) -> bool:
         return uid == self._own_uid or uid in self.config.allowed_uids or gid == self._dir_gid
 
-    async def _serve_pulse(self, conn: socket.socket) -> None:
-        timeout = self.config.dial_timeout
-        try:
-            pid, uid, gid = peer_credentials(conn)
-            if not self._allowed(uid, gid):
-                self.refused_peers += 1
-                log.warning("main.sock: refused a connection from uid %d (pid %d)", uid, pid)
-                # Read its pulse first, so that it gets the answer rather than a broken pipe.
-                with contextlib.suppress(wire.RemoteProtocolError):
-                    await wire.recv_frame(conn, pb.WorkerPulse, timeout=timeout)
-                await wire.send_frame(conn, _FAILED, timeout=timeout)
-                return
+    def _accept(self, events: int) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
             try:
-                pulse, _ = await wire.recv_frame(conn, pb.WorkerPulse, timeout=timeout)
-            except wire.RemoteProtocolError as exc:
-                log.warning("main.sock: bad pulse from pid %d: %s", pid, exc)
-                if exc.can_reply:
-                    await wire.send_frame(conn, _FAILED, timeout=timeout)
+                conn, _ = sock.accept()
+            except BlockingIOError:
                 return
-            actions = self.core.handle(PulseReceived(pulse, pid or None, uid), trio.current_time())
-            reply = actions[0]
-            assert isinstance(reply, Reply)
-            self.execute(actions[1:])
-            if pulse.type == pb.PULSE_REGISTER and reply.response.HasField("worker_id"):
-                await self._make_id_durable(reply.response.worker_id)
-            await wire.send_frame(conn, reply.response, timeout=timeout)
-        except wire.RemoteProtocolError:
-            pass  # the peer went away or stopped reading: nothing else to do for it
-        except OSError as exc:
-            log.warning("main.sock: connection error: %s", exc)
-        finally:
-            conn.close()
+            conn.setblocking(False)
+            self._serve_pulse(conn)
 
-    async def _make_id_durable(self, worker_id: int) -> None:
-        """A worker id goes out only once no crash could hand it out again."""
-        journal = self.journal
-        if journal is None:
+    def _serve_pulse(self, conn: socket.socket) -> None:
+        cfg = self.config
+        pid, uid, gid = peer_credentials(conn)
+        if not self._allowed(uid, gid):
+            self.refused_peers += 1
+            log.warning("main.sock: refused a connection from uid %d (pid %d)", uid, pid)
+            # Read its pulse first, so that it gets the answer rather than a broken pipe.
+            Incoming(
+                self._reactor,
+                conn,
+                pb.WorkerPulse,
+                lambda c, pulse, extra: c.reply(_FAILED),
+                lambda c, exc: c.reply(_FAILED) if exc.can_reply else None,
+                timeout=cfg.dial_timeout,
+            )
             return
-        journal.reserve_worker_ids(self.core.next_worker_id)
-        if not journal.worker_id_durable(worker_id):
-            assert self.committer is not None
-            await self.committer.wait_for(journal.latest_generation())
+        Incoming(
+            self._reactor,
+            conn,
+            pb.WorkerPulse,
+            functools.partial(self._on_pulse, pid, uid),
+            functools.partial(self._on_bad_pulse, pid),
+            timeout=cfg.dial_timeout,
+        )
+
+    def _on_pulse(
+        self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, _: bytes
+    ) -> None:
+        actions = self.core.handle(PulseReceived(pulse, pid or None, uid), trio.current_time())
+        reply = actions[0]
+        assert isinstance(reply, Reply)
+        # Dials first: a FETCH is on its way before the FETCH_ME answer wakes the worker.
+        self.execute(actions[1:])
+        response = reply.response
+        if pulse.type == pb.PULSE_REGISTER and response.HasField("worker_id"):
+            journal = self.journal
+            if journal is not None:
+                journal.reserve_worker_ids(self.core.next_worker_id)
+                if not journal.worker_id_durable(response.worker_id):
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._reply_when_durable, conn, response)
+                    return
+        conn.reply(wire.encode_frame(response))
+
+    def _on_bad_pulse(
+        self, pid: int, conn: Incoming[pb.WorkerPulse], exc: wire.RemoteProtocolError
+    ) -> None:
+        log.warning("main.sock: bad pulse from pid %d: %s", pid, exc)
+        if exc.can_reply:
+            conn.reply(_FAILED)
+
+    async def _reply_when_durable(
+        self, conn: Incoming[pb.WorkerPulse], response: pb.PulseResponse
+    ) -> None:
+        """A worker id goes out only once no crash could hand it out again."""
+        assert self.journal is not None and self.committer is not None
+        try:
+            await self.committer.wait_for(self.journal.latest_generation())
+        except BaseException:
+            conn.close()
+            raise
+        conn.reply(wire.encode_frame(response))
 
     # ------------------------------------------------------------ dialing
 
-    async def _dial(self, action: Dial) -> None:
-        done = await self._exchange(action)
-        self.execute(self.core.handle(done, trio.current_time()))
-
-    async def _exchange(self, action: Dial) -> DialDone:
+    def _dial(self, action: Dial) -> None:
         cfg = self.config
         wid = action.worker_id
         path = cfg.worker_socket(wid)
@@ -251,29 +283,40 @@ class ControllerShell:
             try:
                 owner = os.stat(path).st_uid
             except OSError as exc:
-                return DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}")
+                self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
+                return
             if owner != action.uid:
-                return DialDone(wid, action.kind, None, not_owned=True, error="not owned")
+                self._report(DialDone(wid, action.kind, None, not_owned=True, error="not owned"))
+                return
         msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
-        try:
-            resp, extra = await exchange(
-                path,
-                msg,
-                pb.WorkerResponse,
-                action.extra,
-                timeout=cfg.dial_timeout,
-                max_extra_size=cfg.max_extra_size,
-            )
-            return DialDone(wid, action.kind, resp, extra)
-        except wire.RemoteProtocolError as exc:
-            return DialDone(wid, action.kind, None, error=str(exc))
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            if exc.errno == errno.ENOENT:
+        Outgoing(
+            self._reactor,
+            path,
+            wire.encode_frame(msg, action.extra),
+            pb.WorkerResponse,
+            functools.partial(self._dialled, action, path),
+            timeout=cfg.dial_timeout,
+            max_extra_size=cfg.max_extra_size,
+        )
+
+    def _dialled(self, action: Dial, path: Path, result: Result[pb.WorkerResponse]) -> None:
+        wid = action.worker_id
+        if isinstance(result, tuple):
+            done = DialDone(wid, action.kind, result[0], result[1])
+        elif isinstance(result, wire.RemoteProtocolError):
+            done = DialDone(wid, action.kind, None, error=str(result))
+        else:
+            reason = result.strerror or str(result)
+            if result.errno == errno.ENOENT:
                 reason = f"{path} is missing"
-            return DialDone(wid, action.kind, None, error=reason)
+            done = DialDone(wid, action.kind, None, error=reason)
+        self.execute(self.core.handle(done, trio.current_time()))
+
+    def _report(self, done: DialDone) -> None:
+        """A dial that failed before sending: reported on the reactor's next turn."""
+        self._reactor.call_soon(lambda now: self.execute(self.core.handle(done, now)))
 
     # ------------------------------------------------------------ deadlines
 

@@ -1,0 +1,396 @@
+"""Many short Unix-socket exchanges on one epoll set, driven by a single trio task.
+
+Every task crosses three Unix connections (SET_TASK, FETCH_ME, FETCH), each a
+connect or accept, one frame each way and a close. Giving each of them its own
+trio task, cancel scope and `wait_readable` costs several times the system
+calls themselves (measured: `python -m bench.transport_bench`). So the hot
+paths register their sockets in one level-triggered epoll set owned by a
+`Reactor`; one trio task waits for that set to become readable (an epoll fd
+is pollable), then runs the ready sockets' callbacks, then the due timers.
+
+`Outgoing` dials, sends one frame and reads the one frame that answers it;
+`Incoming` reads one frame from an accepted connection, hands it on, writes
+the answer and closes. Both parse with `wire.FrameDecoder` and report every
+failure as a `wire.RemoteProtocolError` (or the `OSError` of a failed dial),
+exactly as `wire.recv_frame` / `sockets.exchange` do. Callbacks run in the
+reactor's task and must not block; a done callback never runs inside the
+call that started the exchange (a dial that fails at once reports on the
+next turn), so callers never see themselves re-entered.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import select
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Generic
+
+import trio
+
+from controller import wire
+
+# A full listen backlog makes a non-blocking Unix connect fail with EAGAIN and no
+# completion event: retry after this pause until the timeout.
+CONNECT_RETRY = 0.001
+_IN = select.EPOLLIN
+_OUT = select.EPOLLOUT
+
+Result = tuple[wire.M, bytes] | wire.RemoteProtocolError | OSError
+
+
+class Timer:
+    """A pending `Reactor.call_at`; `cancel()` makes it a no-op."""
+
+    __slots__ = ("callback", "when")
+
+    def __init__(self, when: float, callback: Callable[[float], None] | None) -> None:
+        self.when = when
+        self.callback = callback
+
+    def cancel(self) -> None:
+        self.callback = None
+
+
+class Reactor:
+    """One epoll set and one timer heap, serviced by `run` in a single trio task."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._callbacks: dict[int, Callable[[int], None]] = {}
+        self._sockets: dict[int, socket.socket] = {}
+        self._timers: list[tuple[float, int, Timer]] = []
+        self._seq = itertools.count()
+        self._scope: trio.CancelScope | None = None
+
+    def watch(self, sock: socket.socket, events: int, callback: Callable[[int], None]) -> None:
+        """Call `callback(events)` while `sock` is ready for `events` (level-triggered).
+
+        A socket still watched when the reactor stops is closed by it.
+        """
+        fd = sock.fileno()
+        if fd in self._callbacks:
+            self._epoll.modify(fd, events)
+        else:
+            self._epoll.register(fd, events)
+            self._sockets[fd] = sock
+        self._callbacks[fd] = callback
+
+    def unwatch(self, sock: socket.socket) -> None:
+        """Stop watching `sock` (before it is closed)."""
+        fd = sock.fileno()
+        if self._callbacks.pop(fd, None) is not None:
+            del self._sockets[fd]
+            if not self._epoll.closed:
+                self._epoll.unregister(fd)
+
+    def call_at(self, when: float, callback: Callable[[float], None]) -> Timer:
+        """Call `callback(now)` once the trio clock reaches `when`."""
+        timer = Timer(when, callback)
+        heapq.heappush(self._timers, (when, next(self._seq), timer))
+        scope = self._scope
+        if scope is not None and when < scope.deadline:
+            scope.deadline = when  # the waiting run() wakes up for it
+        return timer
+
+    def call_soon(self, callback: Callable[[float], None]) -> Timer:
+        """Call `callback(now)` on the reactor's next turn."""
+        return self.call_at(-math.inf, callback)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve callbacks and timers until cancelled."""
+        task_status.started()
+        try:
+            timers = self._timers
+            while True:
+                while timers and timers[0][2].callback is None:
+                    heapq.heappop(timers)  # cancelled: must not wake us up
+                deadline = timers[0][0] if timers else math.inf
+                with trio.CancelScope(deadline=deadline) as self._scope:
+                    await trio.lowlevel.wait_readable(self._epoll.fileno())
+                self._scope = None
+                callbacks = self._callbacks
+                for fd, events in self._epoll.poll(0):
+                    callback = callbacks.get(fd)
+                    if callback is not None:  # not unwatched by an earlier callback
+                        callback(events)
+                self._run_timers(trio.current_time())
+        finally:
+            self._scope = None
+            self._epoll.close()
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()
+            self._callbacks.clear()
+
+    def _run_timers(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            timer = heapq.heappop(timers)[2]
+            callback = timer.callback
+            if callback is not None:
+                timer.callback = None
+                callback(now)
+
+
+class Outgoing(Generic[wire.M]):
+    """Dial `path`, send one frame, read the frame that answers it, close, report `done`.
+
+    `timeout` bounds each silence, as in `wire.recv_frame`.
+    """
+
+    __slots__ = (
+        "_data",
+        "_deadline",
+        "_decoder",
+        "_done",
+        "_path",
+        "_reactor",
+        "_sock",
+        "_started",
+        "_timeout",
+        "_timer",
+        "_type",
+    )
+
+    def __init__(
+        self,
+        reactor: Reactor,
+        path: str | Path,
+        data: bytes,
+        answer_type: type[wire.M],
+        done: Callable[[Result[wire.M]], None],
+        *,
+        timeout: float,
+        max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+    ) -> None:
+        self._reactor = reactor
+        self._path = str(path)
+        self._data = memoryview(data)
+        self._type = answer_type
+        self._decoder = wire.FrameDecoder(answer_type, max_extra_size)
+        self._done = done
+        self._timeout = timeout
+        self._deadline = trio.current_time() + timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.setblocking(False)
+        self._started = False
+        self._timer = reactor.call_at(self._deadline, self._on_timer)
+        self._connect(trio.current_time())
+        self._started = True
+
+    def _connect(self, now: float) -> None:
+        try:
+            self._sock.connect(self._path)
+        except BlockingIOError:  # listen backlog full
+            self._timer.cancel()
+            if now >= self._deadline:
+                self._finish(
+                    wire.PeerTimeout(f"{self._path}: listen backlog full for {self._timeout:g} s")
+                )
+            else:
+                self._timer = self._reactor.call_at(
+                    trio.current_time() + CONNECT_RETRY, self._connect
+                )
+            return
+        except OSError as exc:
+            self._finish(exc)
+            return
+        if self._timer.callback is None:  # came back from a backlog retry
+            self._timer = self._reactor.call_at(self._deadline, self._on_timer)
+        self._send(_OUT)
+
+    def _send(self, events: int) -> None:
+        try:
+            while self._data:
+                self._data = self._data[self._sock.send(self._data) :]
+        except BlockingIOError:
+            self._reactor.watch(self._sock, _OUT, self._send)
+            self._deadline = trio.current_time() + self._timeout
+            return
+        except OSError as exc:
+            self._finish(wire.ConnectionLost(f"sending a request: {exc}"))
+            return
+        self._reactor.watch(self._sock, _IN, self._receive)
+        self._deadline = trio.current_time() + self._timeout
+
+    def _receive(self, events: int) -> None:
+        decoder = self._decoder
+        try:
+            data = self._sock.recv(decoder.wanted())
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}"))
+            return
+        try:
+            if not data:
+                decoder.eof()
+            decoder.feed(data)
+            frame = decoder.next_frame()
+        except wire.RemoteProtocolError as exc:
+            self._finish(exc)
+            return
+        if frame is not None:
+            self._finish(frame)
+        else:
+            self._deadline = trio.current_time() + self._timeout
+
+    def _on_timer(self, now: float) -> None:
+        if now < self._deadline:  # progress since: wait for the rest
+            self._timer = self._reactor.call_at(self._deadline, self._on_timer)
+            return
+        if self._data:
+            why = f"peer did not read the request within {self._timeout:g} s"
+        else:
+            why = f"peer silent for {self._timeout:g} s while sending a {self._type.__name__}"
+        self._finish(wire.PeerTimeout(why))
+
+    def _finish(self, result: Result[wire.M]) -> None:
+        self._timer.cancel()
+        self._reactor.unwatch(self._sock)
+        self._sock.close()
+        done = self._done
+        if self._started:
+            done(result)  # in event order: an answer is handled before what came after it
+        else:
+            self._reactor.call_soon(lambda now: done(result))
+
+
+class Incoming(Generic[wire.M]):
+    """One accepted connection: read a frame, hand it to `on_frame`, write the answer, close.
+
+    `on_frame(conn, msg, extra)` answers with `conn.reply(data)`, now or later;
+    `on_error(conn, exc)` hears about a bad or missing frame and may still
+    `reply` when `exc.can_reply`. A peer that does not read its answer within
+    `timeout` is dropped.
+    """
+
+    __slots__ = (
+        "_decoder",
+        "_fd",
+        "_on_error",
+        "_on_frame",
+        "_out",
+        "_reactor",
+        "_sent",
+        "_timeout",
+        "_timer",
+        "_type",
+        "sock",
+    )
+
+    def __init__(
+        self,
+        reactor: Reactor,
+        sock: socket.socket,
+        request_type: type[wire.M],
+        on_frame: Callable[[Incoming[wire.M], wire.M, bytes], None],
+        on_error: Callable[[Incoming[wire.M], wire.RemoteProtocolError], None],
+        *,
+        timeout: float,
+        max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+    ) -> None:
+        self._reactor = reactor
+        self.sock = sock
+        self._fd = sock.fileno()
+        self._type = request_type
+        self._decoder: wire.FrameDecoder[wire.M] | None = wire.FrameDecoder(
+            request_type, max_extra_size
+        )
+        self._on_frame = on_frame
+        self._on_error = on_error
+        self._timeout = timeout
+        self._out = memoryview(b"")
+        self._sent: Callable[[], None] | None = None
+        self._timer = reactor.call_at(trio.current_time() + timeout, self._on_timer)
+        self._receive(_IN)  # the request has often arrived with the connection
+        if self._decoder is not None and self._fd >= 0:
+            reactor.watch(self.sock, _IN, self._receive)
+
+    def reply(self, data: bytes, sent: Callable[[], None] | None = None) -> None:
+        """Send `data` and close; `sent()` once all of it is written.
+
+        A peer that stops reading is dropped (and `sent` is not called).
+        """
+        if self._fd < 0:
+            return
+        self._out = memoryview(data)
+        self._sent = sent
+        self._send(_OUT)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._timer.cancel()
+            self._reactor.unwatch(self.sock)
+            self.sock.close()
+            self._fd = -1
+
+    def _receive(self, events: int) -> None:
+        decoder = self._decoder
+        if decoder is None:
+            return
+        try:
+            data = self.sock.recv(decoder.wanted())
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}"))
+            return
+        try:
+            if not data:
+                decoder.eof()
+            decoder.feed(data)
+            frame = decoder.next_frame()
+        except wire.RemoteProtocolError as exc:
+            self._fail(exc)
+            return
+        if frame is None:
+            self._rearm()
+            return
+        self._request_done()
+        self._on_frame(self, *frame)
+
+    def _send(self, events: int) -> None:
+        try:
+            while self._out:
+                self._out = self._out[self.sock.send(self._out) :]
+        except BlockingIOError:
+            self._reactor.watch(self.sock, _OUT, self._send)
+            self._rearm()
+            return
+        except OSError:
+            self.close()  # the peer went away: nothing else to do for it
+            return
+        self.close()
+        if self._sent is not None:
+            self._sent()
+
+    def _request_done(self) -> None:
+        self._decoder = None
+        self._timer.cancel()
+        if self._fd >= 0:
+            self._reactor.unwatch(self.sock)
+
+    def _fail(self, exc: wire.RemoteProtocolError) -> None:
+        self._request_done()
+        self._on_error(self, exc)  # may answer when exc.can_reply
+        if not self._out:  # on_error did not answer, or the answer is already out
+            self.close()
+
+    def _rearm(self) -> None:
+        self._timer.cancel()
+        self._timer = self._reactor.call_at(trio.current_time() + self._timeout, self._on_timer)
+
+    def _on_timer(self, now: float) -> None:
+        if self._decoder is not None:
+            self._fail(
+                wire.PeerTimeout(
+                    f"peer silent for {self._timeout:g} s while sending a {self._type.__name__}"
+                )
+            )
+        else:
+            self.close()  # the peer stopped reading its answer
