@@ -64,7 +64,8 @@ class Reactor:
         self._sockets: dict[int, socket.socket] = {}
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
-        self._scope: trio.CancelScope | None = None
+        self._wake = trio.Event()
+        self._timer_at = math.inf  # when the timer task wakes up next
 
     def watch(self, sock: socket.socket, events: int, callback: Callable[[int], None]) -> None:
         """Call `callback(events)` while `sock` is ready for `events` (level-triggered).
@@ -91,9 +92,8 @@ class Reactor:
         """Call `callback(now)` once the trio clock reaches `when`."""
         timer = Timer(when, callback)
         heapq.heappush(self._timers, (when, next(self._seq), timer))
-        scope = self._scope
-        if scope is not None and when < scope.deadline:
-            scope.deadline = when  # the waiting run() wakes up for it
+        if when < self._timer_at:
+            self._wake.set()
         return timer
 
     def call_soon(self, callback: Callable[[float], None]) -> Timer:
@@ -102,29 +102,39 @@ class Reactor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve callbacks and timers until cancelled."""
-        task_status.started()
+        epfd = self._epoll.fileno()
+        poll = self._epoll.poll
+        callbacks = self._callbacks
         try:
-            timers = self._timers
-            while True:
-                while timers and timers[0][2].callback is None:
-                    heapq.heappop(timers)  # cancelled: must not wake us up
-                deadline = timers[0][0] if timers else math.inf
-                with trio.CancelScope(deadline=deadline) as self._scope:
-                    await trio.lowlevel.wait_readable(self._epoll.fileno())
-                self._scope = None
-                callbacks = self._callbacks
-                for fd, events in self._epoll.poll(0):
-                    callback = callbacks.get(fd)
-                    if callback is not None:  # not unwatched by an earlier callback
-                        callback(events)
-                self._run_timers(trio.current_time())
+            async with trio.open_nursery() as nursery:
+                # Timers live in their own task, so that waiting for sockets needs no
+                # cancel scope per round (most timers are timeouts that never fire).
+                nursery.start_soon(self._timer_task)
+                task_status.started()
+                while True:
+                    await trio.lowlevel.wait_readable(epfd)
+                    for fd, events in poll(0):
+                        callback = callbacks.get(fd)
+                        if callback is not None:  # not unwatched by an earlier callback
+                            callback(events)
         finally:
-            self._scope = None
             self._epoll.close()
             for sock in self._sockets.values():
                 sock.close()
             self._sockets.clear()
             self._callbacks.clear()
+
+    async def _timer_task(self) -> None:
+        timers = self._timers
+        while True:
+            while timers and timers[0][2].callback is None:
+                heapq.heappop(timers)  # cancelled: must not wake us up
+            self._timer_at = timers[0][0] if timers else math.inf
+            with trio.move_on_at(self._timer_at):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            self._timer_at = -math.inf  # firing: what the callbacks add is seen below
+            self._run_timers(trio.current_time())
 
     def _run_timers(self, now: float) -> None:
         timers = self._timers
@@ -229,8 +239,7 @@ class Outgoing(Generic[wire.M]):
         try:
             if not data:
                 decoder.eof()
-            decoder.feed(data)
-            frame = decoder.next_frame()
+            frame = decoder.feed_frame(data)
         except wire.RemoteProtocolError as exc:
             self._finish(exc)
             return
@@ -343,8 +352,7 @@ class Incoming(Generic[wire.M]):
         try:
             if not data:
                 decoder.eof()
-            decoder.feed(data)
-            frame = decoder.next_frame()
+            frame = decoder.feed_frame(data)
         except wire.RemoteProtocolError as exc:
             self._fail(exc)
             return

@@ -134,6 +134,17 @@ class FrameDecoder(Generic[M]):
         """Append bytes received from the peer."""
         self._buf += data
 
+    def feed_frame(self, data: bytes) -> tuple[M, bytes] | None:
+        """`feed(data)` then `next_frame()`; quick when one read holds a whole small frame."""
+        if self._msg is None and not self._buf and data and data[0] < 0x80:
+            end = 1 + data[0]  # a one-byte length: a header under 128 bytes
+            if len(data) >= end:
+                msg, extra_size = self._decode(data[1:end])
+                if len(data) >= end + extra_size:
+                    return msg, data[end : end + extra_size]
+        self._buf += data
+        return self.next_frame()
+
     def wanted(self) -> int:
         """A good size for the next receive (at least 1)."""
         if self._msg is not None:
@@ -184,20 +195,25 @@ class FrameDecoder(Generic[M]):
             )
         if len(buf) < pos + length:
             return False
+        msg, extra_size = self._decode(bytes(buf[pos : pos + length]))
+        del buf[: pos + length]
+        self._msg = msg
+        self._extra_size = extra_size
+        return True
+
+    def _decode(self, body: bytes) -> tuple[M, int]:
+        """The message and the number of extra bytes it announces (checked against the cap)."""
         try:
-            msg = self._type.FromString(bytes(buf[pos : pos + length]))
+            msg = self._type.FromString(body)
         except DecodeError as exc:
             raise MalformedMessage(f"not a valid {self._type.__name__}: {exc}") from None
-        extra_size = msg.extra_size if self._with_extra else 0  # type: ignore[attr-defined]
+        extra_size: int = msg.extra_size if self._with_extra else 0  # type: ignore[attr-defined]
         if extra_size > self._max_extra:
             raise ExtraTooLarge(
                 f"{self._type.__name__} announces {extra_size} extra bytes, "
                 f"over the limit of {self._max_extra}"
             )
-        del buf[: pos + length]
-        self._msg = msg
-        self._extra_size = extra_size
-        return True
+        return msg, extra_size
 
 
 async def _ready_by(
@@ -226,9 +242,6 @@ async def recv_frame(
     decoder = FrameDecoder(msg_type, max_extra_size)
     deadline = trio.current_time() + timeout
     while True:
-        frame = decoder.next_frame()
-        if frame is not None:
-            return frame
         try:
             data = sock.recv(decoder.wanted())
         except BlockingIOError:
@@ -241,7 +254,9 @@ async def recv_frame(
             raise ConnectionLost(f"receiving a {msg_type.__name__}: {exc}") from None
         if not data:
             decoder.eof()
-        decoder.feed(data)
+        frame = decoder.feed_frame(data)
+        if frame is not None:
+            return frame
         deadline = trio.current_time() + timeout
 
 

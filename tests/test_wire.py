@@ -87,6 +87,39 @@ def test_random_bytes_parse_or_raise_protocol_error(data, msg_type):
         pass
 
 
+def _outcome(step):
+    try:
+        return ("frame", step())
+    except wire.RemoteProtocolError as exc:
+        return (type(exc), str(exc))
+
+
+@settings(max_examples=500)
+@given(
+    data=st.binary(max_size=300) | (control_msgs | responses).map(wire.encode_frame),
+    tail=st.binary(max_size=20),
+    cut=st.integers(0, 400),
+    msg_type=st.sampled_from([pb.WorkerPulse, pb.ControlMsg, pb.WorkerResponse]),
+)
+def test_feed_frame_agrees_with_feed_then_next_frame(data, tail, cut, msg_type):
+    """The one-read fast path answers exactly what the general decoder answers."""
+    data += tail
+    cut = min(cut, len(data))
+    fast = wire.FrameDecoder(msg_type, max_extra_size=1000)
+    slow = wire.FrameDecoder(msg_type, max_extra_size=1000)
+
+    def fast_step():
+        return fast.feed_frame(data[:cut]) or fast.feed_frame(data[cut:])
+
+    def slow_step():
+        slow.feed(data[:cut])
+        first = slow.next_frame()
+        slow.feed(data[cut:])
+        return first or slow.next_frame()
+
+    assert _outcome(fast_step) == _outcome(slow_step)
+
+
 def test_varint_over_ten_bytes():
     decoder = wire.FrameDecoder(pb.WorkerPulse)
     decoder.feed(b"\xff" * 11)

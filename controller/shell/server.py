@@ -124,7 +124,8 @@ class ControllerShell:
         self.on_finished = on_finished or (lambda finished: None)
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
-        self._reactor = Reactor()
+        self.reactor = Reactor()
+        self._socket_prefix = f"{config.socket_dir}/"
         self._timer = DeadlineTimer(self.core.next_deadline, self._expire)
         self._watched: dict[int, set[int]] = {}
         self._own_uid = os.getuid()
@@ -153,12 +154,12 @@ class ControllerShell:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._timer.run)
-                await nursery.start(self._reactor.run)
-                self._reactor.watch(sock, select.EPOLLIN, self._accept)
+                await nursery.start(self.reactor.run)
+                self.reactor.watch(sock, select.EPOLLIN, self._accept)
                 log.info("listening for workers on %s", cfg.main_socket)
                 task_status.started()
         finally:
-            self._reactor.unwatch(sock)
+            self.reactor.unwatch(sock)
             sock.close()
             self._sock = None
             with contextlib.suppress(OSError):
@@ -172,12 +173,16 @@ class ControllerShell:
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""
-        nursery = self._nursery
-        assert nursery is not None, "execute() before serve() started"
+        assert self._nursery is not None, "execute() before serve() started"
+        # Dials first: a worker waiting for its next task is the scarce resource, and
+        # a finished task's notification can go out a few microseconds later.
         for action in actions:
             if isinstance(action, Dial):
                 self._dial(action)
-            elif isinstance(action, TaskFinished):
+        for action in actions:
+            if isinstance(action, Dial):
+                continue
+            if isinstance(action, TaskFinished):
                 if self.metrics is not None:
                     self.metrics.task_finished(action)
                 self.on_finished(action)
@@ -218,7 +223,7 @@ class ControllerShell:
             log.warning("main.sock: refused a connection from uid %d (pid %d)", uid, pid)
             # Read its pulse first, so that it gets the answer rather than a broken pipe.
             Incoming(
-                self._reactor,
+                self.reactor,
                 conn,
                 pb.WorkerPulse,
                 lambda c, pulse, extra: c.reply(_FAILED),
@@ -227,7 +232,7 @@ class ControllerShell:
             )
             return
         Incoming(
-            self._reactor,
+            self.reactor,
             conn,
             pb.WorkerPulse,
             functools.partial(self._on_pulse, pid, uid),
@@ -278,7 +283,7 @@ class ControllerShell:
     def _dial(self, action: Dial) -> None:
         cfg = self.config
         wid = action.worker_id
-        path = cfg.worker_socket(wid)
+        path = f"{self._socket_prefix}{wid}.sock"  # str: a Path per dial is measurable
         if action.uid is not None:
             try:
                 owner = os.stat(path).st_uid
@@ -292,7 +297,7 @@ class ControllerShell:
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
         Outgoing(
-            self._reactor,
+            self.reactor,
             path,
             wire.encode_frame(msg, action.extra),
             pb.WorkerResponse,
@@ -301,7 +306,7 @@ class ControllerShell:
             max_extra_size=cfg.max_extra_size,
         )
 
-    def _dialled(self, action: Dial, path: Path, result: Result[pb.WorkerResponse]) -> None:
+    def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         wid = action.worker_id
         if isinstance(result, tuple):
             done = DialDone(wid, action.kind, result[0], result[1])
@@ -316,7 +321,7 @@ class ControllerShell:
 
     def _report(self, done: DialDone) -> None:
         """A dial that failed before sending: reported on the reactor's next turn."""
-        self._reactor.call_soon(lambda now: self.execute(self.core.handle(done, now)))
+        self.reactor.call_soon(lambda now: self.execute(self.core.handle(done, now)))
 
     # ------------------------------------------------------------ deadlines
 

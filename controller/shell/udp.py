@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import select
 import socket as stdsocket
 import time
 from typing import Any
@@ -23,6 +24,9 @@ log = logging.getLogger("controller.udp")
 # Kernel buffers sized for bursts of thousands of datagrams between two event-loop turns.
 SOCKET_BUFFER = 4 * 1024 * 1024
 MAX_DATAGRAM = 65_535
+# Datagrams handled in a row before the workers' sockets get a turn (the socket is
+# level-triggered: the rest wait for the reactor's next round).
+RECEIVE_BURST = 8
 
 
 class _CoreAdapter:
@@ -99,19 +103,36 @@ class UdpDoor:
         return host, port
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve datagrams from the shell's reactor (which must be running) until cancelled."""
         self.bind()
-        assert self._sock is not None
-        sock = trio.socket.from_stdlib_socket(self._sock)
+        sock = self._sock
+        assert sock is not None
+        reactor = self.shell.reactor
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._timer.run)
+                reactor.watch(sock, select.EPOLLIN, self._readable)
+                log.info("listening for clients on %s:%d", *self.bind())
+                task_status.started()
+        finally:
+            reactor.unwatch(sock)
+            sock.close()
+
+    def _readable(self, events: int) -> None:
+        sock = self._sock
+        assert sock is not None
         door = self.door
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._timer.run)
-            log.info("listening for clients on %s:%d", *self.bind())
-            task_status.started()
-            with sock:
-                while True:
-                    data, addr = await sock.recvfrom(MAX_DATAGRAM)
-                    self.send(door.datagram(data, addr[:2], trio.current_time()))
-                    self._timer.poke()
+        now = trio.current_time()
+        for _ in range(RECEIVE_BURST):
+            try:
+                data, addr = sock.recvfrom(MAX_DATAGRAM)
+            except BlockingIOError:
+                break
+            except OSError as exc:  # e.g. an ICMP error for an earlier send
+                log.debug("recvfrom: %s", exc)
+                continue
+            self.send(door.datagram(data, addr[:2], now))
+        self._timer.poke()
 
     def _finished(self, finished: TaskFinished) -> None:
         self.send(self.door.task_finished(finished, trio.current_time()))
