@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from bench.common import free_udp_port, median, percentile, socket_dir, write_config
-from controller.client import Client
+from controller.client import Client, Outcome
 
 HANDLER = "worker.runner:anoop"
 
@@ -70,11 +70,8 @@ async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[floa
     sock.bind(("127.0.0.1", 0))
     client = Client(sock, ("127.0.0.1", port), timeout=60)
     latencies: list[float] = []
-    limiter = trio.CapacityLimiter(window)
 
-    async def one(task_id: int) -> None:
-        async with limiter:
-            outcome = await client.run_task(task_id, {})
+    def done(outcome: Outcome) -> None:
         assert outcome.status == "success", outcome
         latencies.append(outcome.latency)
 
@@ -82,9 +79,7 @@ async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[floa
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.receive)
             start = time.perf_counter()
-            async with trio.open_nursery() as inner:
-                for i in range(tasks):
-                    inner.start_soon(one, first_id + i)
+            await client.run_many(range(first_id, first_id + tasks), {}, window, done)
             elapsed = time.perf_counter() - start
             nursery.cancel_scope.cancel()
     return tasks / elapsed, latencies

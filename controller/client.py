@@ -24,6 +24,7 @@ import socket as stdsocket
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,28 @@ class Client:
             return outcome
         finally:
             self._notes.pop(task_id, None)
+
+    async def run_many(
+        self,
+        task_ids: Iterable[int],
+        payload: dict[str, Any],
+        window: int,
+        on_outcome: Callable[[Outcome], None],
+    ) -> None:
+        """Run every task, `window` at a time, reporting each outcome as it comes.
+
+        A fixed set of `window` runners takes the ids in turn: no task and no
+        limiter per id.
+        """
+        ids = iter(task_ids)
+
+        async def runner() -> None:
+            for task_id in ids:
+                on_outcome(await self.run_task(task_id, payload))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(max(1, window)):
+                nursery.start_soon(runner)
 
     async def _await_outcome(
         self, task_id: int, waiter: _Waiter, deadline: float
@@ -420,21 +443,16 @@ async def run_add(args: argparse.Namespace, ids: list[int], payload: dict[str, A
         client = Client(sock, server, args.timeout)
         outcomes: list[Outcome] = []
         progress = Progress(len(ids)) if len(ids) > 1 else None
-        limiter = trio.CapacityLimiter(max(1, args.window))
         started = time.monotonic()
 
-        async def one(task_id: int) -> None:
-            async with limiter:
-                outcome = await client.run_task(task_id, payload)
+        def done(outcome: Outcome) -> None:
             outcomes.append(outcome)
             if progress is not None:
                 progress.step(outcome.status == "success")
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.receive)
-            async with trio.open_nursery() as tasks:
-                for task_id in ids:
-                    tasks.start_soon(one, task_id)
+            await client.run_many(ids, payload, min(args.window, len(ids)), done)
             nursery.cancel_scope.cancel()
     if progress is None:
         [outcome] = outcomes

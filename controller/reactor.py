@@ -36,6 +36,8 @@ from controller import wire
 # A full listen backlog makes a non-blocking Unix connect fail with EAGAIN and no
 # completion event: retry after this pause until the timeout.
 CONNECT_RETRY = 0.001
+# The timer task looks at the heap at least this often (see _timer_task).
+TIMER_TICK = 0.5
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 
@@ -62,17 +64,29 @@ class Reactor:
         self._epoll = select.epoll()
         self._callbacks: dict[int, Callable[[int], None]] = {}
         self._sockets: dict[int, socket.socket] = {}
+        self._last: set[int] = set()  # served after the others in each round
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._wake = trio.Event()
         self._timer_at = math.inf  # when the timer task wakes up next
 
-    def watch(self, sock: socket.socket, events: int, callback: Callable[[int], None]) -> None:
+    def watch(
+        self,
+        sock: socket.socket,
+        events: int,
+        callback: Callable[[int], None],
+        *,
+        last: bool = False,
+    ) -> None:
         """Call `callback(events)` while `sock` is ready for `events` (level-triggered).
 
-        A socket still watched when the reactor stops is closed by it.
+        With `last`, the socket is served after the others that are ready in the
+        same round (new work waits; answers from workers do not). A socket still
+        watched when the reactor stops is closed by it.
         """
         fd = sock.fileno()
+        if last:
+            self._last.add(fd)
         if fd in self._callbacks:
             self._epoll.modify(fd, events)
         else:
@@ -85,6 +99,7 @@ class Reactor:
         fd = sock.fileno()
         if self._callbacks.pop(fd, None) is not None:
             del self._sockets[fd]
+            self._last.discard(fd)
             if not self._epoll.closed:
                 self._epoll.unregister(fd)
 
@@ -111,11 +126,20 @@ class Reactor:
                 # cancel scope per round (most timers are timeouts that never fire).
                 nursery.start_soon(self._timer_task)
                 task_status.started()
+                last = self._last
                 while True:
                     await trio.lowlevel.wait_readable(epfd)
+                    later = []
                     for fd, events in poll(0):
+                        if fd in last:
+                            later.append((fd, events))
+                            continue
                         callback = callbacks.get(fd)
                         if callback is not None:  # not unwatched by an earlier callback
+                            callback(events)
+                    for fd, events in later:
+                        callback = callbacks.get(fd)
+                        if callback is not None:
                             callback(events)
         finally:
             self._epoll.close()
@@ -129,7 +153,10 @@ class Reactor:
         while True:
             while timers and timers[0][2].callback is None:
                 heapq.heappop(timers)  # cancelled: must not wake us up
-            self._timer_at = timers[0][0] if timers else math.inf
+            # Look again at least every TIMER_TICK, so that a new timeout (seconds
+            # away) does not have to wake this task: only an earlier one does.
+            horizon = trio.current_time() + TIMER_TICK
+            self._timer_at = min(timers[0][0], horizon) if timers else horizon
             with trio.move_on_at(self._timer_at):
                 await self._wake.wait()
             self._wake = trio.Event()
@@ -157,6 +184,7 @@ class Outgoing(Generic[wire.M]):
         "_deadline",
         "_decoder",
         "_done",
+        "_max_extra",
         "_path",
         "_reactor",
         "_sock",
@@ -179,17 +207,18 @@ class Outgoing(Generic[wire.M]):
     ) -> None:
         self._reactor = reactor
         self._path = str(path)
-        self._data = memoryview(data)
+        self._data = data
         self._type = answer_type
-        self._decoder = wire.FrameDecoder(answer_type, max_extra_size)
+        self._max_extra = max_extra_size
+        self._decoder: wire.FrameDecoder[wire.M] | None = None  # only when a frame is split
         self._done = done
         self._timeout = timeout
-        self._deadline = trio.current_time() + timeout
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.setblocking(False)
+        now = trio.current_time()
+        self._deadline = now + timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         self._started = False
         self._timer = reactor.call_at(self._deadline, self._on_timer)
-        self._connect(trio.current_time())
+        self._connect(now)
         self._started = True
 
     def _connect(self, now: float) -> None:
@@ -202,41 +231,56 @@ class Outgoing(Generic[wire.M]):
                     wire.PeerTimeout(f"{self._path}: listen backlog full for {self._timeout:g} s")
                 )
             else:
-                self._timer = self._reactor.call_at(
-                    trio.current_time() + CONNECT_RETRY, self._connect
-                )
+                self._timer = self._reactor.call_at(now + CONNECT_RETRY, self._connect)
             return
         except OSError as exc:
             self._finish(exc)
             return
         if self._timer.callback is None:  # came back from a backlog retry
             self._timer = self._reactor.call_at(self._deadline, self._on_timer)
-        self._send(_OUT)
+        try:
+            sent = self._sock.send(self._data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._finish(wire.ConnectionLost(f"sending a request: {exc}"))
+            return
+        if sent == len(self._data):
+            self._data = b""
+            self._reactor.watch(self._sock, _IN, self._receive)
+        else:  # a big request: the rest as the peer reads
+            self._data = self._data[sent:]
+            self._reactor.watch(self._sock, _OUT, self._send)
 
     def _send(self, events: int) -> None:
         try:
-            while self._data:
-                self._data = self._data[self._sock.send(self._data) :]
+            sent = self._sock.send(self._data)
         except BlockingIOError:
-            self._reactor.watch(self._sock, _OUT, self._send)
-            self._deadline = trio.current_time() + self._timeout
             return
         except OSError as exc:
             self._finish(wire.ConnectionLost(f"sending a request: {exc}"))
             return
-        self._reactor.watch(self._sock, _IN, self._receive)
+        self._data = self._data[sent:]
         self._deadline = trio.current_time() + self._timeout
+        if not self._data:
+            self._reactor.watch(self._sock, _IN, self._receive)
 
     def _receive(self, events: int) -> None:
         decoder = self._decoder
         try:
-            data = self._sock.recv(decoder.wanted())
+            data = self._sock.recv(wire.RECEIVE_CHUNK if decoder is None else decoder.wanted())
         except BlockingIOError:
             return
         except OSError as exc:
             self._finish(wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}"))
             return
         try:
+            if decoder is None:
+                frame = wire.whole_frame(self._type, data, self._max_extra)
+                if frame is not None:
+                    self._finish(frame)
+                    return
+                decoder = self._decoder = wire.FrameDecoder(self._type, self._max_extra)
             if not data:
                 decoder.eof()
             frame = decoder.feed_frame(data)
@@ -280,11 +324,12 @@ class Incoming(Generic[wire.M]):
 
     __slots__ = (
         "_decoder",
-        "_fd",
+        "_max_extra",
         "_on_error",
         "_on_frame",
         "_out",
         "_reactor",
+        "_reading",
         "_sent",
         "_timeout",
         "_timer",
@@ -305,54 +350,60 @@ class Incoming(Generic[wire.M]):
     ) -> None:
         self._reactor = reactor
         self.sock = sock
-        self._fd = sock.fileno()
         self._type = request_type
-        self._decoder: wire.FrameDecoder[wire.M] | None = wire.FrameDecoder(
-            request_type, max_extra_size
-        )
+        self._max_extra = max_extra_size
+        self._decoder: wire.FrameDecoder[wire.M] | None = None  # only when a frame is split
         self._on_frame = on_frame
         self._on_error = on_error
         self._timeout = timeout
-        self._out = memoryview(b"")
+        self._out = b""
         self._sent: Callable[[], None] | None = None
-        self._timer = reactor.call_at(trio.current_time() + timeout, self._on_timer)
+        self._timer: Timer | None = None
+        self._reading = True
         self._receive(_IN)  # the request has often arrived with the connection
-        if self._decoder is not None and self._fd >= 0:
-            reactor.watch(self.sock, _IN, self._receive)
+        if self._reading:
+            self._rearm()
+            reactor.watch(sock, _IN, self._receive)
 
     def reply(self, data: bytes, sent: Callable[[], None] | None = None) -> None:
         """Send `data` and close; `sent()` once all of it is written.
 
         A peer that stops reading is dropped (and `sent` is not called).
         """
-        if self._fd < 0:
+        if self.sock.fileno() < 0:
             return
-        self._out = memoryview(data)
+        self._out = data
         self._sent = sent
         self._send(_OUT)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            self._timer.cancel()
+        if self.sock.fileno() >= 0:
+            if self._timer is not None:
+                self._timer.cancel()
             self._reactor.unwatch(self.sock)
             self.sock.close()
-            self._fd = -1
 
     def _receive(self, events: int) -> None:
-        decoder = self._decoder
-        if decoder is None:
+        if not self._reading:
             return
+        decoder = self._decoder
         try:
-            data = self.sock.recv(decoder.wanted())
+            data = self.sock.recv(wire.RECEIVE_CHUNK if decoder is None else decoder.wanted())
         except BlockingIOError:
             return
         except OSError as exc:
             self._fail(wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}"))
             return
         try:
-            if not data:
-                decoder.eof()
-            frame = decoder.feed_frame(data)
+            frame = None
+            if decoder is None:
+                frame = wire.whole_frame(self._type, data, self._max_extra)
+                if frame is None:
+                    decoder = self._decoder = wire.FrameDecoder(self._type, self._max_extra)
+            if decoder is not None:
+                if not data:
+                    decoder.eof()
+                frame = decoder.feed_frame(data)
         except wire.RemoteProtocolError as exc:
             self._fail(exc)
             return
@@ -378,10 +429,11 @@ class Incoming(Generic[wire.M]):
             self._sent()
 
     def _request_done(self) -> None:
+        self._reading = False
         self._decoder = None
-        self._timer.cancel()
-        if self._fd >= 0:
-            self._reactor.unwatch(self.sock)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._reactor.unwatch(self.sock)
 
     def _fail(self, exc: wire.RemoteProtocolError) -> None:
         self._request_done()
@@ -390,11 +442,12 @@ class Incoming(Generic[wire.M]):
             self.close()
 
     def _rearm(self) -> None:
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         self._timer = self._reactor.call_at(trio.current_time() + self._timeout, self._on_timer)
 
     def _on_timer(self, now: float) -> None:
-        if self._decoder is not None:
+        if self._reading:
             self._fail(
                 wire.PeerTimeout(
                     f"peer silent for {self._timeout:g} s while sending a {self._type.__name__}"

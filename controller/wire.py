@@ -136,12 +136,10 @@ class FrameDecoder(Generic[M]):
 
     def feed_frame(self, data: bytes) -> tuple[M, bytes] | None:
         """`feed(data)` then `next_frame()`; quick when one read holds a whole small frame."""
-        if self._msg is None and not self._buf and data and data[0] < 0x80:
-            end = 1 + data[0]  # a one-byte length: a header under 128 bytes
-            if len(data) >= end:
-                msg, extra_size = self._decode(data[1:end])
-                if len(data) >= end + extra_size:
-                    return msg, data[end : end + extra_size]
+        if self._msg is None and not self._buf:
+            frame = whole_frame(self._type, data, self._max_extra)
+            if frame is not None:
+                return frame
         self._buf += data
         return self.next_frame()
 
@@ -202,18 +200,37 @@ class FrameDecoder(Generic[M]):
         return True
 
     def _decode(self, body: bytes) -> tuple[M, int]:
-        """The message and the number of extra bytes it announces (checked against the cap)."""
-        try:
-            msg = self._type.FromString(body)
-        except DecodeError as exc:
-            raise MalformedMessage(f"not a valid {self._type.__name__}: {exc}") from None
-        extra_size: int = msg.extra_size if self._with_extra else 0  # type: ignore[attr-defined]
-        if extra_size > self._max_extra:
-            raise ExtraTooLarge(
-                f"{self._type.__name__} announces {extra_size} extra bytes, "
-                f"over the limit of {self._max_extra}"
-            )
-        return msg, extra_size
+        return _decode(self._type, body, self._max_extra)
+
+
+def _decode(msg_type: type[M], body: bytes, max_extra: int) -> tuple[M, int]:
+    """The message and the number of extra bytes it announces (checked against the cap)."""
+    try:
+        msg = msg_type.FromString(body)
+    except DecodeError as exc:
+        raise MalformedMessage(f"not a valid {msg_type.__name__}: {exc}") from None
+    extra_size: int = msg.extra_size if has_extra(msg_type) else 0  # type: ignore[attr-defined]
+    if extra_size > max_extra:
+        raise ExtraTooLarge(
+            f"{msg_type.__name__} announces {extra_size} extra bytes, over the limit of {max_extra}"
+        )
+    return msg, extra_size
+
+
+def whole_frame(msg_type: type[M], data: bytes, max_extra: int) -> tuple[M, bytes] | None:
+    """The frame at the start of `data` when all of it is there and its header is short.
+
+    The common case on a Unix socket, where one read brings the whole frame;
+    None means "use a FrameDecoder" (more bytes to come, or a longer header).
+    Raises what the FrameDecoder would raise for the same bytes.
+    """
+    if data and data[0] < 0x80:
+        end = 1 + data[0]  # a one-byte length: a header under 128 bytes
+        if len(data) >= end:
+            msg, extra_size = _decode(msg_type, data[1:end], max_extra)
+            if len(data) >= end + extra_size:
+                return msg, data[end : end + extra_size]
+    return None
 
 
 async def _ready_by(
@@ -298,4 +315,5 @@ __all__ = [
     "pb",
     "recv_frame",
     "send_frame",
+    "whole_frame",
 ]

@@ -111,7 +111,7 @@ class UdpDoor:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._timer.run)
-                reactor.watch(sock, select.EPOLLIN, self._readable)
+                reactor.watch(sock, select.EPOLLIN, self._readable, last=True)
                 log.info("listening for clients on %s:%d", *self.bind())
                 task_status.started()
         finally:
