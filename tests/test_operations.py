@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import errno
 import logging
 import os
 import signal
@@ -16,6 +18,7 @@ import pytest
 import trio
 
 from bench.common import write_config
+from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.core import TaskState
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor
@@ -384,3 +387,95 @@ def test_metrics_address_in_use_is_a_startup_error(tmp_path, sockdir):
             timeout=30,
         )
     assert proc.returncode == 2 and f"metrics_address 127.0.0.1:{port}" in proc.stderr
+
+
+# ---------------------------------------------------------------- CPU affinity
+
+
+@pytest.mark.parametrize(("text", "cpus"), [("0", {0}), ("0,0", {0}), ("0-0", {0}), (" 0 ", {0})])
+def test_cpu_list_parses(text, cpus):
+    assert parse_cpus(text) == cpus
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "expected a CPU list"),
+        ("x", "expected a CPU list"),
+        ("0,", "expected a CPU list"),
+        ("1-", "expected a CPU list"),
+        ("-1", "expected a CPU list"),
+        ("3-1", "empty CPU range"),
+        ("4096", "CPU 4096 not available here"),
+    ],
+)
+def test_bad_cpu_list_is_a_usage_error(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        parse_cpus(text)
+
+
+@pytest.mark.parametrize("command", ["controller", "worker"])
+def test_cpus_outside_the_machine_exit_2(command):
+    proc = subprocess.run(
+        [sys.executable, "-m", command, "--cpus", "4096"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "--cpus: CPU 4096 not available here" in proc.stderr
+
+
+def test_refused_cpu_list_is_a_clear_error(monkeypatch):
+    def refuse(pid, cpus):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    with pytest.raises(
+        AffinityError, match=r"--cpus 0: the system refused it \(Invalid argument\)"
+    ):
+        pin(frozenset({0}))
+
+
+def test_cpu_list_short_form():
+    assert format_cpus({0, 1, 2, 3, 6}) == "0-3,6"
+    assert format_cpus({5}) == "5"
+
+
+def affinity_of(pid: int) -> set[int]:
+    return set(os.sched_getaffinity(pid))
+
+
+def wait_for_condition(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("own", [False, True])
+def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    config = write_config(
+        tmp_path,
+        socket_dir=str(tmp_path / "s"),
+        client_address={"host": "127.0.0.1", "port": free_udp_port()},
+        journal=None,
+    )
+    worker_args = ["--", "--cpus", str(second)] if own else []
+    cmd = [sys.executable, "-m", "controller", "--config", str(config), "--cpus", str(first)]
+    proc = subprocess.Popen([*cmd, "--workers", "1", *worker_args], stderr=subprocess.DEVNULL)
+    try:
+
+        def worker_pids() -> list[int]:
+            # Children of any of its threads (trio starts processes from a thread).
+            tasks = Path(f"/proc/{proc.pid}/task").glob("*/children")
+            return [int(pid) for task in tasks for pid in task.read_text().split()]
+
+        wait_for_condition(lambda: len(worker_pids()) == 1)
+        [worker] = worker_pids()
+        expected = {second} if own else set(os.sched_getaffinity(0))
+        # The worker applies its own list once Python has started.
+        wait_for_condition(lambda: affinity_of(worker) == expected)
+        assert affinity_of(proc.pid) == {first}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

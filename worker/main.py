@@ -9,6 +9,7 @@ from pathlib import Path
 
 import trio
 
+from controller.affinity import AffinityError, parse_cpus, pin
 from controller.config import ConfigError, load_config
 from controller.logs import LEVELS, setup_logging
 from worker.runner import SetupError, build_runner
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, how long a running task may take to finish (default 30)",
     )
+    parser.add_argument(
+        "--cpus",
+        metavar="LIST",
+        type=parse_cpus,
+        help="run only on these CPUs, e.g. 1 or 2-3 (default: wherever the system puts it)",
+    )
     parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
     parser.add_argument(
         "--exit-with-parent",
@@ -85,13 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, "worker")
     try:
+        if args.cpus is not None:
+            pin(args.cpus)
         config = load_config(args.config)
         if args.socket_dir:
             config = config.replace(socket_dir=Path(args.socket_dir))
         if args.exec_argv is not None and not args.exec_argv:
             raise SetupError("--exec needs a command")
         runner = build_runner(args.exec_argv, args.handler, config.max_extra_size)
-    except (ConfigError, SetupError) as exc:
+    except (ConfigError, SetupError, AffinityError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     shell = WorkerShell(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import trio
 
+from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.config import Config, ConfigError, load_config
 from controller.journal import Journal, JournalError, Recovered
 from controller.logs import LEVELS, setup_logging
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_workers,
         default=0,
         help="start and supervise N local workers; auto = one per CPU (default 0)",
+    )
+    parser.add_argument(
+        "--cpus",
+        metavar="LIST",
+        type=parse_cpus,
+        help="run the controller only on these CPUs, e.g. 0 or 0,2-3 (local workers are not "
+        "pinned unless given their own --cpus after --); see docs/design-notes.md",
     )
     parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
     return parser
@@ -140,7 +148,12 @@ def status_line(shell: ControllerShell, journal: Journal | None) -> str:
     return line
 
 
-async def run_controller(config: Config, workers: int, worker_args: list[str]) -> None:
+async def run_controller(
+    config: Config,
+    workers: int,
+    worker_args: list[str],
+    worker_cpus: frozenset[int] | None = None,
+) -> None:
     journal = recovered = None
     if config.journal is not None:
         journal = Journal.open(config.journal)
@@ -181,7 +194,7 @@ async def run_controller(config: Config, workers: int, worker_args: list[str]) -
                 async with trio.open_nursery() as local:
                     if workers:
                         argv = worker_command(str(config.socket_dir), worker_args)
-                        await local.start(Supervisor(workers, argv).run)
+                        await local.start(Supervisor(workers, argv, cpus=worker_cpus).run)
                         log.info("supervising %d local workers", workers)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
@@ -206,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
         if args.socket_dir:
             config = config.replace(socket_dir=Path(args.socket_dir))
-        trio.run(run_controller, config, args.workers, worker_args)
-    except (ConfigError, StartupError, JournalError) as exc:
+        worker_cpus = None
+        if args.cpus is not None:
+            worker_cpus = pin(args.cpus)  # local workers keep the CPUs the controller had
+            logging.getLogger("controller").info("running on CPUs %s", format_cpus(args.cpus))
+        trio.run(run_controller, config, args.workers, worker_args, worker_cpus)
+    except (ConfigError, StartupError, JournalError, AffinityError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -9,7 +9,9 @@ get SIGTERM (they drain), then SIGKILL if they linger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 
@@ -44,9 +46,13 @@ def describe_exit(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, count: int, argv: list[str]) -> None:
+    def __init__(self, count: int, argv: list[str], cpus: frozenset[int] | None = None) -> None:
+        """`cpus`: the CPUs workers may use when the controller pinned itself elsewhere
+        (a worker given its own --cpus sets its own)."""
         self.count = count
         self.argv = argv
+        own = any(arg == "--cpus" or arg.startswith("--cpus=") for arg in argv)
+        self.cpus = None if own else cpus
         self.restarts = 0
         self.pids: dict[int, int] = {}  # slot -> pid
 
@@ -63,6 +69,10 @@ class Supervisor:
             # Its own session: a Ctrl-C at the terminal reaches only the controller, which then
             # stops the workers once (they drain); --exit-with-parent covers a SIGKILLed controller.
             proc = await trio.lowlevel.open_process(self.argv, start_new_session=True)
+            if self.cpus is not None:
+                # It inherited the controller's CPUs; Python is still starting up.
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(proc.pid, self.cpus)
             self.pids[slot] = proc.pid
             log.info("worker slot %d: started pid %d", slot, proc.pid)
             try:
