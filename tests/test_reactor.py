@@ -1,0 +1,206 @@
+"""The reactor's exchanges on real Unix sockets: split frames, big payloads, silent peers,
+failures reported without re-entering the caller, and the order of events."""
+
+from __future__ import annotations
+
+import select
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from controller import wire
+from controller.reactor import Incoming, Outgoing, Reactor
+from controller.sockets import listen_unix
+from gen import worker_protocol_pb2 as pb
+
+REQUEST = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=7)
+
+
+class Box:
+    """Collects results and wakes the test when one arrives."""
+
+    def __init__(self) -> None:
+        self.items: list[object] = []
+        self.event = trio.Event()
+
+    def __call__(self, *item: object) -> None:
+        self.items.append(item[0] if len(item) == 1 else item)
+        self.event.set()
+
+    async def wait(self) -> Any:
+        with trio.fail_after(10):
+            await self.event.wait()
+        return self.items[-1]
+
+
+@pytest.fixture
+def listener(sockdir: Path):
+    """A listening socket at sockdir/w.sock, closed after the test."""
+    with listen_unix(sockdir / "w.sock", 8) as sock:
+        yield sock
+
+
+async def started(nursery: trio.Nursery) -> Reactor:
+    reactor = Reactor()
+    await nursery.start(reactor.run)
+    return reactor
+
+
+async def serve_once(listener: socket.socket, answer: bytes, chunk: int = 0) -> None:
+    """A peer (in a thread) that reads one request, then writes `answer` in `chunk`-byte pieces."""
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setblocking(True)
+            conn.recv(1 << 20)
+            step = chunk or len(answer)
+            for i in range(0, len(answer), step):
+                conn.sendall(answer[i : i + step])
+
+    await trio.to_thread.run_sync(peer)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7])
+async def test_outgoing_reads_an_answer_in_any_pieces(sockdir: Path, listener, nursery, chunk):
+    reactor = await started(nursery)
+    listener.setblocking(True)
+    extra = bytes(range(256)) * 4
+    answer = wire.encode_frame(pb.WorkerResponse(task_id=7), extra)
+    nursery.start_soon(serve_once, listener, answer, chunk)
+    box = Box()
+    Outgoing(
+        reactor, sockdir / "w.sock", wire.encode_frame(REQUEST), pb.WorkerResponse, box, timeout=5
+    )
+    msg, got = await box.wait()
+    assert msg.task_id == 7 and got == extra
+
+
+async def test_big_request_and_answer_both_ways(sockdir: Path, listener, nursery):
+    """A 4 MB extra is more than a socket buffer holds: both sides go on as the peer reads."""
+    reactor = await started(nursery)
+    payload = b"p" * (4 << 20)
+    result = b"r" * (4 << 20)
+    served = Box()
+
+    def on_frame(conn: Incoming[pb.ControlMsg], msg: pb.ControlMsg, extra: bytes) -> None:
+        served(len(extra))
+        conn.reply(wire.encode_frame(pb.WorkerResponse(task_id=msg.task_id), result))
+
+    def on_accept(events: int) -> None:
+        conn, _ = listener.accept()
+        conn.setblocking(False)
+        Incoming(reactor, conn, pb.ControlMsg, on_frame, served, timeout=5, max_extra_size=8 << 20)
+
+    reactor.watch(listener, select.EPOLLIN, on_accept)
+    box = Box()
+    Outgoing(
+        reactor,
+        sockdir / "w.sock",
+        wire.encode_frame(REQUEST, payload),
+        pb.WorkerResponse,
+        box,
+        timeout=5,
+        max_extra_size=8 << 20,
+    )
+    msg, got = await box.wait()
+    assert served.items == [len(payload)]
+    assert msg.task_id == 7 and got == result
+
+
+async def test_silent_peer_times_out(sockdir: Path, listener, nursery, autojump_clock):
+    """The listener accepts (in the kernel) and never answers."""
+    reactor = await started(nursery)
+    box = Box()
+    start = trio.current_time()
+    Outgoing(
+        reactor, sockdir / "w.sock", wire.encode_frame(REQUEST), pb.WorkerResponse, box, timeout=2
+    )
+    result = await box.wait()
+    assert isinstance(result, wire.PeerTimeout)
+    assert trio.current_time() - start == pytest.approx(2.0, abs=0.01)
+
+
+async def test_incoming_that_never_completes_its_frame_times_out(
+    sockdir: Path, nursery, autojump_clock
+):
+    reactor = await started(nursery)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.send(wire.encode_frame(REQUEST)[:2])  # half a frame, then silence
+    errors = Box()
+    start = trio.current_time()
+    Incoming(reactor, a, pb.ControlMsg, lambda *args: None, errors, timeout=3)
+    _, exc = await errors.wait()
+    assert isinstance(exc, wire.PeerTimeout)
+    assert trio.current_time() - start == pytest.approx(3.0, abs=0.01)
+    assert a.fileno() == -1  # closed: nothing answered it
+    b.close()
+
+
+async def test_garbage_request_gets_an_error_answer(sockdir: Path, nursery):
+    reactor = await started(nursery)
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.send(b"\xff" * 11)  # a varint that never ends
+
+    def answer(conn: Incoming[pb.ControlMsg], exc: wire.RemoteProtocolError) -> None:
+        conn.reply(wire.encode_frame(pb.WorkerResponse(error=pb.WORKER_ERR_FAILED)))
+
+    Incoming(reactor, a, pb.ControlMsg, lambda *args: None, answer, timeout=3)
+    b.settimeout(5)
+    data = b.recv(100)
+    assert wire.whole_frame(pb.WorkerResponse, data, 0) == (
+        pb.WorkerResponse(error=pb.WORKER_ERR_FAILED),
+        b"",
+    )
+    assert b.recv(100) == b""  # and then closed
+    b.close()
+
+
+async def test_failed_dial_reports_on_the_next_turn_not_inside_the_call(sockdir: Path, nursery):
+    reactor = await started(nursery)
+    box = Box()
+    Outgoing(reactor, sockdir / "nobody.sock", b"x", pb.WorkerResponse, box, timeout=2)
+    assert box.items == []  # the caller is never re-entered
+    result = await box.wait()
+    assert isinstance(result, FileNotFoundError)
+
+
+async def test_workers_answers_are_served_before_new_datagrams(nursery):
+    """Sockets watched with last=True wait for the others that are ready in the same round."""
+    reactor = Reactor()
+    order: list[str] = []
+    low_a, low_b = socket.socketpair()
+    high_a, high_b = socket.socketpair()
+    for sock in (low_a, high_a):
+        sock.setblocking(False)
+    low_b.send(b"x")  # ready first
+    high_b.send(b"y")
+    reactor.watch(low_a, select.EPOLLIN, lambda ev: order.append(low_a.recv(1).decode()), last=True)
+    reactor.watch(high_a, select.EPOLLIN, lambda ev: order.append(high_a.recv(1).decode()))
+    await nursery.start(reactor.run)
+    with trio.fail_after(5):
+        while len(order) < 2:
+            await trio.sleep(0.001)
+    assert order == ["y", "x"]
+    for sock in (low_b, high_b):
+        sock.close()
+
+
+async def test_cancelled_timers_do_not_fire_and_sockets_close_with_the_reactor(autojump_clock):
+    fired: list[float] = []
+    a, b = socket.socketpair()
+    async with trio.open_nursery() as nursery:
+        reactor = await started(nursery)
+        reactor.call_at(5.0, fired.append).cancel()
+        reactor.call_at(7.0, fired.append)
+        reactor.watch(a, select.EPOLLIN, lambda ev: None)
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    assert fired == [pytest.approx(7.0)]
+    assert a.fileno() == -1  # still watched when the reactor stopped: closed by it
+    b.close()
