@@ -118,9 +118,9 @@ def controller(sockdir: str, port: int) -> None:
                 place()
                 continue
             if kind == "main":
-                conn, _ = main.accept()
-                conn.setblocking(False)
-                sel.register(conn, selectors.EVENT_READ, ("pulse", 0))
+                accepted, _ = main.accept()
+                accepted.setblocking(False)
+                sel.register(accepted, selectors.EVENT_READ, ("pulse", 0))
                 continue
             conn = key.fileobj
             assert isinstance(conn, socket.socket)
