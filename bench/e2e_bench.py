@@ -40,13 +40,25 @@ def ppe_rate(workers: int, tasks: int) -> float:
 
 
 # The tuned layout on a 2-CPU machine: the controller alone on CPU 0; the workers and
-# the client on CPU 1 (controller --cpus 0 --workers 2 -- --cpus 1).
+# the client on CPU 1 (controller --cpus 0 --workers 2 -- --cpus 1), and with it polling
+# for 200 us before it sleeps (--busy-poll 200).
 CONTROLLER_CPUS = "0"
 OTHER_CPUS = "1"
+BUSY_POLL_US = 200
+LAYOUTS = {
+    "default": (False, False),
+    "pinned": (True, False),
+    "pinned_busy_poll": (True, True),
+}
 
 
 def start_controller(
-    sockdir: Path, port: int, workers: int, extra: dict[str, Any], pinned: bool = False
+    sockdir: Path,
+    port: int,
+    workers: int,
+    extra: dict[str, Any],
+    pinned: bool = False,
+    busy_poll: bool = False,
 ) -> subprocess.Popen[bytes]:
     settings: dict[str, Any] = {"journal": None, **extra}
     config = write_config(
@@ -66,6 +78,7 @@ def start_controller(
         "--workers",
         str(workers),
         *(["--cpus", CONTROLLER_CPUS] if pinned else []),
+        *(["--busy-poll", str(BUSY_POLL_US)] if busy_poll else []),
         "--",
         "--handler",
         HANDLER,
@@ -115,11 +128,12 @@ def run(
     tasks: int = 5000,
     rounds: int = 3,
     extra: dict[str, Any] | None = None,
-    pinned: bool = False,
+    layout: str = "default",
 ) -> dict[str, Any]:
+    pinned, busy_poll = LAYOUTS[layout]
     port = free_udp_port()
     with socket_dir() as sockdir:
-        proc = start_controller(sockdir, port, workers, extra or {}, pinned)
+        proc = start_controller(sockdir, port, workers, extra or {}, pinned, busy_poll)
         try:
             with client_cpus(pinned):
                 trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
@@ -135,7 +149,7 @@ def run(
             proc.terminate()
             proc.wait()
     return {
-        "layout": "controller on CPU 0, workers and client on CPU 1" if pinned else "default",
+        "layout": describe(layout),
         "workers": workers,
         "tasks_per_s": round(median(rates)),
         "ppe_tasks_per_s": round(median(ppe)),
@@ -244,12 +258,20 @@ def journal_size(tasks: int = 100_000, retention: float = 5.0) -> dict[str, Any]
     }
 
 
+def describe(layout: str) -> str:
+    pinned, busy_poll = LAYOUTS[layout]
+    if not pinned:
+        return "default scheduling"
+    where = f"controller on CPU {CONTROLLER_CPUS}, workers and client on CPU {OTHER_CPUS}"
+    return where + (f", --busy-poll {BUSY_POLL_US}" if busy_poll else "")
+
+
 def main() -> dict[str, Any]:
     results: dict[str, Any] = {}
-    layouts = [False, True] if len(os.sched_getaffinity(0)) >= 2 else [False]
-    for pinned in layouts:
-        r = run(pinned=pinned)
-        results["pinned" if pinned else "default"] = r
+    layouts = list(LAYOUTS) if len(os.sched_getaffinity(0)) >= 2 else ["default"]
+    for layout in layouts:
+        r = run(layout=layout)
+        results[layout] = r
         print(
             f"end to end, {r['workers']} workers (no-op --handler), {r['layout']}: "
             f"{r['tasks_per_s']:,} tasks/s; ProcessPoolExecutor({r['workers']}): "

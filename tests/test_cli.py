@@ -81,3 +81,10 @@ def test_logs_without_timestamps_under_systemd(monkeypatch, capsys):
     setup_logging("INFO", "controller")
     logging.getLogger("controller").info("hello")
     assert capsys.readouterr().err.endswith(f"INFO controller[{os.getpid()}] controller: hello\n")
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1.5", "2000000"])
+def test_controller_bad_busy_poll_exit_2(value):
+    proc = run("-m", "controller", "--busy-poll", value)
+    assert proc.returncode == 2
+    assert "--busy-poll" in proc.stderr

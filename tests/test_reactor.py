@@ -204,3 +204,29 @@ async def test_cancelled_timers_do_not_fire_and_sockets_close_with_the_reactor(a
     assert fired == [pytest.approx(7.0)]
     assert a.fileno() == -1  # still watched when the reactor stopped: closed by it
     b.close()
+
+
+async def test_busy_polling_reactor_serves_and_then_sleeps(sockdir: Path, listener, autojump_clock):
+    """With busy_poll it answers as usual, and once quiet it sleeps: the clock can jump."""
+    fired: list[float] = []
+    async with trio.open_nursery() as nursery:
+        reactor = Reactor(busy_poll=0.002)
+        await nursery.start(reactor.run)
+        answer = wire.encode_frame(pb.WorkerResponse(task_id=7))
+        nursery.start_soon(serve_once, listener, answer)
+        box = Box()
+        Outgoing(
+            reactor,
+            sockdir / "w.sock",
+            wire.encode_frame(REQUEST),
+            pb.WorkerResponse,
+            box,
+            timeout=5,
+        )
+        msg, _ = await box.wait()
+        assert msg.task_id == 7
+        reactor.call_at(trio.current_time() + 60, fired.append)
+        with trio.fail_after(120):  # the mock clock only jumps while every task sleeps
+            while not fired:
+                await trio.sleep(1)
+        nursery.cancel_scope.cancel()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import random
 import socket as stdsocket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import trio
 
 from bench.chaos import lossy_router
@@ -147,9 +149,13 @@ def client(port: int, *args: str, timeout: float = 30) -> subprocess.CompletedPr
     return subprocess.run(cmd, capture_output=True, timeout=timeout + 30)
 
 
-def test_udp_client_add_5_prints_result(tmp_path, sockdir):
+TUNED = ["--cpus", "0", "--busy-poll", "200", "--", "--cpus", str((os.cpu_count() or 1) - 1)]
+
+
+@pytest.mark.parametrize("tuning", [[], TUNED], ids=["default", "pinned-busy-poll"])
+def test_udp_client_add_5_prints_result(tmp_path, sockdir, tuning):
     port = free_udp_port()
-    proc = start_controller(tmp_path, sockdir, port, "--workers", "2")
+    proc = start_controller(tmp_path, sockdir, port, "--workers", "2", *tuning)
     try:
         done = client(port, "--timeout", "30", "add", "5", "--payload", "hi")
         assert (done.returncode, done.stdout) == (0, b"hi"), done.stderr

@@ -43,6 +43,16 @@ def _workers(text: str) -> int:
     return count
 
 
+def _busy_poll(text: str) -> float:
+    try:
+        micros = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole microseconds, got {text!r}") from None
+    if not 0 <= micros <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be 0 to 1000000 microseconds, got {micros}")
+    return micros / 1e6
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="controller",
@@ -72,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_cpus,
         help="run the controller only on these CPUs, e.g. 0 or 0,2-3 (local workers are not "
         "pinned unless given their own --cpus after --); see docs/design-notes.md",
+    )
+    parser.add_argument(
+        "--busy-poll",
+        metavar="MICROSECONDS",
+        type=_busy_poll,
+        default=0.0,
+        help="keep polling for this long after the last event before sleeping (default 0: "
+        "never); only for a controller on a CPU of its own (--cpus), which it keeps busy "
+        "while jobs flow",
     )
     parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
     return parser
@@ -153,6 +172,7 @@ async def run_controller(
     workers: int,
     worker_args: list[str],
     worker_cpus: frozenset[int] | None = None,
+    busy_poll: float = 0.0,
 ) -> None:
     journal = recovered = None
     if config.journal is not None:
@@ -160,7 +180,9 @@ async def run_controller(
         recovered = journal.load()
     committer = Committer(journal) if journal is not None else None
     metrics = Metrics() if config.metrics_address is not None else None
-    shell = ControllerShell(config, journal=journal, committer=committer, metrics=metrics)
+    shell = ControllerShell(
+        config, journal=journal, committer=committer, metrics=metrics, busy_poll=busy_poll
+    )
     door = UdpDoor(config, shell, journal)
     if committer is not None:
         committer.on_committed = door.release
@@ -223,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpus is not None:
             worker_cpus = pin(args.cpus)  # local workers keep the CPUs the controller had
             logging.getLogger("controller").info("running on CPUs %s", format_cpus(args.cpus))
-        trio.run(run_controller, config, args.workers, worker_args, worker_cpus)
+        trio.run(run_controller, config, args.workers, worker_args, worker_cpus, args.busy_poll)
     except (ConfigError, StartupError, JournalError, AffinityError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2

@@ -111,6 +111,7 @@ class ControllerShell:
         journal: Journal | None = None,
         committer: Committer | None = None,
         metrics: Metrics | None = None,
+        busy_poll: float = 0.0,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -124,7 +125,7 @@ class ControllerShell:
         self.on_finished = on_finished or (lambda finished: None)
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
-        self.reactor = Reactor()
+        self.reactor = Reactor(busy_poll=busy_poll)
         self._socket_prefix = f"{config.socket_dir}/"
         self._timer = DeadlineTimer(self.core.next_deadline, self._expire)
         self._watched: dict[int, set[int]] = {}
