@@ -6,16 +6,20 @@ trio task, cancel scope and `wait_readable` costs several times the system
 calls themselves (docs/design-notes.md has the measurements). So the hot
 paths register their sockets in one level-triggered epoll set owned by a
 `Reactor`; one trio task waits for that set to become readable (an epoll fd
-is pollable), then runs the ready sockets' callbacks, then the due timers.
+is pollable) and runs the ready sockets' callbacks in the order the events
+arrived. Timers (mostly timeouts that never fire) live in a second task, so a
+round needs no cancel scope. With `busy_poll` the reactor keeps looking for a
+while before it sleeps (for a process on a CPU of its own).
 
 `Outgoing` dials, sends one frame and reads the one frame that answers it;
 `Incoming` reads one frame from an accepted connection, hands it on, writes
-the answer and closes. Both parse with `wire.FrameDecoder` and report every
-failure as a `wire.RemoteProtocolError` (or the `OSError` of a failed dial),
-exactly as `wire.recv_frame` / `sockets.exchange` do. Callbacks run in the
-reactor's task and must not block; a done callback never runs inside the
-call that started the exchange (a dial that fails at once reports on the
-next turn), so callers never see themselves re-entered.
+the answer and closes. Both parse with `wire` (`whole_frame` when one read
+brings the frame, else a `FrameDecoder`) and report every failure as a
+`wire.RemoteProtocolError` (or the `OSError` of a failed dial), exactly as
+`wire.recv_frame` / `sockets.exchange` do. Callbacks run in the reactor's
+task and must not block; a done callback never runs inside the call that
+started the exchange (a dial that fails at once reports on the next turn),
+so callers never see themselves re-entered.
 """
 
 from __future__ import annotations
