@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -462,20 +463,32 @@ def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
     )
     worker_args = ["--", "--cpus", str(second)] if own else []
     cmd = [sys.executable, "-m", "controller", "--config", str(config), "--cpus", str(first)]
-    proc = subprocess.Popen([*cmd, "--workers", "1", *worker_args], stderr=subprocess.DEVNULL)
+    log = (tmp_path / "controller.log").open("wb")
+    proc = subprocess.Popen([*cmd, "--workers", "1", *worker_args], stderr=log)
     try:
 
+        def cmdline(pid: int) -> str:
+            try:
+                return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                return ""
+
         def worker_pids() -> list[int]:
-            # Children of any of its threads (trio starts processes from a thread).
-            tasks = Path(f"/proc/{proc.pid}/task").glob("*/children")
-            return [int(pid) for task in tasks for pid in task.read_text().split()]
+            # Children of any of its threads (trio starts processes from a thread) that are
+            # workers: Python itself may run a helper such as `ldconfig -p` while starting.
+            children = []
+            for task in Path(f"/proc/{proc.pid}/task").glob("*/children"):
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    children += [int(pid) for pid in task.read_text().split()]
+            return [pid for pid in children if " -m worker " in cmdline(pid)]
 
         wait_for_condition(lambda: len(worker_pids()) == 1)
         [worker] = worker_pids()
         expected = {second} if own else set(os.sched_getaffinity(0))
         # The worker applies its own list once Python has started.
         wait_for_condition(lambda: affinity_of(worker) == expected)
-        assert affinity_of(proc.pid) == {first}
+        assert affinity_of(proc.pid) == {first}, (tmp_path / "controller.log").read_text()
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+        log.close()

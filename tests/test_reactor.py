@@ -212,8 +212,16 @@ async def test_busy_polling_reactor_serves_and_then_sleeps(sockdir: Path, listen
     async with trio.open_nursery() as nursery:
         reactor = Reactor(busy_poll=0.002)
         await nursery.start(reactor.run)
-        answer = wire.encode_frame(pb.WorkerResponse(task_id=7))
-        nursery.start_soon(serve_once, listener, answer)
+
+        def on_frame(conn: Incoming[pb.ControlMsg], msg: pb.ControlMsg, extra: bytes) -> None:
+            conn.reply(wire.encode_frame(pb.WorkerResponse(task_id=msg.task_id)))
+
+        def on_accept(events: int) -> None:
+            conn, _ = listener.accept()
+            conn.setblocking(False)
+            Incoming(reactor, conn, pb.ControlMsg, on_frame, lambda *args: None, timeout=5)
+
+        reactor.watch(listener, select.EPOLLIN, on_accept)  # the peer runs in the same reactor
         box = Box()
         Outgoing(
             reactor,
