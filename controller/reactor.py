@@ -37,10 +37,8 @@ from typing import Generic
 import trio
 
 from controller import wire
+from controller.sockets import CONNECT_RETRY
 
-# A full listen backlog makes a non-blocking Unix connect fail with EAGAIN and no
-# completion event: retry after this pause until the timeout.
-CONNECT_RETRY = 0.001
 # The timer task looks at the heap at least this often (see _timer_task).
 TIMER_TICK = 0.5
 _IN = select.EPOLLIN
@@ -204,6 +202,36 @@ class Reactor:
                 callback(now)
 
 
+class _Reader(Generic[wire.M]):
+    """Reads one frame of `msg_type` from a non-blocking socket: the half both exchanges share."""
+
+    __slots__ = ("_decoder", "_max_extra", "_type")
+
+    def __init__(self, msg_type: type[wire.M], max_extra_size: int) -> None:
+        self._type = msg_type
+        self._max_extra = max_extra_size
+        self._decoder: wire.FrameDecoder[wire.M] | None = None  # only when a frame is split
+
+    def read(self, sock: socket.socket) -> tuple[wire.M, bytes] | None:
+        """The frame once it is complete, else None; a bad frame, a broken connection or
+        an early close raise the matching `wire.RemoteProtocolError`."""
+        decoder = self._decoder
+        try:
+            data = sock.recv(wire.RECEIVE_CHUNK if decoder is None else decoder.wanted())
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}") from None
+        if decoder is None:
+            frame = wire.whole_frame(self._type, data, self._max_extra)
+            if frame is not None:
+                return frame
+            decoder = self._decoder = wire.FrameDecoder(self._type, self._max_extra)
+        if not data:
+            decoder.eof()
+        return decoder.feed_frame(data)
+
+
 class Outgoing(Generic[wire.M]):
     """Dial `path`, send one frame, read the frame that answers it, close, report `done`.
 
@@ -213,11 +241,10 @@ class Outgoing(Generic[wire.M]):
     __slots__ = (
         "_data",
         "_deadline",
-        "_decoder",
         "_done",
-        "_max_extra",
         "_path",
         "_reactor",
+        "_reader",
         "_sock",
         "_started",
         "_timeout",
@@ -240,8 +267,7 @@ class Outgoing(Generic[wire.M]):
         self._path = str(path)
         self._data = data
         self._type = answer_type
-        self._max_extra = max_extra_size
-        self._decoder: wire.FrameDecoder[wire.M] | None = None  # only when a frame is split
+        self._reader = _Reader(answer_type, max_extra_size)
         self._done = done
         self._timeout = timeout
         now = trio.current_time()
@@ -297,24 +323,8 @@ class Outgoing(Generic[wire.M]):
             self._reactor.watch(self._sock, _IN, self._receive)
 
     def _receive(self, events: int) -> None:
-        decoder = self._decoder
         try:
-            data = self._sock.recv(wire.RECEIVE_CHUNK if decoder is None else decoder.wanted())
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self._finish(wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}"))
-            return
-        try:
-            if decoder is None:
-                frame = wire.whole_frame(self._type, data, self._max_extra)
-                if frame is not None:
-                    self._finish(frame)
-                    return
-                decoder = self._decoder = wire.FrameDecoder(self._type, self._max_extra)
-            if not data:
-                decoder.eof()
-            frame = decoder.feed_frame(data)
+            frame = self._reader.read(self._sock)
         except wire.RemoteProtocolError as exc:
             self._finish(exc)
             return
@@ -354,12 +364,11 @@ class Incoming(Generic[wire.M]):
     """
 
     __slots__ = (
-        "_decoder",
-        "_max_extra",
         "_on_error",
         "_on_frame",
         "_out",
         "_reactor",
+        "_reader",
         "_reading",
         "_sent",
         "_timeout",
@@ -382,8 +391,7 @@ class Incoming(Generic[wire.M]):
         self._reactor = reactor
         self.sock = sock
         self._type = request_type
-        self._max_extra = max_extra_size
-        self._decoder: wire.FrameDecoder[wire.M] | None = None  # only when a frame is split
+        self._reader = _Reader(request_type, max_extra_size)
         self._on_frame = on_frame
         self._on_error = on_error
         self._timeout = timeout
@@ -417,24 +425,8 @@ class Incoming(Generic[wire.M]):
     def _receive(self, events: int) -> None:
         if not self._reading:
             return
-        decoder = self._decoder
         try:
-            data = self.sock.recv(wire.RECEIVE_CHUNK if decoder is None else decoder.wanted())
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self._fail(wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}"))
-            return
-        try:
-            frame = None
-            if decoder is None:
-                frame = wire.whole_frame(self._type, data, self._max_extra)
-                if frame is None:
-                    decoder = self._decoder = wire.FrameDecoder(self._type, self._max_extra)
-            if decoder is not None:
-                if not data:
-                    decoder.eof()
-                frame = decoder.feed_frame(data)
+            frame = self._reader.read(self.sock)
         except wire.RemoteProtocolError as exc:
             self._fail(exc)
             return
@@ -461,7 +453,6 @@ class Incoming(Generic[wire.M]):
 
     def _request_done(self) -> None:
         self._reading = False
-        self._decoder = None
         if self._timer is not None:
             self._timer.cancel()
         self._reactor.unwatch(self.sock)

@@ -238,3 +238,28 @@ async def test_busy_polling_reactor_serves_and_then_sleeps(sockdir: Path, listen
             while not fired:
                 await trio.sleep(1)
         nursery.cancel_scope.cancel()
+
+
+async def test_full_listen_backlog_is_retried_until_the_timeout(
+    sockdir: Path, nursery, autojump_clock
+):
+    reactor = await started(nursery)
+    with listen_unix(sockdir / "w.sock", 0) as full:
+        pending = []
+        while True:  # fill the backlog: nobody accepts
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            try:
+                sock.connect(str(sockdir / "w.sock"))
+            except BlockingIOError:
+                sock.close()
+                break
+            pending.append(sock)
+        box = Box()
+        start = trio.current_time()
+        Outgoing(reactor, sockdir / "w.sock", b"x", pb.WorkerResponse, box, timeout=0.5)
+        result = await box.wait()
+        assert isinstance(result, wire.PeerTimeout) and "listen backlog full" in str(result)
+        assert trio.current_time() - start == pytest.approx(0.5, abs=0.01)
+        assert full.fileno() >= 0
+        for sock in pending:
+            sock.close()
