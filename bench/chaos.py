@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from bench.common import recording_exec, worker_argv, write_config
+from bench.common import controller_argv, recording_exec, worker_argv, write_config
 from controller import sockets
 from controller.client import Client, Outcome
 
@@ -109,15 +109,7 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
         max_retries=10,
         dial_timeout=1.0,
     )
-    controller_cmd = [
-        sys.executable,
-        "-m",
-        "controller",
-        "--config",
-        str(config),
-        "--log-level",
-        "WARNING",
-    ]
+    controller_cmd = controller_argv(config, log_level="WARNING")
     worker_cmd = worker_argv(sockdir, "--pulse", "0.3", *recording_exec(execlog))
     controller_log = (workdir / "controller.log").open("ab")
     tally = Tally()

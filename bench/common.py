@@ -29,6 +29,12 @@ def recording_exec(execlog: Path) -> list[str]:
     return ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; cat']
 
 
+def controller_argv(config: Path, *args: str, log_level: str | None = None) -> list[str]:
+    """The command line of a real controller with this config file, plus `args`."""
+    level = ["--log-level", log_level] if log_level is not None else []
+    return [sys.executable, "-m", "controller", "--config", str(config), *level, *args]
+
+
 def worker_argv(socket_dir: Path, *args: str, log_level: str = "ERROR") -> list[str]:
     """The command line of one real worker on `socket_dir` (quiet by default), plus `args`."""
     return [

@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from bench.common import process_cpu, rss_mb, self_cpu, socket_dir, write_config
+from bench.common import controller_argv, process_cpu, rss_mb, self_cpu, socket_dir, write_config
 from controller.config import Config
 from controller.shell.server import ControllerShell
 
@@ -41,7 +41,7 @@ def bench_pulses(count: int = 5000, seconds: float = 10.0) -> dict[str, Any]:
             client_address={"host": "127.0.0.1", "port": 0},
         )
         ctl = subprocess.Popen(
-            [sys.executable, "-m", "controller", "--config", str(config), "--log-level", "ERROR"],
+            controller_argv(config, log_level="ERROR"),
             stderr=subprocess.DEVNULL,
         )
         try:

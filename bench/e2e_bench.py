@@ -11,7 +11,6 @@ import contextlib
 import os
 import socket as stdsocket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,15 @@ from typing import Any
 
 import trio
 
-from bench.common import free_udp_port, median, percentile, socket_dir, write_config
+from bench.common import (
+    controller_argv,
+    free_udp_port,
+    median,
+    percentile,
+    socket_dir,
+    write_config,
+)
+from controller.affinity import parse_cpus
 from controller.client import Client, Outcome
 
 HANDLER = "worker.runner:anoop"
@@ -67,14 +74,8 @@ def start_controller(
         client_address={"host": "127.0.0.1", "port": port},
         **settings,
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "controller",
-        "--config",
-        str(config),
-        "--log-level",
-        "ERROR",
+    cmd = controller_argv(
+        config,
         "--workers",
         str(workers),
         *(["--cpus", CONTROLLER_CPUS] if pinned else []),
@@ -85,7 +86,8 @@ def start_controller(
         "--log-level",
         "ERROR",
         *(["--cpus", OTHER_CPUS] if pinned else []),
-    ]
+        log_level="ERROR",
+    )
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
@@ -116,7 +118,7 @@ def client_cpus(pinned: bool) -> Iterator[None]:
         yield
         return
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {int(OTHER_CPUS)})
+    os.sched_setaffinity(0, parse_cpus(OTHER_CPUS))
     try:
         yield
     finally:

@@ -13,8 +13,8 @@ while before it sleeps (for a process on a CPU of its own).
 
 `Outgoing` dials, sends one frame and reads the one frame that answers it;
 `Incoming` reads one frame from an accepted connection, hands it on, writes
-the answer and closes. Both parse with `wire` (`whole_frame` when one read
-brings the frame, else a `FrameDecoder`) and report every failure as a
+the answer and closes. Both read with `wire.FrameReader`, as
+`wire.recv_frame` does, and report every failure as a
 `wire.RemoteProtocolError` (or the `OSError` of a failed dial), exactly as
 `wire.recv_frame` / `sockets.exchange` do. Callbacks run in the reactor's
 task and must not block; a done callback never runs inside the call that
@@ -50,11 +50,10 @@ Result = tuple[wire.M, bytes] | wire.RemoteProtocolError | OSError
 class Timer:
     """A pending `Reactor.call_at`; `cancel()` makes it a no-op."""
 
-    __slots__ = ("callback", "when")
+    __slots__ = ("callback",)
 
-    def __init__(self, when: float, callback: Callable[[float], None] | None) -> None:
-        self.when = when
-        self.callback = callback
+    def __init__(self, callback: Callable[[float], None]) -> None:
+        self.callback: Callable[[float], None] | None = callback
 
     def cancel(self) -> None:
         self.callback = None
@@ -73,8 +72,7 @@ class Reactor:
         """
         self.busy_poll = busy_poll
         self._epoll = select.epoll()
-        self._callbacks: dict[int, Callable[[int], None]] = {}
-        self._sockets: dict[int, socket.socket] = {}
+        self._watched: dict[int, tuple[socket.socket, Callable[[int], None]]] = {}
         self._last: set[int] = set()  # served after the others in each round
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
@@ -98,25 +96,23 @@ class Reactor:
         fd = sock.fileno()
         if last:
             self._last.add(fd)
-        if fd in self._callbacks:
+        if fd in self._watched:
             self._epoll.modify(fd, events)
         else:
             self._epoll.register(fd, events)
-            self._sockets[fd] = sock
-        self._callbacks[fd] = callback
+        self._watched[fd] = (sock, callback)
 
     def unwatch(self, sock: socket.socket) -> None:
         """Stop watching `sock` (before it is closed)."""
         fd = sock.fileno()
-        if self._callbacks.pop(fd, None) is not None:
-            del self._sockets[fd]
+        if self._watched.pop(fd, None) is not None:
             self._last.discard(fd)
             if not self._epoll.closed:
                 self._epoll.unregister(fd)
 
     def call_at(self, when: float, callback: Callable[[float], None]) -> Timer:
         """Call `callback(now)` once the trio clock reaches `when`."""
-        timer = Timer(when, callback)
+        timer = Timer(callback)
         heapq.heappush(self._timers, (when, next(self._seq), timer))
         if when < self._timer_at:
             self._wake.set()
@@ -130,52 +126,43 @@ class Reactor:
         """Serve callbacks and timers until cancelled."""
         epfd = self._epoll.fileno()
         poll = self._epoll.poll
-        callbacks = self._callbacks
+        watched = self._watched
+        last = self._last
         try:
             async with trio.open_nursery() as nursery:
                 # Timers live in their own task, so that waiting for sockets needs no
                 # cancel scope per round (most timers are timeouts that never fire).
                 nursery.start_soon(self._timer_task)
                 task_status.started()
-                last = self._last
-                busy_poll = self.busy_poll
-                clock = time.perf_counter
-                quiet_since = 0.0
                 while True:
-                    if not busy_poll:
+                    if self.busy_poll:
+                        ready = await self._poll_busily()
+                    else:
                         await trio.lowlevel.wait_readable(epfd)
-                    ready = poll(0)
-                    if busy_poll:
-                        if not ready:
-                            now = clock()
-                            quiet_since = quiet_since or now
-                            if now - quiet_since < busy_poll:
-                                await trio.lowlevel.checkpoint()  # others run; look again
-                            else:
-                                quiet_since = 0.0
-                                await trio.lowlevel.wait_readable(epfd)
-                            continue
-                        quiet_since = 0.0
-                    later = []
+                        ready = poll(0)
+                    if last:  # a stable sort: arrival order, the `last` sockets at the end
+                        ready.sort(key=lambda item: item[0] in last)
                     for fd, events in ready:
-                        if fd in last:
-                            later.append((fd, events))
-                            continue
-                        callback = callbacks.get(fd)
-                        if callback is not None:  # not unwatched by an earlier callback
-                            callback(events)
-                    for fd, events in later:
-                        callback = callbacks.get(fd)
-                        if callback is not None:
-                            callback(events)
-                    if busy_poll:
-                        await trio.lowlevel.checkpoint()
+                        entry = watched.get(fd)
+                        if entry is not None:  # not unwatched by an earlier callback
+                            entry[1](events)
         finally:
             self._epoll.close()
-            for sock in self._sockets.values():
+            for sock, _ in watched.values():
                 sock.close()
-            self._sockets.clear()
-            self._callbacks.clear()
+            watched.clear()
+
+    async def _poll_busily(self) -> list[tuple[int, int]]:
+        """The next events: look without sleeping for `busy_poll` seconds, then sleep."""
+        give_up = time.perf_counter() + self.busy_poll
+        while True:
+            await trio.lowlevel.checkpoint()  # the other tasks run between looks
+            ready = self._epoll.poll(0)
+            if ready:
+                return ready
+            if time.perf_counter() >= give_up:
+                await trio.lowlevel.wait_readable(self._epoll.fileno())
+                return self._epoll.poll(0)
 
     async def _timer_task(self) -> None:
         timers = self._timers
@@ -200,36 +187,6 @@ class Reactor:
             if callback is not None:
                 timer.callback = None
                 callback(now)
-
-
-class _Reader(Generic[wire.M]):
-    """Reads one frame of `msg_type` from a non-blocking socket: the half both exchanges share."""
-
-    __slots__ = ("_decoder", "_max_extra", "_type")
-
-    def __init__(self, msg_type: type[wire.M], max_extra_size: int) -> None:
-        self._type = msg_type
-        self._max_extra = max_extra_size
-        self._decoder: wire.FrameDecoder[wire.M] | None = None  # only when a frame is split
-
-    def read(self, sock: socket.socket) -> tuple[wire.M, bytes] | None:
-        """The frame once it is complete, else None; a bad frame, a broken connection or
-        an early close raise the matching `wire.RemoteProtocolError`."""
-        decoder = self._decoder
-        try:
-            data = sock.recv(wire.RECEIVE_CHUNK if decoder is None else decoder.wanted())
-        except BlockingIOError:
-            return None
-        except OSError as exc:
-            raise wire.ConnectionLost(f"receiving a {self._type.__name__}: {exc}") from None
-        if decoder is None:
-            frame = wire.whole_frame(self._type, data, self._max_extra)
-            if frame is not None:
-                return frame
-            decoder = self._decoder = wire.FrameDecoder(self._type, self._max_extra)
-        if not data:
-            decoder.eof()
-        return decoder.feed_frame(data)
 
 
 class Outgoing(Generic[wire.M]):
@@ -267,7 +224,7 @@ class Outgoing(Generic[wire.M]):
         self._path = str(path)
         self._data = data
         self._type = answer_type
-        self._reader = _Reader(answer_type, max_extra_size)
+        self._reader = wire.FrameReader(answer_type, max_extra_size)
         self._done = done
         self._timeout = timeout
         now = trio.current_time()
@@ -391,7 +348,7 @@ class Incoming(Generic[wire.M]):
         self._reactor = reactor
         self.sock = sock
         self._type = request_type
-        self._reader = _Reader(request_type, max_extra_size)
+        self._reader = wire.FrameReader(request_type, max_extra_size)
         self._on_frame = on_frame
         self._on_error = on_error
         self._timeout = timeout

@@ -9,9 +9,12 @@ way.
 it whatever bytes arrived, ask it for the frame, and it either returns one,
 says it needs more, or raises a `RemoteProtocolError` subclass. Every size a
 peer announces is checked against a named cap before anything is allocated.
-`recv_frame` / `send_frame` are the thin trio half on non-blocking sockets,
-shared by the controller, the worker and the tests; `controller.sockets`
-opens, accepts and dials the sockets themselves.
+`whole_frame` is the quick path for a frame that arrived in one read.
+`FrameReader` reads a frame from a non-blocking socket without waiting (the
+reactor's exchanges use it); `recv_frame` / `send_frame` are the thin trio
+half that waits, shared by the controller, the worker and the tests;
+`controller.sockets` and `controller.reactor` open, accept and dial the
+sockets themselves.
 """
 
 from __future__ import annotations
@@ -134,15 +137,6 @@ class FrameDecoder(Generic[M]):
         """Append bytes received from the peer."""
         self._buf += data
 
-    def feed_frame(self, data: bytes) -> tuple[M, bytes] | None:
-        """`feed(data)` then `next_frame()`; quick when one read holds a whole small frame."""
-        if self._msg is None and not self._buf:
-            frame = whole_frame(self._type, data, self._max_extra)
-            if frame is not None:
-                return frame
-        self._buf += data
-        return self.next_frame()
-
     def wanted(self) -> int:
         """A good size for the next receive (at least 1)."""
         if self._msg is not None:
@@ -243,6 +237,42 @@ async def _ready_by(
     return False
 
 
+class FrameReader(Generic[M]):
+    """Reads one frame of `msg_type` from a non-blocking socket, as its bytes arrive.
+
+    Each `read(sock)` makes one receive call and returns the frame once it is
+    complete, else None (nothing there yet, or only part of it). A bad frame,
+    a broken connection or a close before the end raise the matching
+    `RemoteProtocolError`. A frame that comes whole in one read, the common
+    case on a Unix socket, needs no `FrameDecoder` at all.
+    """
+
+    __slots__ = ("_decoder", "_max_extra", "_type")
+
+    def __init__(self, msg_type: type[M], max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE) -> None:
+        self._type = msg_type
+        self._max_extra = max_extra_size
+        self._decoder: FrameDecoder[M] | None = None  # only once a frame comes in pieces
+
+    def read(self, sock: socket.socket) -> tuple[M, bytes] | None:
+        decoder = self._decoder
+        try:
+            data = sock.recv(RECEIVE_CHUNK if decoder is None else decoder.wanted())
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise ConnectionLost(f"receiving a {self._type.__name__}: {exc}") from None
+        if decoder is None:
+            frame = whole_frame(self._type, data, self._max_extra)
+            if frame is not None:
+                return frame
+            decoder = self._decoder = FrameDecoder(self._type, self._max_extra)
+        if not data:
+            decoder.eof()
+        decoder.feed(data)
+        return decoder.next_frame()
+
+
 async def recv_frame(
     sock: socket.socket,
     msg_type: type[M],
@@ -256,25 +286,13 @@ async def recv_frame(
     socket the answer is often already there, and skipping the wait halves
     the cost of an exchange. `timeout` bounds each silence, not the transfer.
     """
-    decoder = FrameDecoder(msg_type, max_extra_size)
-    deadline = trio.current_time() + timeout
+    reader = FrameReader(msg_type, max_extra_size)
     while True:
-        try:
-            data = sock.recv(decoder.wanted())
-        except BlockingIOError:
-            if await _ready_by(trio.lowlevel.wait_readable, sock, deadline):
-                continue
-            raise PeerTimeout(
-                f"peer silent for {timeout:g} s while sending a {msg_type.__name__}"
-            ) from None
-        except OSError as exc:
-            raise ConnectionLost(f"receiving a {msg_type.__name__}: {exc}") from None
-        if not data:
-            decoder.eof()
-        frame = decoder.feed_frame(data)
+        frame = reader.read(sock)
         if frame is not None:
             return frame
-        deadline = trio.current_time() + timeout
+        if not await _ready_by(trio.lowlevel.wait_readable, sock, trio.current_time() + timeout):
+            raise PeerTimeout(f"peer silent for {timeout:g} s while sending a {msg_type.__name__}")
 
 
 async def send_frame(
@@ -304,6 +322,7 @@ __all__ = [
     "ConnectionLost",
     "ExtraTooLarge",
     "FrameDecoder",
+    "FrameReader",
     "HeaderTooLarge",
     "MalformedMessage",
     "PeerTimeout",

@@ -13,11 +13,10 @@ import re
 import signal
 import socket as stdsocket
 import subprocess
-import sys
 
 import trio
 
-from bench.common import recording_exec, worker_argv, write_config
+from bench.common import controller_argv, recording_exec, worker_argv, write_config
 from controller.client import Client
 from tests.test_udp import free_udp_port
 
@@ -37,7 +36,7 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
         timeout_task_placement=120,
         dial_timeout=1.0,
     )
-    controller_cmd = [sys.executable, "-m", "controller", "--config", str(config)]
+    controller_cmd = controller_argv(config)
     # INFO: the "registered as worker N" lines are how worker ids are checked below
     worker_cmd = worker_argv(sockdir, "--pulse", "0.2", *recording_exec(execlog), log_level="INFO")
     logs = [tmp_path / f"controller-{i}.log" for i in range(ROUNDS + 1)]
@@ -148,7 +147,7 @@ def test_full_disk_refuses_new_tasks_loudly(tmp_path, sockdir):
     log = tmp_path / "controller.log"
     with log.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "controller", "--config", str(config)],
+            controller_argv(config),
             stderr=err,
             preexec_fn=small_files,
         )

@@ -5,18 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 import trio
 
+from bench.common import worker_argv
 from controller.core import TaskState
 from tests.conftest import running_controller
 from tests.fakes import wait_until
 
 
 def spawn(sockdir, *args: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "worker", "--socket-dir", str(sockdir), "--log-level", "WARNING"]
-    return subprocess.Popen([*cmd, *args])
+    return subprocess.Popen(worker_argv(sockdir, *args, log_level="WARNING"))
 
 
 def reap(procs) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench.common import write_config
+from bench.common import controller_argv, write_config
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.core import TaskState
 from controller.shell.sdnotify import Notifier
@@ -26,7 +26,7 @@ from controller.shell.supervisor import Supervisor
 from gen import worker_protocol_pb2 as pb
 from tests.conftest import running_controller
 from tests.fakes import FakeWorker, wait_until
-from tests.test_udp import free_udp_port
+from tests.test_udp import client, free_udp_port
 
 NOBODY = 65534
 
@@ -79,7 +79,7 @@ def test_sd_notify_ready_status_watchdog_stopping(tmp_path, sockdir):
     )
     env = dict(os.environ, NOTIFY_SOCKET=str(listener.path), WATCHDOG_USEC="400000")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller", "--config", str(config)],
+        controller_argv(config),
         env=env,
         stderr=subprocess.DEVNULL,
     )
@@ -322,27 +322,11 @@ def test_metrics_scrape_parses(tmp_path, sockdir):
         metrics_address={"host": "127.0.0.1", "port": http},
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "controller", "--config", str(config), "--workers", "1"],
+        controller_argv(config, "--workers", "1"),
         stderr=subprocess.DEVNULL,
     )
     try:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "controller.client",
-                "--server",
-                f"127.0.0.1:{udp}",
-                "--timeout",
-                "20",
-                "add",
-                "1-5",
-                "--payload",
-                "m",
-            ],
-            capture_output=True,
-            timeout=60,
-        )
+        done = client(udp, "--timeout", "20", "add", "1-5", "--payload", "m")
         assert done.returncode == 0, done.stderr
         deadline = time.monotonic() + 10
         while True:
@@ -382,7 +366,7 @@ def test_metrics_address_in_use_is_a_startup_error(tmp_path, sockdir):
             metrics_address={"host": "127.0.0.1", "port": port},
         )
         proc = subprocess.run(
-            [sys.executable, "-m", "controller", "--config", str(config)],
+            controller_argv(config),
             capture_output=True,
             text=True,
             timeout=30,
@@ -462,7 +446,7 @@ def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
         journal=None,
     )
     worker_args = ["--", "--cpus", str(second)] if own else []
-    cmd = [sys.executable, "-m", "controller", "--config", str(config), "--cpus", str(first)]
+    cmd = controller_argv(config, "--cpus", str(first))
     log = (tmp_path / "controller.log").open("wb")
     proc = subprocess.Popen([*cmd, "--workers", "1", *worker_args], stderr=log)
     try:

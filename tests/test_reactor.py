@@ -15,6 +15,7 @@ from controller import wire
 from controller.reactor import Incoming, Outgoing, Reactor
 from controller.sockets import listen_unix
 from gen import worker_protocol_pb2 as pb
+from tests.fakes import wait_until
 
 REQUEST = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=7)
 
@@ -183,9 +184,7 @@ async def test_workers_answers_are_served_before_new_datagrams(nursery):
     reactor.watch(low_a, select.EPOLLIN, lambda ev: order.append(low_a.recv(1).decode()), last=True)
     reactor.watch(high_a, select.EPOLLIN, lambda ev: order.append(high_a.recv(1).decode()))
     await nursery.start(reactor.run)
-    with trio.fail_after(5):
-        while len(order) < 2:
-            await trio.sleep(0.001)
+    await wait_until(lambda: len(order) == 2, timeout=5)
     assert order == ["y", "x"]
     for sock in (low_b, high_b):
         sock.close()

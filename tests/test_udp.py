@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from bench.chaos import lossy_router
-from bench.common import write_config
+from bench.common import controller_argv, write_config
 from controller.client import Client
 from controller.config import ClientAddress, Config
 from controller.shell.server import ControllerShell
@@ -122,16 +122,7 @@ def start_controller(
     path = write_config(
         tmp, socket_dir=str(sockdir), client_address={"host": "127.0.0.1", "port": port}, **settings
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "controller",
-        "--config",
-        str(path),
-        "--log-level",
-        "WARNING",
-        *args,
-    ]
+    cmd = controller_argv(path, *args, log_level="WARNING")
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
