@@ -23,7 +23,6 @@ import ast
 import base64
 import binascii
 import enum
-import heapq
 import ipaddress
 import itertools
 import json
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from controller.core.model import TaskFinished, TaskState
+from controller.deadlines import Deadlines
 
 log = logging.getLogger("controller.frontdoor")
 
@@ -212,8 +212,7 @@ class FrontDoor:
         self._txid = itertools.count(first_txid)
         self._seen: OrderedDict[tuple[Address, int], tuple[float, bytes | None]] = OrderedDict()
         self._allowed_cache: dict[str, bool] = {}
-        self._heap: list[tuple[float, int, Record]] = []
-        self._seq = itertools.count()
+        self._deadlines: Deadlines[Record] = Deadlines()
         self._last_log = -LOG_INTERVAL
         self._dropped_since_log = 0
 
@@ -457,10 +456,12 @@ class FrontDoor:
     def expire(self, now: float) -> list[Send]:
         """Repeat due notifications and forget records past their retention."""
         out: list[Send] = []
-        heap = self._heap
         forgotten = 0
-        while heap and heap[0][0] <= now and forgotten < MAX_FORGET_PER_CALL:
-            when, _, record = heapq.heappop(heap)
+        while forgotten < MAX_FORGET_PER_CALL:
+            due = self._deadlines.pop_due(now)
+            if due is None:
+                break
+            when, record = due
             if self.records.get((record.addr, record.task_id)) is not record:
                 continue
             if record.expires_at and when >= record.expires_at:
@@ -486,7 +487,7 @@ class FrontDoor:
 
     def next_deadline(self) -> float:
         """When `expire` next has work: a repeat, a retention, or a transmission to forget."""
-        first = self._heap[0][0] if self._heap else float("inf")
+        first = self._deadlines.next()
         if self._seen:
             first = min(first, next(iter(self._seen.values()))[0])
         return first
@@ -525,7 +526,7 @@ class FrontDoor:
         self.journal.task_notified(record.ref, self.result_retention)
 
     def _push(self, when: float, record: Record) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), record))
+        self._deadlines.push(when, record)
 
     def _error_ack(self, txid: int, exc: BadPacket, limit: int) -> bytes | None:
         """The error acknowledgement, shortened or withheld so it never outgrows the request."""

@@ -24,8 +24,6 @@ so callers never see themselves re-entered.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import select
 import socket
@@ -37,6 +35,7 @@ from typing import Generic
 import trio
 
 from controller import wire
+from controller.deadlines import Deadlines
 from controller.sockets import CONNECT_RETRY
 
 # The timer task looks at the heap at least this often (see _timer_task).
@@ -74,8 +73,7 @@ class Reactor:
         self._epoll = select.epoll()
         self._watched: dict[int, tuple[socket.socket, Callable[[int], None]]] = {}
         self._last: set[int] = set()  # served after the others in each round
-        self._timers: list[tuple[float, int, Timer]] = []
-        self._seq = itertools.count()
+        self._timers: Deadlines[Timer] = Deadlines()
         self._wake = trio.Event()
         self._timer_at = math.inf  # when the timer task wakes up next
 
@@ -113,7 +111,7 @@ class Reactor:
     def call_at(self, when: float, callback: Callable[[float], None]) -> Timer:
         """Call `callback(now)` once the trio clock reaches `when`."""
         timer = Timer(callback)
-        heapq.heappush(self._timers, (when, next(self._seq), timer))
+        self._timers.push(when, timer)
         if when < self._timer_at:
             self._wake.set()
         return timer
@@ -167,12 +165,12 @@ class Reactor:
     async def _timer_task(self) -> None:
         timers = self._timers
         while True:
-            while timers and timers[0][2].callback is None:
-                heapq.heappop(timers)  # cancelled: must not wake us up
+            while (first := timers.peek()) is not None and first.callback is None:
+                timers.pop()  # cancelled: must not wake us up
             # Look again at least every TIMER_TICK, so that a new timeout (seconds
             # away) does not have to wake this task: only an earlier one does.
             horizon = trio.current_time() + TIMER_TICK
-            self._timer_at = min(timers[0][0], horizon) if timers else horizon
+            self._timer_at = min(timers.next(), horizon)
             with trio.move_on_at(self._timer_at):
                 await self._wake.wait()
             self._wake = trio.Event()
@@ -181,8 +179,8 @@ class Reactor:
 
     def _run_timers(self, now: float) -> None:
         timers = self._timers
-        while timers and timers[0][0] <= now:
-            timer = heapq.heappop(timers)[2]
+        while (due := timers.pop_due(now)) is not None:
+            timer = due[1]
             callback = timer.callback
             if callback is not None:
                 timer.callback = None

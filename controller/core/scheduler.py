@@ -19,10 +19,8 @@ workers or all tasks.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,6 +42,7 @@ from controller.core.model import (
     WorkerExited,
     WorkerState,
 )
+from controller.deadlines import Deadlines
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller.core")
@@ -98,11 +97,10 @@ class Core:
         self._queue: deque[Task] = deque()
         self._queued = 0  # tasks in state QUEUED (the deque may hold stale entries)
         self._idle: dict[int, Worker] = {}
-        self._heap: list[tuple[float, int, int, Worker | Task]] = []
+        self._deadlines: Deadlines[tuple[int, Worker | Task]] = Deadlines()
         # Recovered tasks a re-registering worker may still hold, by task_id, until they
         # are claimed, placed elsewhere or finished.
         self._orphans: dict[int, list[Task]] = {}
-        self._seq = itertools.count()
 
     # ------------------------------------------------------------ public API
 
@@ -192,9 +190,9 @@ class Core:
     def expire(self, now: float) -> list[Action]:
         """Handle every deadline at or before `now`."""
         actions: list[Action] = []
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            when, _, kind, obj = heapq.heappop(heap)
+        deadlines = self._deadlines
+        while (due := deadlines.pop_due(now)) is not None:
+            when, (kind, obj) = due
             if kind == _PULSE:
                 assert isinstance(obj, Worker)
                 obj.armed = False
@@ -245,7 +243,7 @@ class Core:
 
     def next_deadline(self) -> float:
         """When `expire` next has something to do (inf when nothing is pending)."""
-        return self._heap[0][0] if self._heap else math.inf
+        return self._deadlines.next()
 
     def status(self, now: float, max_workers: int = 200) -> dict[str, object]:
         """What `udp-client status` shows: workers, and tasks by state (an operator's query,
@@ -689,4 +687,4 @@ class Core:
             self._push(worker.deadline, _PULSE, worker)
 
     def _push(self, when: float, kind: int, obj: Worker | Task) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), kind, obj))
+        self._deadlines.push(when, (kind, obj))
