@@ -1,134 +1,40 @@
-"""The UDP front door, pure: datagram bytes in, datagrams out (DESIGN.md section 4).
+"""The UDP front door, pure: a codec between datagrams and the job book.
 
-How it works: `datagram(data, addr, now)` parses and validates one packet and
-returns the datagrams to send (acknowledgements, re-sent outcomes); new tasks
-go to the scheduler through the `Scheduler` protocol. `task_finished` turns a
-core outcome into a `notify_task`; success notifications are repeated with
-doubling intervals until the client acknowledges them. `expire(now)` runs
-those repeats and forgets finished records after `result_retention`.
+How it works: `datagram(data, addr, now)` parses and checks one packet and
+returns what should happen, as actions: `Submit` a new job, `Send` a
+datagram, `Delivered` (the client has an outcome: its retention starts). It
+reads the job book (duplicates, statuses, results) but never changes it,
+and it calls neither the scheduler nor the journal: the shell's job desk
+carries the actions out, state changes before sends (controller/shell/desk.py).
+`job_finished` turns an ended job into a `notify_task`; success notifications
+are repeated until acknowledged (controller/transmissions.py).
 
-Records are keyed by (client address, task_id): that is the duplicate
-detection key, and it is also why outcomes only ever go to the submitter.
-Every copy of a repeated packet (same sender, same transmission_id) gets the
-same acknowledgement and is acted on once.
-
-Anything a peer sends can only end as an error acknowledgement (never larger
-than the packet it answers) or as silence plus a counter; the log gets at
-most one line per `LOG_INTERVAL` about dropped packets.
+A UDP job's id is `udp-<host>-<port>-<task_id>`, so the (client address,
+task_id) duplicate-detection key is just a book lookup, and outcomes only
+ever go to the submitter. Anything a peer sends can only end as an error
+acknowledgement (never larger than the packet it answers) or as silence
+plus a counter; the log gets at most one line per `LOG_INTERVAL` about
+dropped packets.
 """
 
 from __future__ import annotations
 
-import ast
 import base64
-import binascii
-import enum
 import ipaddress
-import itertools
-import json
 import logging
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from controller.core.model import TaskFinished, TaskState
-from controller.deadlines import Deadlines
+from controller import datagram as dg
+from controller.datagram import BadPacket
+from controller.jobs import Job, JobBook, JobState, udp_job_id
+from controller.transmissions import Address, Repeats, Seen
 
 log = logging.getLogger("controller.frontdoor")
 
-Address = tuple[str, int]
-
-NO_ACK, WANT_ACK, IS_ACK = 0, 1, 2
-# A notify_task whose result would make the datagram bigger than this announces
-# `result_size` instead; the client reads the result with get_result.
-MAX_INLINE_RESULT = 60_000
-# Largest chunk one get_result may ask for (base64 of it stays well under 64 KiB).
-MAX_CHUNK = 32_768
-# How long a (sender, transmission_id) is remembered to answer repeats without acting twice.
-TRANSMISSION_MEMORY = 120.0
-# Cap on remembered transmissions, so a flood of distinct ids cannot grow memory without bound.
-MAX_TRANSMISSIONS = 200_000
-# First interval between repeats of an unacknowledged success notification (then doubling).
-NOTIFY_FIRST_INTERVAL = 0.5
-# Records forgotten per expire() call: retention deletes reach the journal in bounded
-# batches, and a backlog (after a restart) does not stall the event loop.
-MAX_FORGET_PER_CALL = 1000
 # At most one log line per this many seconds about dropped or refused packets.
 LOG_INTERVAL = 10.0
-
-
-class Scheduler(Protocol):
-    """What the front door needs of the controller core."""
-
-    def submit_task(self, task_id: int, payload: bytes, owner: Address) -> int: ...
-
-    def task_state(self, ref: int) -> TaskState | None: ...
-
-    def status_report(self) -> dict[str, Any]: ...
-
-
-class JournalSink(Protocol):
-    """Where the front door reports what must survive a crash (the journal, or nothing)."""
-
-    def accepting(self) -> str: ...
-
-    def task_added(self, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None: ...
-
-    def task_finished(self, ref: int, state: str, result: bytes, error: str) -> None: ...
-
-    def task_notified(self, ref: int, retention: float) -> None: ...
-
-    def task_forgotten(self, ref: int) -> None: ...
-
-
-class NoJournal:
-    """`journal: null`: state lives in memory only."""
-
-    def accepting(self) -> str:
-        return ""
-
-    def task_added(self, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None:
-        pass
-
-    def task_finished(self, ref: int, state: str, result: bytes, error: str) -> None:
-        pass
-
-    def task_notified(self, ref: int, retention: float) -> None:
-        pass
-
-    def task_forgotten(self, ref: int) -> None:
-        pass
-
-
-class RecordState(enum.Enum):
-    LIVE = "live"  # queued or running in the core
-    SUCCESS = "success"
-    ERROR = "error"
-    FAILED_POST = "failed_post"
-
-
-_FINAL = {
-    TaskState.SUCCESS: RecordState.SUCCESS,
-    TaskState.ERROR: RecordState.ERROR,
-    TaskState.FAILED_POST: RecordState.FAILED_POST,
-}
-
-
-@dataclass(eq=False)
-class Record:
-    addr: Address
-    task_id: int
-    ref: int
-    state: RecordState = RecordState.LIVE
-    result: bytes = b""
-    error: str = ""
-    notify_txid: int = 0  # transmission id of the pending success notification
-    notify_left: int = 0  # repeats still allowed
-    notify_at: float = 0.0  # when the next repeat is due
-    notify_interval: float = NOTIFY_FIRST_INTERVAL
-    acked: bool = False
-    expires_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +45,24 @@ class Send:
     independent: bool = False
 
 
-class BadPacket(Exception):
-    """A packet the front door refuses; `code` goes in the error acknowledgement."""
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Record and queue a new job."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    job_id: str
+    task_id: int
+    payload: bytes
+    addr: Address
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """The client has the job's outcome (or the repeats ran out): keep it for retention."""
+
+    job_id: str
+
+
+DoorAction = Send | Submit | Delivered
 
 
 @dataclass
@@ -161,91 +78,60 @@ class FrontDoorStats:
     by_code: dict[str, int] = field(default_factory=dict)
 
 
-def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def parse_packet(data: bytes) -> dict[str, Any]:
-    """JSON, or the seed's single-quoted Python-literal form (never eval)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadPacket("bad_encoding", "not UTF-8") from None
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
-        try:
-            obj = ast.literal_eval(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            raise BadPacket("bad_json", "not a JSON object") from None
-    if not isinstance(obj, dict):
-        raise BadPacket("not_object", "the packet must be a JSON object")
-    return obj
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 class FrontDoor:
     def __init__(
         self,
-        scheduler: Scheduler,
+        book: JobBook,
         *,
         allowed_clients: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
+        refusal: Callable[[], str] = lambda: "",
+        status_report: Callable[[], dict[str, Any]] = dict,
         notify_retries: int = 8,
-        result_retention: float = 3600.0,
         max_payload: int = 16 * 1024 * 1024,
         first_txid: int = 1,
-        journal: JournalSink | None = None,
     ) -> None:
-        self.scheduler = scheduler
-        self.journal: JournalSink = journal or NoJournal()
+        """`refusal()`: why new jobs must be refused now ("" when welcome)."""
+        self.book = book
+        self.refusal = refusal
+        self.status_report = status_report
         self.allowed_clients = tuple(allowed_clients)
-        self.notify_retries = notify_retries
-        self.result_retention = result_retention
         self.max_payload = max_payload
         self.stats = FrontDoorStats()
-        self.records: dict[tuple[Address, int], Record] = {}
-        self._by_ref: dict[int, Record] = {}
-        self._by_txid: dict[int, Record] = {}  # pending success notifications
-        self._txid = itertools.count(first_txid)
-        self._seen: OrderedDict[tuple[Address, int], tuple[float, bytes | None]] = OrderedDict()
+        self.seen = Seen()
+        self.repeats = Repeats(notify_retries, first_txid)
         self._allowed_cache: dict[str, bool] = {}
-        self._deadlines: Deadlines[Record] = Deadlines()
         self._last_log = -LOG_INTERVAL
         self._dropped_since_log = 0
 
     # ------------------------------------------------------------ inbound
 
-    def datagram(self, data: bytes, addr: Address, now: float) -> list[Send]:
-        """Handle one datagram from `addr`; returns what to send."""
+    def datagram(self, data: bytes, addr: Address, now: float) -> list[DoorAction]:
+        """Handle one datagram from `addr`."""
         self.stats.received += 1
         if not self._is_allowed(addr[0]):
             self.stats.not_allowed += 1
             self._note_drop(now, f"packet from {addr[0]} outside allowed_clients")
             return []
         try:
-            packet = parse_packet(data)
+            packet = dg.parse_packet(data)
         except BadPacket as exc:
             self.stats.unparseable += 1
             self._note_drop(now, f"unparseable packet from {addr[0]}: {exc.message}")
             return []
         ptype = packet.get("packet_type")
-        txid = _int(packet.get("transmission_id"))
-        if ptype == IS_ACK:
-            self._on_ack(txid, addr, now)
-            return []
-        if txid is not None and ptype == WANT_ACK:
-            key = (addr, txid)
-            seen = self._seen.get(key)
+        txid = dg.int_field(packet.get("transmission_id"))
+        if ptype == dg.IS_ACK:
+            job_id = self.repeats.acked(txid, addr) if txid is not None else None
+            return [Delivered(job_id)] if job_id is not None else []
+        if txid is not None and ptype == dg.WANT_ACK:
+            seen = self.seen.get(addr, txid)
             if seen is not None:
                 self.stats.duplicates += 1
-                return [Send(seen[1], addr)] if seen[1] is not None else []
+                return [Send(seen[0], addr)] if seen[0] is not None else []
         try:
-            if ptype not in (NO_ACK, WANT_ACK) or isinstance(ptype, bool):
+            if ptype not in (dg.NO_ACK, dg.WANT_ACK) or isinstance(ptype, bool):
                 raise BadPacket("bad_packet_type", "packet_type must be 0, 1 or 2")
-            if ptype == WANT_ACK and txid is None:
+            if ptype == dg.WANT_ACK and txid is None:
                 raise BadPacket("bad_transmission_id", "transmission_id must be an integer")
             out, ack_params = self._on_request(packet, addr, now)
         except BadPacket as exc:
@@ -253,22 +139,21 @@ class FrontDoor:
             codes = self.stats.by_code
             codes[exc.code] = codes.get(exc.code, 0) + 1
             self._note_drop(now, f"refused packet from {addr[0]}: {exc.message}")
-            reply = self._error_ack(txid, exc, len(data)) if txid is not None else None
-            if txid is not None and ptype == WANT_ACK:
-                self._remember(addr, txid, reply, now)
+            if txid is None:
+                return []
+            reply = dg.error_ack(txid, exc.code, exc.message, len(data))
+            if ptype == dg.WANT_ACK:
+                self.seen.remember(addr, txid, reply, now)
             return [Send(reply, addr, independent=True)] if reply is not None else []
-        if ptype != WANT_ACK or txid is None:
+        if ptype != dg.WANT_ACK or txid is None:
             return out
-        ack: dict[str, Any] = {"method": "ack", "packet_type": IS_ACK, "transmission_id": txid}
-        if ack_params:
-            ack["params"] = ack_params
-        reply = encode(ack)
-        self._remember(addr, txid, reply, now)
+        reply = dg.ack(txid, ack_params)
+        self.seen.remember(addr, txid, reply, now)
         return [Send(reply, addr), *out]
 
     def _on_request(
         self, packet: dict[str, Any], addr: Address, now: float
-    ) -> tuple[list[Send], dict[str, Any] | None]:
+    ) -> tuple[list[DoorAction], dict[str, Any] | None]:
         method = packet.get("method")
         params = packet.get("params", {})
         if not isinstance(params, dict):
@@ -280,7 +165,7 @@ class FrontDoor:
         if method == "get_result":
             return [], self._get_result(params, addr)
         if method == "status":
-            report = self.scheduler.status_report()
+            report = self.status_report()
             report["front_door"] = {
                 "received": self.stats.received,
                 "refused": self.stats.refused,
@@ -288,280 +173,122 @@ class FrontDoor:
                 "not_allowed": self.stats.not_allowed,
                 "duplicates": self.stats.duplicates,
                 "refused_by_code": dict(self.stats.by_code),
-                "records": len(self.records),
+                "records": len(self.book),
             }
             return [], report
         raise BadPacket("unknown_method", f"unknown method {str(method)[:40]!r}")
 
-    def _task_id(self, params: dict[str, Any]) -> int:
-        task_id = _int(params.get("task_id"))
+    @staticmethod
+    def _task_id(params: dict[str, Any]) -> int:
+        task_id = dg.int_field(params.get("task_id"))
         if task_id is None or task_id < 1 or task_id >= 2**64:
             raise BadPacket("bad_task_id", "params.task_id must be an integer >= 1")
         return task_id
 
-    def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[Send]:
+    def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[DoorAction]:
         task_id = self._task_id(params)
-        payload = self._payload(params)
-        record = self.records.get((addr, task_id))
-        if record is not None:
+        payload = dg.bytes_param(params, "payload", self.max_payload)
+        job = self.book.get(udp_job_id(addr[0], addr[1], task_id))
+        if job is not None:
             self.stats.duplicates += 1
-            if record.state is RecordState.LIVE:
+            if not job.state.final:
                 return []
-            return self._notify(record, now)  # finished: send the stored outcome again
-        refusal = self.journal.accepting()
-        if refusal:
+            return self.job_finished(job, now)  # send the stored outcome again
+        if self.refusal():
             raise BadPacket("journal_unavailable", "cannot record new tasks now")
-        ref = self.scheduler.submit_task(task_id, payload, addr)
-        self.journal.task_added(ref, addr[0], addr[1], task_id, payload)
-        record = Record(addr, task_id, ref)
-        self.records[(addr, task_id)] = record
-        self._by_ref[ref] = record
         self.stats.tasks_added += 1
-        return []
-
-    def _payload(self, params: dict[str, Any]) -> bytes:
-        text = params.get("payload")
-        b64 = params.get("payload_b64")
-        if text is not None and b64 is not None:
-            raise BadPacket("bad_payload", "give payload or payload_b64, not both")
-        if text is not None:
-            if not isinstance(text, str):
-                raise BadPacket("bad_payload", "params.payload must be text")
-            payload = text.encode("utf-8")
-        elif b64 is not None:
-            if not isinstance(b64, str):
-                raise BadPacket("bad_payload", "params.payload_b64 must be base64 text")
-            try:
-                payload = base64.b64decode(b64, validate=True)
-            except (binascii.Error, ValueError):
-                raise BadPacket("bad_payload", "params.payload_b64 is not valid base64") from None
-        else:
-            payload = b""
-        if len(payload) > self.max_payload:
-            raise BadPacket(
-                "payload_too_large", f"payload of {len(payload)} bytes over {self.max_payload}"
-            )
-        return payload
+        return [Submit(udp_job_id(addr[0], addr[1], task_id), task_id, payload, addr)]
 
     def _get_task(self, params: dict[str, Any], addr: Address) -> dict[str, Any]:
         task_id = self._task_id(params)
-        record = self._lookup(addr, task_id)
-        answer: dict[str, Any] = {"task_id": task_id, "status": self._status(record)}
-        if record.state is RecordState.SUCCESS:
-            answer["result_size"] = len(record.result)
-        elif record.state in (RecordState.ERROR, RecordState.FAILED_POST):
-            answer["error"] = record.error
+        job = self._lookup(addr, task_id)
+        answer: dict[str, Any] = {"task_id": task_id, "status": job.udp_status}
+        if job.state is JobState.FINISHED:
+            answer["result_size"] = len(job.result)
+        elif job.state.final:
+            answer["error"] = job.error
         return answer
 
     def _get_result(self, params: dict[str, Any], addr: Address) -> dict[str, Any]:
         task_id = self._task_id(params)
-        record = self._lookup(addr, task_id)
-        if record.state is not RecordState.SUCCESS:
-            raise BadPacket("no_result", f"task {task_id} has no result ({self._status(record)})")
-        offset = _int(params.get("offset", 0))
-        length = _int(params.get("length", MAX_CHUNK))
+        job = self._lookup(addr, task_id)
+        if job.state is not JobState.FINISHED:
+            raise BadPacket("no_result", f"task {task_id} has no result ({job.udp_status})")
+        offset = dg.int_field(params.get("offset", 0))
+        length = dg.int_field(params.get("length", dg.MAX_CHUNK))
         if offset is None or offset < 0 or length is None or length < 0:
             raise BadPacket("bad_range", "offset and length must be integers >= 0")
-        chunk = record.result[offset : offset + min(length, MAX_CHUNK)]
+        chunk = job.result[offset : offset + min(length, dg.MAX_CHUNK)]
         return {
             "task_id": task_id,
             "offset": offset,
-            "result_size": len(record.result),
+            "result_size": len(job.result),
             "result_b64": base64.b64encode(chunk).decode(),
         }
 
-    def _lookup(self, addr: Address, task_id: int) -> Record:
-        record = self.records.get((addr, task_id))
-        if record is None:
+    def _lookup(self, addr: Address, task_id: int) -> Job:
+        job = self.book.get(udp_job_id(addr[0], addr[1], task_id))
+        if job is None:
             raise BadPacket("unknown_task", f"no task {task_id} from this address")
-        return record
-
-    def _status(self, record: Record) -> str:
-        if record.state is not RecordState.LIVE:
-            return str(record.state.value)
-        state = self.scheduler.task_state(record.ref)
-        return state.public if state is not None else "running"
-
-    def _on_ack(self, txid: int | None, addr: Address, now: float) -> None:
-        record = self._by_txid.get(txid) if txid is not None else None
-        if record is None or record.addr != addr:
-            return
-        del self._by_txid[record.notify_txid]
-        record.acked = True
-        record.notify_left = 0
-        self._retain(record, now)
-
-    def restore(
-        self,
-        ref: int,
-        addr: Address,
-        task_id: int,
-        now: float,
-        *,
-        state: str = "live",
-        result: bytes = b"",
-        error: str = "",
-        notified: bool = False,
-        retain_for: float | None = None,
-    ) -> list[Send]:
-        """Put back a record from the journal; an outcome not yet delivered is sent again."""
-        record = Record(addr, task_id, ref, state=RecordState(state), result=result, error=error)
-        self.records[(addr, task_id)] = record
-        if record.state is RecordState.LIVE:
-            self._by_ref[ref] = record
-            return []
-        if notified:
-            record.acked = True
-            record.expires_at = now + max(
-                0.0, self.result_retention if retain_for is None else retain_for
-            )
-            self._push(record.expires_at, record)
-            return []
-        return self._notify(record, now)
+        return job
 
     # ------------------------------------------------------------ outbound
 
-    def task_finished(self, finished: TaskFinished, now: float) -> list[Send]:
-        """A task ended in the core: record the outcome and notify its client."""
-        record = self._by_ref.pop(finished.ref, None)
-        if record is None:
-            return []
-        record.state = _FINAL[finished.state]
-        record.result = finished.result
-        record.error = finished.error
-        self.journal.task_finished(record.ref, record.state.value, record.result, record.error)
-        return self._notify(record, now)
-
-    def _notify(self, record: Record, now: float) -> list[Send]:
+    def job_finished(self, job: Job, now: float) -> list[DoorAction]:
+        """Tell the submitter of an ended UDP job its outcome."""
+        addr = job.key
+        assert isinstance(addr, tuple)
         self.stats.notifications += 1
-        params: dict[str, Any] = {"task_id": record.task_id, "status": record.state.value}
-        if record.state is not RecordState.SUCCESS:
-            params["error"] = record.error
-            self._retain(record, now)
-            packet = {"method": "notify_task", "packet_type": NO_ACK, "params": params}
-            return [Send(encode(packet), record.addr)]
-        if record.notify_txid:
-            self._by_txid.pop(record.notify_txid, None)
-        txid = next(self._txid)
-        record.notify_txid = txid
-        record.acked = False
-        record.notify_left = self.notify_retries
-        record.notify_interval = NOTIFY_FIRST_INTERVAL
-        record.notify_at = now + NOTIFY_FIRST_INTERVAL
-        record.expires_at = 0.0  # kept at least until acknowledged or given up on
-        self._by_txid[txid] = record
-        self._push(record.notify_at, record)
-        return [Send(self._success_packet(record), record.addr)]
+        if job.state is not JobState.FINISHED:
+            params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
+            return [Send(dg.request("notify_task", params), addr), Delivered(job.id)]
+        txid = self.repeats.start(job.id, addr, now)
+        return [Send(self._success_packet(job, txid), addr)]
 
-    def expire(self, now: float) -> list[Send]:
-        """Repeat due notifications and forget records past their retention."""
-        out: list[Send] = []
-        forgotten = 0
-        while forgotten < MAX_FORGET_PER_CALL:
-            due = self._deadlines.pop_due(now)
-            if due is None:
-                break
-            when, record = due
-            if self.records.get((record.addr, record.task_id)) is not record:
+    def expire(self, now: float) -> list[DoorAction]:
+        """Repeat due notifications; give up on those out of repeats; forget old requests."""
+        again, gave_up = self.repeats.due(now)
+        out: list[DoorAction] = []
+        for pending in again:
+            job = self.book.get(pending.job_id)
+            if job is None:  # forgotten meanwhile (its retention ran out)
+                self.repeats.cancel(pending.job_id)
                 continue
-            if record.expires_at and when >= record.expires_at:
-                forgotten += 1
-                del self.records[(record.addr, record.task_id)]
-                self._by_txid.pop(record.notify_txid, None)
-                self.journal.task_forgotten(record.ref)
-                continue
-            if not record.acked and record.notify_txid and record.notify_at == when:
-                if record.notify_left > 0:
-                    record.notify_left -= 1
-                    record.notify_interval *= 2
-                    record.notify_at = now + record.notify_interval
-                    self._push(record.notify_at, record)
-                    self.stats.notify_repeats += 1
-                    out.append(Send(self._success_packet(record), record.addr))
-                else:
-                    self._by_txid.pop(record.notify_txid, None)
-                    record.notify_txid = 0
-                    self._retain(record, now)
-        self._forget_transmissions(now)
+            self.stats.notify_repeats += 1
+            out.append(Send(self._success_packet(job, pending.txid), pending.addr))
+        out.extend(Delivered(job_id) for job_id in gave_up)
+        self.seen.expire(now)
         return out
 
     def next_deadline(self) -> float:
-        """When `expire` next has work: a repeat, a retention, or a transmission to forget."""
-        first = self._deadlines.next()
-        if self._seen:
-            first = min(first, next(iter(self._seen.values()))[0])
-        return first
+        """When `expire` next has work: a repeat, or a request to forget."""
+        return min(self.repeats.next_deadline(), self.seen.next_deadline())
 
-    def _success_packet(self, record: Record) -> bytes:
+    def forget(self, job: Job) -> None:
+        """The book forgot `job`: nothing more to send for it."""
+        self.repeats.cancel(job.id)
+
+    @staticmethod
+    def _success_packet(job: Job, txid: int) -> bytes:
         """notify_task for a success: the result inline, or its size when too big."""
-        params: dict[str, Any] = {"task_id": record.task_id, "status": "success"}
-        result = record.result
-        if len(result) <= MAX_INLINE_RESULT:
-            try:
-                params["result"] = result.decode("utf-8")
-            except UnicodeDecodeError:
-                params["result_b64"] = base64.b64encode(result).decode()
-        else:
-            params["result_size"] = len(result)
-        packet = {
-            "method": "notify_task",
-            "packet_type": WANT_ACK,
-            "transmission_id": record.notify_txid,
-            "params": params,
-        }
-        data = encode(packet)
-        if len(data) > MAX_INLINE_RESULT:  # DESIGN.md: over 60,000 bytes encoded is announced
+        params: dict[str, Any] = {"task_id": job.task_id, "status": "success"}
+        result = job.result
+        if len(result) <= dg.MAX_INLINE_RESULT:
+            dg.put_bytes(params, "result", result)
+            data = dg.request("notify_task", params, txid)
+            if len(data) <= dg.MAX_INLINE_RESULT:
+                return data
             params.pop("result", None)
             params.pop("result_b64", None)
-            params["result_size"] = len(result)
-            data = encode(packet)
-        return data
+        params["result_size"] = len(result)  # over 60,000 bytes encoded: announced
+        return dg.request("notify_task", params, txid)
 
     # ------------------------------------------------------------ helpers
-
-    def _retain(self, record: Record, now: float) -> None:
-        """The outcome was delivered (or given up on): keep the record for result_retention."""
-        record.expires_at = now + self.result_retention
-        self._push(record.expires_at, record)
-        self.journal.task_notified(record.ref, self.result_retention)
-
-    def _push(self, when: float, record: Record) -> None:
-        self._deadlines.push(when, record)
-
-    def _error_ack(self, txid: int, exc: BadPacket, limit: int) -> bytes | None:
-        """The error acknowledgement, shortened or withheld so it never outgrows the request."""
-        for message in (exc.message, exc.message[:40], ""):
-            error = {"code": exc.code, "message": message} if message else {"code": exc.code}
-            ack = {"method": "ack", "packet_type": IS_ACK, "transmission_id": txid, "error": error}
-            data = encode(ack)
-            if len(data) <= limit:
-                return data
-        return None
-
-    def _remember(self, addr: Address, txid: int, reply: bytes | None, now: float) -> None:
-        self._seen[(addr, txid)] = (now + TRANSMISSION_MEMORY, reply)
-        if len(self._seen) > MAX_TRANSMISSIONS:
-            self._seen.popitem(last=False)
-
-    def _forget_transmissions(self, now: float) -> None:
-        seen = self._seen
-        while seen:
-            key, (until, _) = next(iter(seen.items()))
-            if until > now:
-                break
-            del seen[key]
 
     def _is_allowed(self, host: str) -> bool:
         allowed = self._allowed_cache.get(host)
         if allowed is None:
-            try:
-                ip = ipaddress.ip_address(host.split("%", 1)[0])
-            except ValueError:
-                allowed = False
-            else:
-                if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-                    ip = ip.ipv4_mapped
-                allowed = any(ip in net for net in self.allowed_clients)
+            allowed = address_allowed(host, self.allowed_clients)
             if len(self._allowed_cache) > 10_000:
                 self._allowed_cache.clear()
             self._allowed_cache[host] = allowed
@@ -575,3 +302,16 @@ class FrontDoor:
             log.warning("%s%s", what, more)
             self._last_log = now
             self._dropped_since_log = 0
+
+
+def address_allowed(
+    host: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]
+) -> bool:
+    """Is `host` (an IP address as text) in one of `networks`? IPv4-mapped IPv6 counts as IPv4."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in net for net in networks)

@@ -1,7 +1,7 @@
-"""The SQLite journal: what an acknowledged task needs to survive a controller crash.
+"""The SQLite journal: what an acknowledged job needs to survive a controller crash.
 
-How it works: the event loop *stages* changes (a task was added, started,
-re-queued, finished, its outcome acknowledged, its record forgotten) in a
+How it works: the event loop *stages* changes (a job was added, started,
+re-queued, finished, its outcome delivered, its record forgotten) in a
 list, which costs a tuple append. A committer task swaps that list out and
 writes it in one transaction from a thread (WAL, synchronous=FULL: one fsync
 per batch), so a burst of a thousand datagrams costs one commit: group
@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.jobs import Job
+
 log = logging.getLogger("controller.journal")
 
 # "JCTL": marks the file as ours, so a foreign SQLite file is refused, not altered.
 APPLICATION_ID = 0x4A43544C
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Worker ids are reserved in blocks committed ahead of use, so that a crash can
 # never hand out an id twice and no REGISTER waits for a commit.
 WORKER_ID_BLOCK = 1000
@@ -38,34 +40,53 @@ PRUNE_BATCH = 1000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
+CREATE TABLE IF NOT EXISTS jobs (
     ref INTEGER PRIMARY KEY,
-    host TEXT NOT NULL,
-    port INTEGER NOT NULL,
+    id TEXT NOT NULL,                 -- the job's id (udp-<host>-<port>-<task_id> for UDP jobs)
+    door TEXT NOT NULL,               -- udp, http, redis
+    host TEXT NOT NULL DEFAULT '',    -- a UDP job's client address
+    port INTEGER NOT NULL DEFAULT 0,
     task_id INTEGER NOT NULL,
+    name TEXT NOT NULL DEFAULT '',
     payload BLOB NOT NULL,
-    state TEXT NOT NULL,              -- queued, running, success, error, failed_post
+    state TEXT NOT NULL,              -- pending, working, finished, failed
     attempts INTEGER NOT NULL DEFAULT 0,
     failed_on TEXT NOT NULL DEFAULT '[]',
     queued_at REAL NOT NULL,          -- when it (re-)entered the queue
+    added_at REAL NOT NULL,
     result BLOB,
     error TEXT,
-    notified INTEGER NOT NULL DEFAULT 0,  -- 1: the client acknowledged, or repeats ran out
+    failed_post INTEGER NOT NULL DEFAULT 0,
+    notified INTEGER NOT NULL DEFAULT 0,  -- 1: the submitter has the outcome, or repeats ran out
     expires_at REAL                   -- when a finished record may be forgotten
 );
 """
 
+# Version 1 kept UDP tasks only, in the words of the UDP door.
+_MIGRATE_1_TO_2 = """
+ALTER TABLE tasks RENAME TO jobs;
+ALTER TABLE jobs ADD COLUMN id TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN door TEXT NOT NULL DEFAULT 'udp';
+ALTER TABLE jobs ADD COLUMN name TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN added_at REAL NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN failed_post INTEGER NOT NULL DEFAULT 0;
+UPDATE jobs SET id = 'udp-' || host || '-' || port || '-' || task_id, added_at = queued_at,
+    failed_post = (state = 'failed_post'),
+    state = CASE state WHEN 'queued' THEN 'pending' WHEN 'running' THEN 'working'
+                       WHEN 'success' THEN 'finished' ELSE 'failed' END
+"""
+
 _INSERT = (
-    "INSERT OR REPLACE INTO tasks (ref, host, port, task_id, payload, state, queued_at)"
-    " VALUES (?, ?, ?, ?, ?, 'queued', ?)"
+    "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
+    " queued_at, added_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)"
 )
-_PROGRESS = "UPDATE tasks SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
+_PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
-    "UPDATE tasks SET state = ?, result = ?, error = ?, payload = x'', notified = 0,"
-    " expires_at = NULL WHERE ref = ?"
+    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
+    " payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
-_NOTIFIED = "UPDATE tasks SET notified = 1, expires_at = ? WHERE ref = ?"
-_FORGET = "DELETE FROM tasks WHERE ref = ?"
+_NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
+_FORGET = "DELETE FROM jobs WHERE ref = ?"
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
@@ -74,31 +95,43 @@ class JournalError(Exception):
 
 
 @dataclass
-class TaskRow:
+class JobRow:
     ref: int
+    id: str
+    door: str
     host: str
     port: int
     task_id: int
+    name: str
     payload: bytes
-    state: str
+    state: str  # pending, working, finished, failed
     attempts: int
     failed_on: list[int]
     queued_at: float
+    added_at: float
     result: bytes
     error: str
+    failed_post: bool
     notified: bool
     expires_at: float | None
 
 
 @dataclass
 class Recovered:
-    tasks: list[TaskRow] = field(default_factory=list)
+    jobs: list[JobRow] = field(default_factory=list)
     first_worker_id: int = 1
     next_ref: int = 1
     pruned: int = 0
 
 
 Op = tuple[str, tuple[Any, ...]]
+
+
+def _run_script(db: sqlite3.Connection, script: str) -> None:
+    """Each statement of `script` inside the caller's transaction (executescript would commit)."""
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
 
 
 class Journal:
@@ -156,16 +189,17 @@ class Journal:
             raise JournalError(f"journal {self.path}: cannot switch to WAL mode")
         db.execute("PRAGMA synchronous=FULL")
         db.execute("BEGIN IMMEDIATE")
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                db.execute(statement)
-        db.execute(f"PRAGMA application_id={APPLICATION_ID}")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, 1, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             raise JournalError(
                 f"journal {self.path}: schema version {version} is not {SCHEMA_VERSION}"
             )
+        if version == 1:
+            log.info("journal %s: upgrading from schema version 1", self.path)
+            _run_script(db, _MIGRATE_1_TO_2)
+        _run_script(db, _SCHEMA)
+        db.execute(f"PRAGMA application_id={APPLICATION_ID}")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("COMMIT")
         db.execute("PRAGMA quick_check").fetchone()
@@ -178,7 +212,7 @@ class Journal:
         try:
             while True:
                 cursor = db.execute(
-                    "DELETE FROM tasks WHERE rowid IN (SELECT rowid FROM tasks"
+                    "DELETE FROM jobs WHERE rowid IN (SELECT rowid FROM jobs"
                     " WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?)",
                     (now_wall, PRUNE_BATCH),
                 )
@@ -190,27 +224,33 @@ class Journal:
             self.ceiling = self.durable_ceiling = out.first_worker_id + WORKER_ID_BLOCK
             db.execute(_CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
             for r in db.execute(
-                "SELECT ref, host, port, task_id, payload, state, attempts, failed_on, queued_at,"
-                " result, error, notified, expires_at FROM tasks ORDER BY ref"
+                "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
+                " failed_on, queued_at, added_at, result, error, failed_post, notified,"
+                " expires_at FROM jobs ORDER BY ref"
             ):
-                out.tasks.append(
-                    TaskRow(
+                out.jobs.append(
+                    JobRow(
                         ref=r[0],
-                        host=r[1],
-                        port=r[2],
-                        task_id=r[3],
-                        payload=bytes(r[4]),
-                        state=r[5],
-                        attempts=r[6],
-                        failed_on=list(json.loads(r[7])),
-                        queued_at=r[8],
-                        result=bytes(r[9] or b""),
-                        error=r[10] or "",
-                        notified=bool(r[11]),
-                        expires_at=r[12],
+                        id=r[1],
+                        door=r[2],
+                        host=r[3],
+                        port=r[4],
+                        task_id=r[5],
+                        name=r[6],
+                        payload=bytes(r[7]),
+                        state=r[8],
+                        attempts=r[9],
+                        failed_on=list(json.loads(r[10])),
+                        queued_at=r[11],
+                        added_at=r[12],
+                        result=bytes(r[13] or b""),
+                        error=r[14] or "",
+                        failed_post=bool(r[15]),
+                        notified=bool(r[16]),
+                        expires_at=r[17],
                     )
                 )
-            out.next_ref = (out.tasks[-1].ref + 1) if out.tasks else 1
+            out.next_ref = (out.jobs[-1].ref + 1) if out.jobs else 1
         except (sqlite3.Error, ValueError, TypeError) as exc:
             raise JournalError(f"journal {self.path}: cannot read it back: {exc}") from None
         return out
@@ -238,25 +278,31 @@ class Journal:
         if len(self._staged) == 1:
             self.on_dirty()
 
-    def accepting(self) -> str:
-        """Why new tasks must be refused right now ("" when they are welcome)."""
+    def refusal_reason(self) -> str:
+        """Why new jobs must be refused right now ("" when they are welcome)."""
         return self.failing
 
-    def task_added(self, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None:
-        self._stage((_INSERT, (ref, host, port, task_id, payload, time.time())))
+    def job_added(self, job: Job) -> None:
+        host, port = job.key if isinstance(job.key, tuple) else ("", 0)
+        wall = time.time()
+        row = (job.ref, job.id, job.door, host, port, job.task_id, job.name, job.payload)
+        self._stage((_INSERT, (*row, wall, wall)))
 
-    def task_progress(
-        self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]
-    ) -> None:
+    def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
         self._stage((_PROGRESS, (state, attempts, json.dumps(sorted(failed_on)), time.time(), ref)))
 
-    def task_finished(self, ref: int, state: str, result: bytes, error: str) -> None:
-        self._stage((_FINISH, (state, result, error, ref)))
+    def job_finished(self, job: Job) -> None:
+        self._stage(
+            (
+                _FINISH,
+                (job.state.value, job.attempts, job.result, job.error, job.failed_post, job.ref),
+            )
+        )
 
-    def task_notified(self, ref: int, retention: float) -> None:
+    def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))
 
-    def task_forgotten(self, ref: int) -> None:
+    def job_forgotten(self, ref: int) -> None:
         self._stage((_FORGET, (ref,)))
 
     def latest_generation(self) -> int:

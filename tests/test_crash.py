@@ -186,7 +186,7 @@ def test_full_disk_refuses_new_tasks_loudly(tmp_path, sockdir):
 
         proc.kill()
         proc.wait()
-        rows = Journal.open(tmp_path / "journal.sqlite3").load().tasks
+        rows = Journal.open(tmp_path / "journal.sqlite3").load().jobs
         assert set(acked) <= {row.task_id for row in rows}
     finally:
         proc.kill()

@@ -9,41 +9,78 @@ import logging
 
 import pytest
 
-from controller.core import TaskFinished, TaskState
-from controller.frontdoor import (
-    MAX_INLINE_RESULT,
-    NOTIFY_FIRST_INTERVAL,
-    TRANSMISSION_MEMORY,
-    FrontDoor,
-)
+from controller.core.model import Task, TaskState
+from controller.datagram import MAX_INLINE_RESULT
+from controller.frontdoor import Delivered, FrontDoor, Send, Submit
+from controller.jobs import MAX_FORGET_PER_CALL, Job, JobBook, JobState
+from controller.transmissions import NOTIFY_FIRST_INTERVAL, TRANSMISSION_MEMORY
 
 CLIENT = ("127.0.0.1", 40000)
 PAD = b"x" * 40  # makes a request big enough for its error reply to fit under it
 OTHER = ("127.0.0.2", 40001)
 
+_FINAL = {
+    TaskState.SUCCESS: JobState.FINISHED,
+    TaskState.ERROR: JobState.FAILED,
+    TaskState.FAILED_POST: JobState.FAILED,
+}
 
-class FakeScheduler:
-    def __init__(self) -> None:
+
+class Door:
+    """The pure door with a pure stand-in for the shell's job desk: Submit and Delivered
+    are carried out on a real job book at once; the sends are returned."""
+
+    def __init__(self, result_retention: float = 3600.0, **kwargs) -> None:
+        self.book = JobBook(result_retention=result_retention)
+        self.tasks: dict[int, Task] = {}
         self.submitted: list[tuple[int, bytes, object]] = []
-        self.states: dict[int, TaskState] = {}
+        kwargs.setdefault("allowed_clients", [ipaddress.ip_network("127.0.0.0/8")])
+        self.door = FrontDoor(
+            self.book, status_report=lambda: {"tasks": {"queued": len(self.tasks)}}, **kwargs
+        )
+        self.stats = self.door.stats
 
-    def submit_task(self, task_id, payload, owner):
-        self.submitted.append((task_id, payload, owner))
-        ref = len(self.submitted)
-        self.states[ref] = TaskState.QUEUED
-        return ref
+    def _apply(self, actions, now) -> list[Send]:
+        for action in actions:
+            if isinstance(action, Submit):
+                ref = len(self.submitted) + 1
+                self.submitted.append((action.task_id, action.payload, action.addr))
+                task = self.tasks[ref] = Task(ref, action.task_id, action.payload, action.job_id)
+                job = Job(action.job_id, ref, action.task_id, "udp", action.addr, task=task)
+                self.book.add(job)
+            elif isinstance(action, Delivered):
+                self.book.retain(self.book.get(action.job_id), now)
+        return [action for action in actions if isinstance(action, Send)]
 
-    def task_state(self, ref):
-        return self.states.get(ref)
+    def datagram(self, data, addr, now):
+        return self._apply(self.door.datagram(data, addr, now), now)
 
-    def status_report(self):
-        return {"workers": [], "tasks": {"queued": len(self.states)}}
+    def expire(self, now):
+        for job in self.book.expire(now):
+            self.door.forget(job)
+        return self._apply(self.door.expire(now), now)
+
+    def next_deadline(self):
+        return min(self.door.next_deadline(), self.book.next_deadline())
+
+    def finish(self, ref, state, result, error, now):
+        job = self.book.finish(
+            ref,
+            _FINAL[state],
+            now,
+            result=result,
+            error=error,
+            failed_post=state is TaskState.FAILED_POST,
+        )
+        return self._apply(self.door.job_finished(job, now), now)
+
+    def known(self, addr, task_id) -> bool:
+        return self.book.get(f"udp-{addr[0]}-{addr[1]}-{task_id}") is not None
 
 
-def door(**kwargs) -> tuple[FrontDoor, FakeScheduler]:
-    sched = FakeScheduler()
-    kwargs.setdefault("allowed_clients", [ipaddress.ip_network("127.0.0.0/8")])
-    return FrontDoor(sched, **kwargs), sched
+def door(**kwargs) -> tuple[Door, Door]:
+    fd = Door(**kwargs)
+    return fd, fd
 
 
 def packet(method="add_task", txid=1, ptype=1, **params) -> bytes:
@@ -57,7 +94,7 @@ def sent(sends):
 
 
 def finish(fd, ref, state=TaskState.SUCCESS, result=b"", error="", now=0.0):
-    return sent(fd.task_finished(TaskFinished(ref, 0, CLIENT, state, result, error), now))
+    return sent(fd.finish(ref, state, result, error, now))
 
 
 def test_add_task_acknowledged_and_submitted_once():
@@ -187,11 +224,12 @@ def test_get_task_statuses_and_only_to_submitter():
     fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
 
     def status(addr, txid):
-        [(ack, _)] = sent(fd.datagram(packet("get_task", txid, task_id=5), addr, 0.0))
+        request = packet("get_task", txid, task_id=5, pad=PAD.decode())
+        [(ack, _)] = sent(fd.datagram(request, addr, 0.0))
         return ack
 
     assert status(CLIENT, 2)["params"]["status"] == "queued"
-    sched.states[1] = TaskState.ASSIGNING
+    sched.tasks[1].state = TaskState.ASSIGNING
     assert status(CLIENT, 3)["params"]["status"] == "running"
     assert status(OTHER, 4)["error"]["code"] == "unknown_task"
     finish(fd, 1, state=TaskState.ERROR, error="bad")
@@ -242,11 +280,11 @@ def error_code(fd, data, addr=CLIENT):
             b'{"method": "add_task", "params": {"task_id": 5}, "packet_type": 1, "transmission_id": "x"}',
             None,
         ),
-        (packet(task_id=0), "bad_task_id"),
-        (packet(task_id="5"), "bad_task_id"),
-        (packet(task_id=True), "bad_task_id"),
+        (packet(task_id=0, pad=PAD.decode()), "bad_task_id"),
+        (packet(task_id="5", pad=PAD.decode()), "bad_task_id"),
+        (packet(task_id=True, pad=PAD.decode()), "bad_task_id"),
         (packet(comment="a request with no task id at all"), "bad_task_id"),
-        (packet("frobnicate", task_id=5), "unknown_method"),
+        (packet("frobnicate", task_id=5, pad=PAD.decode()), "unknown_method"),
         (packet(task_id=5, payload=7), "bad_payload"),
         (packet(task_id=5, payload_b64="***"), "bad_payload"),
         (packet(task_id=5, payload="x" * 101), "payload_too_large"),
@@ -302,9 +340,9 @@ def test_records_kept_for_retention_after_ack_then_removed():
     ack = {"method": "ack", "packet_type": 2, "transmission_id": note["transmission_id"]}
     fd.datagram(json.dumps(ack).encode(), CLIENT, 2.0)
     fd.expire(101.999)
-    assert (CLIENT, 5) in fd.records
+    assert fd.known(CLIENT, 5)
     fd.expire(102.0)
-    assert (CLIENT, 5) not in fd.records
+    assert not fd.known(CLIENT, 5)
     fd.datagram(packet(txid=9, task_id=5), CLIENT, 103.0)  # now it is a new task
     assert len(sched.submitted) == 2
 
@@ -318,18 +356,16 @@ def test_transmission_ids_forgotten_after_memory():
 
 
 def test_retention_forgets_in_bounded_batches():
-    from controller.frontdoor import MAX_FORGET_PER_CALL
-
     fd, _ = door(result_retention=10)
     count = MAX_FORGET_PER_CALL + 5
     for i in range(1, count + 1):
         fd.datagram(packet(txid=i, task_id=i), CLIENT, 0.0)
         finish(fd, i, state=TaskState.ERROR, error="x")  # error outcomes retain at once
     fd.expire(10.0)
-    assert len(fd.records) == 5
+    assert len(fd.book) == 5
     assert fd.next_deadline() <= 10.0  # the rest is due: the timer fires again at once
     fd.expire(10.0)
-    assert fd.records == {}
+    assert len(fd.book) == 0
 
 
 def test_status_answered_to_allowed_clients_only():
@@ -364,3 +400,18 @@ def test_get_result_refuses_unfinished_tasks_and_bad_ranges():
     assert code(3, offset=-1) == "bad_range"
     assert code(4, length="all") == "bad_range"
     assert code(5, offset=0, length=4) is None
+
+
+def test_error_ack_always_carries_code_and_message_shortened_to_fit():
+    fd, _ = door()
+    for pad in (PAD * 3, PAD, b""):
+        data = packet("frobnicate", 7, task_id=5, pad=pad.decode())
+        out = sent(fd.datagram(data, CLIENT, 0.0))
+        if not out:
+            assert pad == b""  # even {"code", "message": ""} would outgrow it: silence
+            continue
+        [(ack, _)] = out
+        assert set(ack["error"]) == {"code", "message"}
+        assert ack["error"]["code"] == "unknown_method"
+        assert len(json.dumps(ack, separators=(",", ":"))) <= len(data)
+        fd = door()[0]  # a fresh door: the same transmission id would get the same answer

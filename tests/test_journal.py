@@ -9,8 +9,21 @@ from pathlib import Path
 import pytest
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
+from controller.jobs import Job, JobState, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
 from gen import worker_protocol_pb2 as pb
+
+
+def add(journal: Journal, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None:
+    job = Job(udp_job_id(host, port, task_id), ref, task_id, "udp", (host, port), payload)
+    journal.job_added(job)
+
+
+def finish(journal: Journal, ref: int, state: str, result: bytes, error: str) -> None:
+    job = Job("", ref, 0, "udp", None)
+    job.final = JobState.FINISHED if state == "success" else JobState.FAILED
+    job.result, job.error, job.failed_post = result, error, state == "failed_post"
+    journal.job_finished(job)
 
 
 def commit(journal: Journal) -> None:
@@ -22,41 +35,43 @@ def commit(journal: Journal) -> None:
 def test_every_state_round_trips(tmp_path):
     path = tmp_path / "j" / "journal.sqlite3"
     journal = Journal.open(path)
-    assert journal.load().tasks == []
-    journal.task_added(1, "127.0.0.1", 4000, 5, b"queued payload")
-    journal.task_added(2, "::1", 4001, 6, b"running payload")
-    journal.task_progress(2, "running", 2, (7, 9))
-    journal.task_added(3, "127.0.0.1", 4000, 7, b"x")
-    journal.task_finished(3, "success", b"\x00result", "")
-    journal.task_added(4, "127.0.0.1", 4000, 8, b"x")
-    journal.task_finished(4, "error", b"", "boom")
-    journal.task_notified(4, 3600)
-    journal.task_added(5, "127.0.0.1", 4000, 9, b"x")
-    journal.task_finished(5, "failed_post", b"", "no worker")
-    journal.task_added(6, "127.0.0.1", 4000, 10, b"x")
-    journal.task_forgotten(6)
+    assert journal.load().jobs == []
+    add(journal, 1, "127.0.0.1", 4000, 5, b"queued payload")
+    add(journal, 2, "::1", 4001, 6, b"running payload")
+    journal.job_progress(2, "working", 2, (7, 9))
+    add(journal, 3, "127.0.0.1", 4000, 7, b"x")
+    finish(journal, 3, "success", b"\x00result", "")
+    add(journal, 4, "127.0.0.1", 4000, 8, b"x")
+    finish(journal, 4, "error", b"", "boom")
+    journal.job_delivered(4, 3600)
+    add(journal, 5, "127.0.0.1", 4000, 9, b"x")
+    finish(journal, 5, "failed_post", b"", "no worker")
+    add(journal, 6, "127.0.0.1", 4000, 10, b"x")
+    journal.job_forgotten(6)
     commit(journal)
     journal.close()
 
     again = Journal.open(path)
-    rows = {row.ref: row for row in again.load().tasks}
+    rows = {row.ref: row for row in again.load().jobs}
     assert sorted(rows) == [1, 2, 3, 4, 5]
+    assert (rows[1].id, rows[1].door) == ("udp-127.0.0.1-4000-5", "udp")
     assert (rows[1].state, rows[1].payload, rows[1].host, rows[1].port) == (
-        "queued",
+        "pending",
         b"queued payload",
         "127.0.0.1",
         4000,
     )
-    assert (rows[2].state, rows[2].attempts, rows[2].failed_on) == ("running", 2, [7, 9])
+    assert (rows[2].state, rows[2].attempts, rows[2].failed_on) == ("working", 2, [7, 9])
     assert (rows[3].state, rows[3].result, rows[3].notified, rows[3].payload) == (
-        "success",
+        "finished",
         b"\x00result",
         False,
         b"",
     )
-    assert (rows[4].state, rows[4].error, rows[4].notified) == ("error", "boom", True)
+    assert (rows[4].state, rows[4].error, rows[4].notified) == ("failed", "boom", True)
     assert rows[4].expires_at is not None
-    assert (rows[5].state, rows[5].error) == ("failed_post", "no worker")
+    assert (rows[5].state, rows[5].error, rows[5].failed_post) == ("failed", "no worker", True)
+    assert not rows[4].failed_post
 
 
 def test_next_ref_and_worker_ids_continue(tmp_path):
@@ -64,7 +79,7 @@ def test_next_ref_and_worker_ids_continue(tmp_path):
     journal = Journal.open(path)
     first = journal.load()
     assert first.first_worker_id == 1
-    journal.task_added(41, "h", 1, 1, b"")
+    add(journal, 41, "h", 1, 1, b"")
     commit(journal)
     journal.close()
     second = Journal.open(path).load()
@@ -89,23 +104,23 @@ def test_expired_records_pruned_at_start(tmp_path):
     journal = Journal.open(path)
     journal.load()
     for ref in range(1, 2501):
-        journal.task_added(ref, "h", 1, ref, b"")
-        journal.task_finished(ref, "success", b"r", "")
-        journal.task_notified(ref, -1.0)  # retention already over
+        add(journal, ref, "h", 1, ref, b"")
+        finish(journal, ref, "success", b"r", "")
+        journal.job_delivered(ref, -1.0)  # retention already over
     commit(journal)
     journal.close()
     recovered = Journal.open(path).load()
-    assert recovered.pruned == 2500 and recovered.tasks == []
+    assert recovered.pruned == 2500 and recovered.jobs == []
 
 
 def test_generations_tell_what_is_on_disk(tmp_path):
     journal = Journal.open(tmp_path / "journal.sqlite3")
     journal.load()
     assert journal.latest_generation() == 0 == journal.committed
-    journal.task_added(1, "h", 1, 1, b"")
+    add(journal, 1, "h", 1, 1, b"")
     assert journal.latest_generation() == 1 > journal.committed
     batch, generation = journal.take()
-    journal.task_added(2, "h", 1, 2, b"")
+    add(journal, 2, "h", 1, 2, b"")
     assert journal.latest_generation() == 2
     journal.write(batch)
     journal.committed_through(generation)
@@ -209,3 +224,36 @@ def test_recovered_queued_task_claimed_by_worker_that_reports_it():
     assert [a for a in actions if isinstance(a, Dial)] == []
     assert core.task_state(7) is TaskState.RUNNING and core.queued == 0
     assert core.workers[wid].state is WorkerState.BUSY
+
+
+def test_version_1_journal_is_upgraded_in_place(tmp_path):
+    """A journal written before jobs had ids and doors keeps every task, in the new words."""
+    path = tmp_path / "journal.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+        CREATE TABLE tasks (ref INTEGER PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL,
+            task_id INTEGER NOT NULL, payload BLOB NOT NULL, state TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0, failed_on TEXT NOT NULL DEFAULT '[]',
+            queued_at REAL NOT NULL, result BLOB, error TEXT,
+            notified INTEGER NOT NULL DEFAULT 0, expires_at REAL);
+        INSERT INTO tasks (ref, host, port, task_id, payload, state, queued_at)
+            VALUES (1, '127.0.0.1', 4000, 5, x'61', 'queued', 100.0),
+                   (2, '::1', 4001, 6, x'', 'running', 100.0),
+                   (3, '127.0.0.1', 4000, 7, x'', 'success', 100.0),
+                   (4, '127.0.0.1', 4000, 8, x'', 'failed_post', 100.0);
+        PRAGMA application_id = 1245926476;
+        PRAGMA user_version = 1;
+        """
+    )
+    db.close()
+    rows = {row.ref: row for row in Journal.open(path).load().jobs}
+    assert [(r.id, r.door, r.state, r.failed_post) for r in rows.values()] == [
+        ("udp-127.0.0.1-4000-5", "udp", "pending", False),
+        ("udp-::1-4001-6", "udp", "working", False),
+        ("udp-127.0.0.1-4000-7", "udp", "finished", False),
+        ("udp-127.0.0.1-4000-8", "udp", "failed", True),
+    ]
+    assert rows[1].payload == b"a" and rows[1].added_at == 100.0
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2

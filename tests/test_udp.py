@@ -18,8 +18,7 @@ from bench.chaos import lossy_router
 from bench.common import controller_argv, write_config
 from controller.client import Client
 from controller.config import ClientAddress, Config
-from controller.shell.server import ControllerShell
-from controller.shell.udp import UdpDoor
+from controller.shell.main import assemble
 from tests.fakes import wait_until
 from worker.runner import handler_runner
 from worker.shell import WorkerShell
@@ -32,9 +31,9 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
         client_address=ClientAddress("127.0.0.1", 0),
         max_retries=3,
     )
-    shell = ControllerShell(config)
-    udp = UdpDoor(config, shell)
+    shell, desk, udp = assemble(config)
     server = udp.bind()
+    await nursery.start(desk.run)
     await nursery.start(shell.serve)
     await nursery.start(udp.serve)
     executions: collections.Counter[bytes] = collections.Counter()
@@ -83,9 +82,9 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
 
 async def test_large_result_read_with_get_result(sockdir, nursery):
     config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
-    shell = ControllerShell(config)
-    udp = UdpDoor(config, shell)
+    shell, desk, udp = assemble(config)
     server = udp.bind()
+    await nursery.start(desk.run)
     await nursery.start(shell.serve)
     await nursery.start(udp.serve)
     big = bytes(range(256)) * 1000  # 256,000 bytes: five get_result chunks and more

@@ -142,7 +142,7 @@ class Core:
         self._dispatch(now, actions)
         return ref, actions
 
-    def restore(self, first_worker_id: int, next_ref: int) -> None:
+    def continue_numbering(self, first_worker_id: int, next_ref: int) -> None:
         """Continue worker ids and task refs after those a previous run used."""
         self._next_worker_id = max(self._next_worker_id, first_worker_id)
         self._next_ref = max(self._next_ref, next_ref)

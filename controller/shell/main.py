@@ -15,9 +15,11 @@ import trio
 
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.config import Config, ConfigError, load_config
-from controller.journal import Journal, JournalError, Recovered
+from controller.jobs import JobBook
+from controller.journal import Journal, JournalError
 from controller.logs import LEVELS, setup_logging
 from controller.shell.committer import Committer
+from controller.shell.desk import JobDesk
 from controller.shell.metrics import Metrics
 from controller.shell.sdnotify import Notifier
 from controller.shell.server import ControllerShell, StartupError
@@ -25,10 +27,6 @@ from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
 
 log = logging.getLogger("controller")
-
-# After a restart, how long a task that was running waits for its worker to re-register
-# and claim it before it is placed again: a little over one default pulse deadline (2 s).
-RECOVERY_GRACE = 3.0
 
 
 def _workers(text: str) -> int:
@@ -103,55 +101,22 @@ def split_worker_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def restore(shell: ControllerShell, door: UdpDoor, recovered: Recovered) -> None:
-    """Put the journal's tasks back: queued ones in the queue, running ones up for adoption,
-    finished ones in the front door (with undelivered outcomes sent again)."""
-    now = trio.current_time()
-    wall = time.time()
-    core = shell.core
-    core.restore(recovered.first_worker_id, recovered.next_ref)
-    counts: dict[str, int] = {}
-    for row in recovered.tasks:
-        addr = (row.host, row.port)
-        counts[row.state] = counts.get(row.state, 0) + 1
-        if row.state in ("queued", "running"):
-            core.recover(
-                row.ref,
-                row.task_id,
-                row.payload,
-                addr,
-                now,
-                running=row.state == "running",
-                attempts=row.attempts,
-                failed_on=tuple(row.failed_on),
-                placement_left=shell.config.timeout_task_placement - (wall - row.queued_at),
-                grace=RECOVERY_GRACE,
-            )
-            door.door.restore(row.ref, addr, row.task_id, now)
-        else:
-            retain = None if row.expires_at is None else row.expires_at - wall
-            door.send(
-                door.door.restore(
-                    row.ref,
-                    addr,
-                    row.task_id,
-                    now,
-                    state=row.state,
-                    result=row.result,
-                    error=row.error,
-                    notified=row.notified,
-                    retain_for=retain,
-                )
-            )
-    if recovered.tasks or recovered.pruned:
-        summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
-        log.info(
-            "journal: recovered %d tasks (%s), pruned %d expired; worker ids continue at %d",
-            len(recovered.tasks),
-            summary,
-            recovered.pruned,
-            recovered.first_worker_id,
-        )
+def assemble(
+    config: Config,
+    journal: Journal | None = None,
+    metrics: Metrics | None = None,
+    busy_poll: float = 0.0,
+) -> tuple[ControllerShell, JobDesk, UdpDoor]:
+    """The controller's parts, wired: scheduler shell, job desk (book, journal), UDP door.
+    Must be called inside trio.run (the book reads the trio clock once)."""
+    book = JobBook(result_retention=config.result_retention)
+    book.wall_offset = time.time() - trio.current_time()
+    shell = ControllerShell(config, metrics=metrics, busy_poll=busy_poll)
+    desk = JobDesk(book, shell, journal)
+    shell.write_ahead = desk.write_ahead
+    shell.on_finished = desk.finished
+    shell.on_progress = desk.progress
+    return shell, desk, UdpDoor(config, shell, desk)
 
 
 def status_line(shell: ControllerShell, journal: Journal | None) -> str:
@@ -178,14 +143,11 @@ async def run_controller(
     if config.journal is not None:
         journal = Journal.open(config.journal)
         recovered = journal.load()
-    committer = Committer(journal) if journal is not None else None
     metrics = Metrics() if config.metrics_address is not None else None
-    shell = ControllerShell(
-        config, journal=journal, committer=committer, metrics=metrics, busy_poll=busy_poll
-    )
-    door = UdpDoor(config, shell, journal)
-    if committer is not None:
-        committer.on_committed = door.release
+    shell, desk, door = assemble(config, journal, metrics, busy_poll)
+    committer = None
+    if journal is not None:
+        committer = Committer(journal, on_committed=desk.write_ahead.release)
     notifier = Notifier()
     await shell.bind()
     door.bind()
@@ -202,8 +164,9 @@ async def run_controller(
         async with trio.open_nursery() as nursery:
             if committer is not None:
                 await nursery.start(committer.run)
+            await nursery.start(desk.run)
             if recovered is not None:
-                restore(shell, door, recovered)
+                desk.recover(recovered, shell.core, trio.current_time())
             await nursery.start(shell.serve)
             await nursery.start(door.serve)
             if metrics is not None:

@@ -37,9 +37,9 @@ from controller.core import (
     WatchPid,
     WorkerExited,
 )
-from controller.journal import Journal
+from controller.core.model import Task
 from controller.reactor import Incoming, Outgoing, Reactor, Result
-from controller.shell.committer import Committer
+from controller.shell.durability import WriteAhead
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
 from controller.sockets import listen_unix
@@ -108,14 +108,13 @@ class ControllerShell:
         config: Config,
         core: Core | None = None,
         on_finished: Callable[[TaskFinished], None] | None = None,
-        journal: Journal | None = None,
-        committer: Committer | None = None,
+        on_progress: Callable[[TaskProgress], None] | None = None,
+        write_ahead: WriteAhead | None = None,
         metrics: Metrics | None = None,
         busy_poll: float = 0.0,
     ) -> None:
         self.config = config
-        self.journal = journal
-        self.committer = committer
+        self.write_ahead = write_ahead or WriteAhead(None)
         self.metrics = metrics
         self.core = core or Core(
             max_retries=config.max_retries,
@@ -123,6 +122,7 @@ class ControllerShell:
             task_timeout=config.task_timeout,
         )
         self.on_finished = on_finished or (lambda finished: None)
+        self.on_progress = on_progress or (lambda progress: None)
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
         self.reactor = Reactor(busy_poll=busy_poll)
@@ -172,6 +172,10 @@ class ControllerShell:
         self.execute(actions)
         return ref
 
+    def task(self, ref: int) -> Task | None:
+        """The scheduler's record of a live task."""
+        return self.core.tasks.get(ref)
+
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""
         assert self._nursery is not None, "execute() before serve() started"
@@ -192,10 +196,7 @@ class ControllerShell:
             elif isinstance(action, TaskProgress):
                 if self.metrics is not None:
                     self.metrics.task_started(action)
-                if self.journal is not None:
-                    self.journal.task_progress(
-                        action.ref, action.state.value, action.attempts, action.failed_on
-                    )
+                self.on_progress(action)
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
         self._timer.poke()
@@ -251,13 +252,13 @@ class ControllerShell:
         self.execute(actions[1:])
         response = reply.response
         if pulse.type == pb.PULSE_REGISTER and response.HasField("worker_id"):
-            journal = self.journal
-            if journal is not None:
-                journal.reserve_worker_ids(self.core.next_worker_id)
-                if not journal.worker_id_durable(response.worker_id):
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._reply_when_durable, conn, response)
-                    return
+            self.write_ahead.new_worker_id(
+                response.worker_id,
+                self.core.next_worker_id,
+                conn.reply,
+                wire.encode_frame(response),
+            )
+            return
         conn.reply(wire.encode_frame(response))
 
     def _on_bad_pulse(
@@ -266,18 +267,6 @@ class ControllerShell:
         log.warning("main.sock: bad pulse from pid %d: %s", pid, exc)
         if exc.can_reply:
             conn.reply(_FAILED)
-
-    async def _reply_when_durable(
-        self, conn: Incoming[pb.WorkerPulse], response: pb.PulseResponse
-    ) -> None:
-        """A worker id goes out only once no crash could hand it out again."""
-        assert self.journal is not None and self.committer is not None
-        try:
-            await self.committer.wait_for(self.journal.latest_generation())
-        except BaseException:
-            conn.close()
-            raise
-        conn.reply(wire.encode_frame(response))
 
     # ------------------------------------------------------------ dialing
 

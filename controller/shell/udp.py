@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import select
 import socket as stdsocket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import trio
 
 from controller.config import Config
-from controller.core import TaskFinished, TaskState
-from controller.frontdoor import Address, FrontDoor, Send
-from controller.journal import Journal
+from controller.datagram import MAX_DATAGRAM
+from controller.frontdoor import DoorAction, FrontDoor, Send
+from controller.jobs import Job
+from controller.shell.desk import JobDesk
 from controller.shell.server import ControllerShell, StartupError
 from controller.shell.timer import DeadlineTimer
 
@@ -23,29 +24,9 @@ log = logging.getLogger("controller.udp")
 
 # Kernel buffers sized for bursts of thousands of datagrams between two event-loop turns.
 SOCKET_BUFFER = 4 * 1024 * 1024
-MAX_DATAGRAM = 65_535
 # Datagrams handled in a row before the workers' sockets get a turn (the socket is
 # level-triggered: the rest wait for the reactor's next round).
 RECEIVE_BURST = 8
-
-
-class _CoreAdapter:
-    """The front door's view of the scheduler (and of the shell's own counters)."""
-
-    def __init__(self, udp: UdpDoor) -> None:
-        self.udp = udp
-
-    def submit_task(self, task_id: int, payload: bytes, owner: Address) -> int:
-        return self.udp.shell.submit(task_id, payload, owner)
-
-    def task_state(self, ref: int) -> TaskState | None:
-        return self.udp.shell.core.task_state(ref)
-
-    def status_report(self) -> dict[str, Any]:
-        report = self.udp.shell.core.status(trio.current_time())
-        report["refused_peers"] = self.udp.shell.refused_peers
-        report["send_errors"] = self.udp.send_errors
-        return report
 
 
 def open_udp_socket(host: str, port: int) -> stdsocket.socket:
@@ -71,27 +52,26 @@ def open_udp_socket(host: str, port: int) -> stdsocket.socket:
 
 
 class UdpDoor:
-    def __init__(
-        self, config: Config, shell: ControllerShell, journal: Journal | None = None
-    ) -> None:
+    """The UDP door's shell: its socket, the pure `FrontDoor` codec, and the door's timer."""
+
+    def __init__(self, config: Config, shell: ControllerShell, desk: JobDesk) -> None:
         self.config = config
         self.shell = shell
-        self.journal = journal
+        self.desk = desk
         self.send_errors = 0
-        self._held: collections.deque[tuple[int, Send]] = collections.deque()
         self.door = FrontDoor(
-            _CoreAdapter(self),
+            desk.book,
             allowed_clients=config.allowed_clients,
+            refusal=desk.refusal,
+            status_report=self.status_report,
             notify_retries=config.notify_retries,
-            result_retention=config.result_retention,
             max_payload=config.max_extra_size,
             # Transmission ids stay unique across restarts: start from the wall clock in ms.
             first_txid=int(time.time() * 1000),
-            journal=journal,
         )
         self._sock: stdsocket.socket | None = None
         self._timer = DeadlineTimer(self.door.next_deadline, self._expire)
-        shell.on_finished = self._finished
+        desk.doors["udp"] = self
 
     def bind(self) -> tuple[str, int]:
         """Open the socket (before the nursery, so errors stay plain); returns the bound address."""
@@ -118,10 +98,18 @@ class UdpDoor:
             reactor.unwatch(sock)
             sock.close()
 
+    def status_report(self) -> dict[str, Any]:
+        """What the `status` method answers: the scheduler's view and the shells' counters."""
+        report = self.shell.core.status(trio.current_time())
+        report["refused_peers"] = self.shell.refused_peers
+        report["send_errors"] = self.send_errors
+        return report
+
     def _readable(self, events: int) -> None:
         sock = self._sock
         assert sock is not None
         door = self.door
+        apply = self.desk.apply
         now = trio.current_time()
         for _ in range(RECEIVE_BURST):
             try:
@@ -131,40 +119,26 @@ class UdpDoor:
             except OSError as exc:  # e.g. an ICMP error for an earlier send
                 log.debug("recvfrom: %s", exc)
                 continue
-            self.send(door.datagram(data, addr[:2], now))
+            apply(self, door.datagram(data, addr[:2], now), now)
         self._timer.poke()
 
-    def _finished(self, finished: TaskFinished) -> None:
-        self.send(self.door.task_finished(finished, trio.current_time()))
+    # ------------------------------------------------------------ the desk's side
+
+    def job_finished(self, job: Job, now: float) -> list[DoorAction]:
+        actions = self.door.job_finished(job, now)
         self._timer.poke()
+        return actions
+
+    def forget(self, job: Job) -> None:
+        self.door.forget(job)
 
     def _expire(self, now: float) -> None:
-        self.send(self.door.expire(now))
+        self.desk.apply(self, self.door.expire(now), now)
 
-    def send(self, sends: list[Send]) -> None:
-        """Send now, or, with a journal, once the batch these datagrams depend on is on disk."""
-        journal = self.journal
-        if journal is not None and sends:
-            generation = journal.latest_generation()
-            if generation > journal.committed or self._held:
-                self._transmit([send for send in sends if send.independent])
-                self._held.extend((generation, send) for send in sends if not send.independent)
-                return
-        self._transmit(sends)
-
-    def release(self) -> None:
-        """A journal commit finished: send what was waiting for it, in order."""
-        assert self.journal is not None
-        committed = self.journal.committed
-        held = self._held
-        ready = []
-        while held and held[0][0] <= committed:
-            ready.append(held.popleft()[1])
-        self._transmit(ready)
-
-    def _transmit(self, sends: list[Send]) -> None:
+    def transmit(self, sends: Sequence[Send]) -> None:
         sock = self._sock
-        assert sock is not None
+        if sock is None:
+            return  # closed: the client asks again, and success notifications are repeated
         for send in sends:
             try:
                 sock.sendto(send.data, send.addr)

@@ -1,0 +1,141 @@
+"""The UDP datagram format, shared by the front door and its clients. Pure.
+
+One JSON object per datagram (the seed's single-quoted literal form is read
+too, safely). `packet_type` 0: no acknowledgement wanted, 1: wanted, 2: this
+is one. Everything both sides must agree on lives here: packet types, size
+limits, how payloads and results travel (text, or base64 when not UTF-8),
+and the error acknowledgement, which always carries `code` and `message`
+and never outgrows the request it answers.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import binascii
+import json
+from typing import Any
+
+NO_ACK, WANT_ACK, IS_ACK = 0, 1, 2
+# Largest datagram read in one go (the UDP maximum).
+MAX_DATAGRAM = 65_535
+# A notify_task whose result would make the datagram bigger than this announces
+# `result_size` instead; the client reads the result with get_result.
+MAX_INLINE_RESULT = 60_000
+# Largest chunk one get_result may ask for (base64 of it stays well under 64 KiB).
+MAX_CHUNK = 32_768
+
+
+class BadPacket(Exception):
+    """A packet refused; `code` and `message` go in the error acknowledgement."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def parse_packet(data: bytes) -> dict[str, Any]:
+    """JSON, or the seed's single-quoted Python-literal form (never eval); BadPacket else."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadPacket("bad_encoding", "not UTF-8") from None
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        try:
+            obj = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            raise BadPacket("bad_json", "not a JSON object") from None
+    if not isinstance(obj, dict):
+        raise BadPacket("not_object", "the packet must be a JSON object")
+    return obj
+
+
+def int_field(value: Any) -> int | None:
+    """`value` if it is a JSON integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def request(method: str, params: dict[str, Any], txid: int | None = None) -> bytes:
+    """A request: type 1 with `txid`, type 0 without."""
+    packet: dict[str, Any] = {"method": method, "params": params}
+    if txid is None:
+        packet["packet_type"] = NO_ACK
+    else:
+        packet["packet_type"] = WANT_ACK
+        packet["transmission_id"] = txid
+    return encode(packet)
+
+
+def ack(txid: int, params: dict[str, Any] | None = None) -> bytes:
+    packet: dict[str, Any] = {"method": "ack", "packet_type": IS_ACK, "transmission_id": txid}
+    if params:
+        packet["params"] = params
+    return encode(packet)
+
+
+def error_ack(txid: int, code: str, message: str, limit: int) -> bytes | None:
+    """The error acknowledgement with `message` shortened (even to "") so that it is at
+    most `limit` bytes; None when even that is too big (the answer is then silence)."""
+    for text in (message, message[:40], ""):
+        packet = {
+            "method": "ack",
+            "packet_type": IS_ACK,
+            "transmission_id": txid,
+            "error": {"code": code, "message": text},
+        }
+        data = encode(packet)
+        if len(data) <= limit:
+            return data
+    return None
+
+
+def bytes_param(params: dict[str, Any], name: str, limit: int) -> bytes:
+    """`params[name]` (text) or `params[name + "_b64"]` (base64) as bytes; b"" when neither.
+
+    BadPacket(`bad_<name>` or `<name>_too_large`) for wrong types, bad base64,
+    both given, or more than `limit` bytes.
+    """
+    text = params.get(name)
+    b64 = params.get(f"{name}_b64")
+    if text is not None and b64 is not None:
+        raise BadPacket(f"bad_{name}", f"give {name} or {name}_b64, not both")
+    if text is not None:
+        if not isinstance(text, str):
+            raise BadPacket(f"bad_{name}", f"params.{name} must be text")
+        data = text.encode("utf-8")
+    elif b64 is not None:
+        if not isinstance(b64, str):
+            raise BadPacket(f"bad_{name}", f"params.{name}_b64 must be base64 text")
+        try:
+            data = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadPacket(f"bad_{name}", f"params.{name}_b64 is not valid base64") from None
+    else:
+        data = b""
+    if len(data) > limit:
+        raise BadPacket(f"{name}_too_large", f"{name} of {len(data)} bytes over {limit}")
+    return data
+
+
+def put_bytes(params: dict[str, Any], name: str, data: bytes) -> None:
+    """Set `params[name]` to `data` as text when it is UTF-8, else `params[name + "_b64"]`."""
+    try:
+        params[name] = data.decode("utf-8")
+    except UnicodeDecodeError:
+        params[f"{name}_b64"] = base64.b64encode(data).decode()
+
+
+def read_bytes(params: dict[str, Any], name: str) -> bytes | None:
+    """The inverse of `put_bytes` for a trusted peer; None when neither field is there."""
+    if name in params:
+        return str(params[name]).encode("utf-8")
+    if f"{name}_b64" in params:
+        return base64.b64decode(str(params[f"{name}_b64"]))
+    return None

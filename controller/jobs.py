@@ -1,0 +1,200 @@
+"""The job book: the one record of every job, whatever door it came in by. Pure.
+
+Every door (UDP today; HTTP and Redis next) turns its requests into jobs
+here, and reads them back here: duplicate detection (a job's `id` is
+unique while its record is kept), status questions, results. The journal
+persists exactly these records, and recovery rebuilds the book from it.
+
+A job's state uses the words of docs/design-notes.md ("Jobs"): pending,
+requested, working, finished, failed, canceled, deleted. While a job is
+live its state is read from the scheduler's task it is attached to (so the
+book costs nothing per placement); once it ends, the book stores the final
+state, the result or error, and when the record may be forgotten.
+
+Time is an argument (`now`, the shells' trio clock); `wall_offset` turns it
+into wall-clock seconds for the timestamps a person reads.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from controller.core.model import Task, TaskState
+from controller.deadlines import Deadlines
+
+# Records forgotten per expire() call: deletes reach the journal in bounded batches,
+# and a backlog after a restart does not stall the event loop.
+MAX_FORGET_PER_CALL = 1000
+
+
+class JobState(enum.Enum):
+    PENDING = "pending"
+    REQUESTED = "requested"
+    WORKING = "working"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    DELETED = "deleted"
+
+    @property
+    def final(self) -> bool:
+        return self not in _LIVE
+
+
+_LIVE = frozenset({JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
+
+_FROM_TASK = {
+    TaskState.QUEUED: JobState.PENDING,
+    TaskState.ASSIGNING: JobState.REQUESTED,
+    TaskState.RUNNING: JobState.WORKING,
+    TaskState.ORPHAN: JobState.WORKING,
+    TaskState.SUCCESS: JobState.FINISHED,
+    TaskState.ERROR: JobState.FAILED,
+    TaskState.FAILED_POST: JobState.FAILED,
+}
+
+# The UDP door's own words for the same states (section 4 of the contract).
+_UDP_WORDS = {
+    JobState.PENDING: "queued",
+    JobState.REQUESTED: "running",
+    JobState.WORKING: "running",
+    JobState.FINISHED: "success",
+    JobState.CANCELED: "error",
+    JobState.DELETED: "error",
+}
+
+
+def udp_job_id(host: str, port: int, task_id: int) -> str:
+    """A UDP job's id: the submitter's address and number (its duplicate-detection key)."""
+    return f"udp-{host}-{port}-{task_id}"
+
+
+@dataclass(eq=False)
+class Job:
+    id: str
+    ref: int  # the scheduler's and the journal's handle
+    task_id: int  # the number on the worker wire
+    door: str  # "udp", "http", "redis"
+    key: object  # the door's own handle: a UDP job's client address
+    payload: bytes = b""
+    name: str = ""
+    added_at: float = 0.0  # trio clock
+    updated_at: float = 0.0
+    attempts: int = 0
+    result: bytes = b""
+    error: str = ""
+    failed_post: bool = False
+    log: list[str] = field(default_factory=list)
+    task: Task | None = None  # the scheduler's record while the job is live
+    final: JobState | None = None  # set once the job ended
+    expires_at: float = 0.0  # 0: kept until its outcome is delivered
+    delivered: bool = False  # the submitter has the outcome (or repeats ran out)
+
+    @property
+    def state(self) -> JobState:
+        if self.final is not None:
+            return self.final
+        task = self.task
+        return _FROM_TASK[task.state] if task is not None else JobState.PENDING
+
+    @property
+    def udp_status(self) -> str:
+        """The state in the UDP door's words (queued, running, success, error, failed_post)."""
+        state = self.state
+        if state is JobState.FAILED:
+            return "failed_post" if self.failed_post else "error"
+        return _UDP_WORDS[state]
+
+    @property
+    def worker(self) -> int:
+        """The worker holding it (0: none)."""
+        task = self.task
+        return task.worker_id if task is not None else 0
+
+
+class JobBook:
+    """Every job by id and by ref, and the retention deadlines of finished ones."""
+
+    def __init__(self, *, result_retention: float = 3600.0) -> None:
+        self.result_retention = result_retention
+        self.wall_offset = 0.0  # wall-clock seconds = now + wall_offset
+        self._by_id: dict[str, Job] = {}
+        self._by_ref: dict[int, Job] = {}
+        self._deadlines: Deadlines[Job] = Deadlines()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self._by_id.values())
+
+    def get(self, job_id: str) -> Job | None:
+        return self._by_id.get(job_id)
+
+    def by_ref(self, ref: int) -> Job | None:
+        return self._by_ref.get(ref)
+
+    def add(self, job: Job) -> Job:
+        """Record a new job (its id must not be taken: doors check with `get` first)."""
+        if job.id in self._by_id:
+            raise ValueError(f"job {job.id!r} already exists")
+        self._by_id[job.id] = job
+        self._by_ref[job.ref] = job
+        return job
+
+    def finish(
+        self,
+        ref: int,
+        state: JobState,
+        now: float,
+        *,
+        result: bytes = b"",
+        error: str = "",
+        failed_post: bool = False,
+    ) -> Job | None:
+        """The job ended: keep its outcome (its payload is dropped). None for an unknown ref."""
+        job = self._by_ref.get(ref)
+        if job is None or job.final is not None:
+            return None
+        if job.task is not None:
+            job.attempts = job.task.attempts
+        job.final = state
+        job.task = None
+        job.payload = b""
+        job.result = result
+        job.error = error
+        job.failed_post = failed_post
+        job.updated_at = now
+        return job
+
+    def retain(self, job: Job, now: float, retain_for: float | None = None) -> None:
+        """Its outcome was delivered (or given up on): forget it after `result_retention`."""
+        job.delivered = True
+        keep = self.result_retention if retain_for is None else max(0.0, retain_for)
+        job.expires_at = now + keep
+        self._deadlines.push(job.expires_at, job)
+
+    def expire(self, now: float) -> list[Job]:
+        """Forget the jobs whose retention is over (at most MAX_FORGET_PER_CALL a call)."""
+        gone: list[Job] = []
+        deadlines = self._deadlines
+        while len(gone) < MAX_FORGET_PER_CALL:
+            due = deadlines.pop_due(now)
+            if due is None:
+                break
+            when, job = due
+            if self._by_id.get(job.id) is not job or job.expires_at != when:
+                continue
+            del self._by_id[job.id]
+            self._by_ref.pop(job.ref, None)
+            gone.append(job)
+        return gone
+
+    def next_deadline(self) -> float:
+        return self._deadlines.next()
+
+    def wall(self, now: float) -> float:
+        """A trio-clock time as wall-clock seconds."""
+        return now + self.wall_offset

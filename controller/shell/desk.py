@@ -1,0 +1,236 @@
+"""The job desk: where every door's jobs meet the job book, the journal and the scheduler.
+
+Doors are codecs: they turn requests into actions (`Submit`, `Delivered`,
+`Send`) and never touch the scheduler or the journal. The desk carries the
+actions out, state changes first (book, journal, scheduler), then the
+answers, which go through `WriteAhead` so that none leaves before what it
+announces is on disk. Going the other way, a job that ends in the scheduler
+is recorded in the book and the journal here, and its door is asked to tell
+the submitter. Retention (forgetting old outcomes) runs here too, and so
+does recovery from the journal at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import trio
+
+from controller.core import TaskFinished, TaskProgress, TaskState
+from controller.frontdoor import DoorAction, Send, Submit
+from controller.jobs import Job, JobBook, JobState
+from controller.journal import Journal, Recovered
+from controller.shell.durability import WriteAhead
+from controller.shell.timer import DeadlineTimer
+
+log = logging.getLogger("controller")
+
+# After a restart, how long a job that was running waits for its worker to re-register
+# and claim it before it is placed again: a little over one default pulse deadline (2 s).
+RECOVERY_GRACE = 3.0
+
+_FINAL = {
+    TaskState.SUCCESS: JobState.FINISHED,
+    TaskState.ERROR: JobState.FAILED,
+    TaskState.FAILED_POST: JobState.FAILED,
+}
+
+
+class Door(Protocol):
+    """What the desk needs of a door's shell."""
+
+    def job_finished(self, job: Job, now: float) -> list[DoorAction]: ...
+
+    def forget(self, job: Job) -> None: ...
+
+    def transmit(self, sends: Sequence[Send]) -> None: ...
+
+
+class Scheduling(Protocol):
+    """What the desk needs of the scheduler's shell."""
+
+    def submit(self, task_id: int, payload: bytes, owner: object = None) -> int: ...
+
+    def task(self, ref: int) -> Any: ...
+
+
+class JobDesk:
+    def __init__(
+        self,
+        book: JobBook,
+        scheduling: Scheduling,
+        journal: Journal | None = None,
+        on_finished: Callable[[Job], None] = lambda job: None,
+    ) -> None:
+        self.book = book
+        self.scheduling = scheduling
+        self.journal = journal
+        self.write_ahead = WriteAhead(journal)
+        self.on_finished = on_finished
+        self.doors: dict[str, Door] = {}
+        self._timer = DeadlineTimer(book.next_deadline, self._expire)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Forget jobs past their retention, until cancelled."""
+        task_status.started()
+        await self._timer.run()
+
+    def refusal(self) -> str:
+        """Why new jobs must be refused now ("" when they are welcome)."""
+        return self.journal.refusal_reason() if self.journal is not None else ""
+
+    # ------------------------------------------------------------ from the doors
+
+    def apply(self, door: Door, actions: Sequence[DoorAction], now: float) -> None:
+        """Carry out a door's actions: state changes first, then the answers."""
+        sends: list[Send] = []
+        for action in actions:
+            if isinstance(action, Send):
+                sends.append(action)
+            elif isinstance(action, Submit):
+                self.submit(action.job_id, "udp", action.addr, action.task_id, action.payload, now)
+            else:
+                self.delivered(action.job_id, now)
+        if sends:
+            independent = [send for send in sends if send.independent]
+            if independent:
+                door.transmit(independent)
+                sends = [send for send in sends if not send.independent]
+            if sends:
+                self.write_ahead.after_commit(door.transmit, sends)
+
+    def submit(
+        self, job_id: str, door: str, key: object, task_id: int, payload: bytes, now: float
+    ) -> Job:
+        """Record a new job (journal first) and queue it."""
+        ref = self.scheduling.submit(task_id, payload, job_id)
+        job = Job(
+            id=job_id,
+            ref=ref,
+            task_id=task_id,
+            door=door,
+            key=key,
+            payload=payload,
+            added_at=now,
+            updated_at=now,
+            task=self.scheduling.task(ref),
+        )
+        self.book.add(job)
+        if self.journal is not None:
+            self.journal.job_added(job)
+        self._timer.poke()
+        return job
+
+    def delivered(self, job_id: str, now: float) -> None:
+        job = self.book.get(job_id)
+        if job is None:
+            return
+        self.book.retain(job, now)
+        if self.journal is not None:
+            self.journal.job_delivered(job.ref, self.book.result_retention)
+        self._timer.poke()
+
+    # ------------------------------------------------------------ from the scheduler
+
+    def progress(self, action: TaskProgress) -> None:
+        """A job started running, or went back to the queue after running."""
+        if self.journal is not None:
+            state = "working" if action.state is TaskState.RUNNING else "pending"
+            self.journal.job_progress(action.ref, state, action.attempts, action.failed_on)
+
+    def finished(self, action: TaskFinished) -> None:
+        now = trio.current_time()
+        job = self.book.finish(
+            action.ref,
+            _FINAL[action.state],
+            now,
+            result=action.result,
+            error=action.error,
+            failed_post=action.state is TaskState.FAILED_POST,
+        )
+        if job is None:
+            return
+        if self.journal is not None:
+            self.journal.job_finished(job)
+        self.on_finished(job)
+        self._tell(job, now)
+
+    def _tell(self, job: Job, now: float) -> None:
+        door = self.doors.get(job.door)
+        if door is None:
+            self.delivered(job.id, now)  # nobody to tell: keep it for retention
+        else:
+            self.apply(door, door.job_finished(job, now), now)
+
+    def _expire(self, now: float) -> None:
+        for job in self.book.expire(now):
+            if self.journal is not None:
+                self.journal.job_forgotten(job.ref)
+            door = self.doors.get(job.door)
+            if door is not None:
+                door.forget(job)
+
+    # ------------------------------------------------------------ recovery
+
+    def recover(self, recovered: Recovered, core: Any, now: float) -> None:
+        """Put the journal's jobs back: pending ones in the queue, working ones up for
+        adoption by their re-registering worker, ended ones in the book (with outcomes
+        not yet delivered told again)."""
+        wall = time.time()
+        self.book.wall_offset = wall - now
+        core.continue_numbering(recovered.first_worker_id, recovered.next_ref)
+        counts: dict[str, int] = {}
+        for row in recovered.jobs:
+            counts[row.state] = counts.get(row.state, 0) + 1
+            key: object = (row.host, row.port) if row.door == "udp" else None
+            job = Job(
+                id=row.id,
+                ref=row.ref,
+                task_id=row.task_id,
+                door=row.door,
+                key=key,
+                payload=row.payload,
+                name=row.name,
+                added_at=row.added_at - self.book.wall_offset,
+                updated_at=now,
+                attempts=row.attempts,
+            )
+            if row.state in ("pending", "working"):
+                core.recover(
+                    row.ref,
+                    row.task_id,
+                    row.payload,
+                    row.id,
+                    now,
+                    running=row.state == "working",
+                    attempts=row.attempts,
+                    failed_on=tuple(row.failed_on),
+                    placement_left=core.timeout_task_placement - (wall - row.queued_at),
+                    grace=RECOVERY_GRACE,
+                )
+                job.task = core.tasks[row.ref]
+                self.book.add(job)
+                continue
+            job.final = JobState(row.state)
+            job.result = row.result
+            job.error = row.error
+            job.failed_post = row.failed_post
+            self.book.add(job)
+            if row.notified:
+                retain = None if row.expires_at is None else row.expires_at - wall
+                self.book.retain(job, now, retain)
+            else:
+                self._tell(job, now)
+        if recovered.jobs or recovered.pruned:
+            summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
+            log.info(
+                "journal: recovered %d jobs (%s), pruned %d expired; worker ids continue at %d",
+                len(recovered.jobs),
+                summary,
+                recovered.pruned,
+                recovered.first_worker_id,
+            )
+        self._timer.poke()

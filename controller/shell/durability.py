@@ -1,0 +1,72 @@
+"""Which answer waits for which journal commit: the one rule, in one place.
+
+The rule: an answer that tells a peer something was recorded (an `add_task`
+acknowledgement, a `notify_task`, a repeat of either, a new worker id)
+leaves only once every journal change staged before it is on disk. So the
+answer is tagged with the journal's latest generation at the moment it is
+produced, and released, in order, when the committer reports that
+generation written. While nothing is staged or held it goes out at once.
+
+An answer that reveals nothing recorded (an error acknowledgement, a pulse
+answer) does not wait: the doors mark those `independent` and send them
+directly. Without a journal (`journal: null`) nothing waits.
+
+The doors' state changes (a job added, an outcome delivered) must be staged
+before the answers that depend on them are handed here: the job desk carries
+out a door's actions in that order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from controller.journal import Journal
+
+
+class WriteAhead:
+    """Holds answers until the journal batch they depend on is committed."""
+
+    def __init__(self, journal: Journal | None) -> None:
+        self.journal = journal
+        self._held: deque[tuple[int, Callable[[Any], None], Any]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def after_commit(self, send: Callable[[Any], None], answer: Any) -> None:
+        """Call `send(answer)` once everything staged so far is on disk (now, if it is)."""
+        journal = self.journal
+        if journal is not None:
+            generation = journal.latest_generation()
+            if generation > journal.committed or self._held:
+                self._held.append((generation, send, answer))
+                return
+        send(answer)
+
+    def new_worker_id(
+        self, worker_id: int, next_free: int, send: Callable[[Any], None], answer: Any
+    ) -> None:
+        """A REGISTER answer carrying `worker_id` (`next_free` is the next one to hand out).
+
+        Ids are reserved in blocks committed ahead of use (journal.reserve_worker_ids),
+        so the answer waits only when its id's block is not on disk yet: no crash can
+        hand the same id out twice.
+        """
+        journal = self.journal
+        if journal is not None:
+            journal.reserve_worker_ids(next_free)
+            if not journal.worker_id_durable(worker_id):
+                self.after_commit(send, answer)
+                return
+        send(answer)
+
+    def release(self) -> None:
+        """A commit finished: send, in order, what was waiting for it."""
+        assert self.journal is not None
+        committed = self.journal.committed
+        held = self._held
+        while held and held[0][0] <= committed:
+            _, send, answer = held.popleft()
+            send(answer)

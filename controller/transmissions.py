@@ -1,0 +1,131 @@
+"""What the UDP door remembers about transmissions, both ways. Pure.
+
+`Seen`: requests already answered, by (sender, transmission_id), so that every
+copy of a repeated request gets the same acknowledgement and is acted on
+once. `Repeats`: success notifications not yet acknowledged, re-sent at
+doubling intervals until the client acknowledges or the repeats run out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from controller.deadlines import Deadlines
+
+Address = tuple[str, int]
+
+# How long a (sender, transmission_id) is remembered to answer repeats without acting twice.
+TRANSMISSION_MEMORY = 120.0
+# Cap on remembered transmissions, so a flood of distinct ids cannot grow memory without bound.
+MAX_TRANSMISSIONS = 200_000
+# First interval between repeats of an unacknowledged success notification (then doubling).
+NOTIFY_FIRST_INTERVAL = 0.5
+
+
+class Seen:
+    """Answers already given, kept TRANSMISSION_MEMORY seconds (at most MAX_TRANSMISSIONS)."""
+
+    def __init__(self) -> None:
+        # Insertion order is expiry order: every entry lives the same time.
+        self._answers: OrderedDict[tuple[Address, int], tuple[float, bytes | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def get(self, addr: Address, txid: int) -> tuple[bytes | None] | None:
+        """(the answer given, or None for silence) if this request was seen; else None."""
+        entry = self._answers.get((addr, txid))
+        return None if entry is None else (entry[1],)
+
+    def remember(self, addr: Address, txid: int, answer: bytes | None, now: float) -> None:
+        self._answers[(addr, txid)] = (now + TRANSMISSION_MEMORY, answer)
+        if len(self._answers) > MAX_TRANSMISSIONS:
+            self._answers.popitem(last=False)
+
+    def expire(self, now: float) -> None:
+        answers = self._answers
+        while answers:
+            key, (until, _) = next(iter(answers.items()))
+            if until > now:
+                break
+            del answers[key]
+
+    def next_deadline(self) -> float:
+        return next(iter(self._answers.values()))[0] if self._answers else float("inf")
+
+
+@dataclass(eq=False)
+class Pending:
+    """One success notification waiting for its acknowledgement."""
+
+    job_id: str
+    addr: Address
+    txid: int
+    left: int  # repeats still allowed
+    at: float  # when the next repeat is due
+    interval: float = NOTIFY_FIRST_INTERVAL
+
+
+class Repeats:
+    """Unacknowledged success notifications by transmission id and by job."""
+
+    def __init__(self, retries: int, first_txid: int = 1) -> None:
+        self.retries = retries
+        self._txid = itertools.count(first_txid)
+        self._by_txid: dict[int, Pending] = {}
+        self._by_job: dict[str, Pending] = {}
+        self._deadlines: Deadlines[Pending] = Deadlines()
+
+    def __len__(self) -> int:
+        return len(self._by_txid)
+
+    def start(self, job_id: str, addr: Address, now: float) -> int:
+        """A new notification (replacing any earlier one for the job); its transmission id."""
+        self.cancel(job_id)
+        pending = Pending(job_id, addr, next(self._txid), self.retries, now + NOTIFY_FIRST_INTERVAL)
+        self._by_txid[pending.txid] = pending
+        self._by_job[job_id] = pending
+        self._deadlines.push(pending.at, pending)
+        return pending.txid
+
+    def acked(self, txid: int, addr: Address) -> str | None:
+        """The job whose notification `addr` acknowledged (None: unknown, or not its client)."""
+        pending = self._by_txid.get(txid)
+        if pending is None or pending.addr != addr:
+            return None
+        self._forget(pending)
+        return pending.job_id
+
+    def cancel(self, job_id: str) -> None:
+        pending = self._by_job.get(job_id)
+        if pending is not None:
+            self._forget(pending)
+
+    def due(self, now: float) -> tuple[list[Pending], list[str]]:
+        """(notifications to send again now, jobs whose repeats ran out)."""
+        again: list[Pending] = []
+        gave_up: list[str] = []
+        while (item := self._deadlines.pop_due(now)) is not None:
+            when, pending = item
+            if self._by_txid.get(pending.txid) is not pending or pending.at != when:
+                continue
+            if pending.left > 0:
+                pending.left -= 1
+                pending.interval *= 2
+                pending.at = now + pending.interval
+                self._deadlines.push(pending.at, pending)
+                again.append(pending)
+            else:
+                self._forget(pending)
+                gave_up.append(pending.job_id)
+        return again, gave_up
+
+    def next_deadline(self) -> float:
+        return self._deadlines.next()
+
+    def _forget(self, pending: Pending) -> None:
+        del self._by_txid[pending.txid]
+        if self._by_job.get(pending.job_id) is pending:
+            del self._by_job[pending.job_id]
