@@ -1,5 +1,6 @@
 """The pure controller core: plain synchronous Python, no trio, no sockets, no clock."""
 
+from controller.core.core import Core
 from controller.core.model import (
     Action,
     Dial,
@@ -17,7 +18,7 @@ from controller.core.model import (
     WorkerExited,
     WorkerState,
 )
-from controller.core.scheduler import Core, Counters
+from controller.core.scheduler import Counters
 
 __all__ = [
     "Action",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gen import worker_protocol_pb2 as pb
 
@@ -49,21 +50,21 @@ class TaskEvent(enum.Enum):
     ADOPT = enum.auto()  # a re-registered worker reports it still holds this task
 
 
-T = TaskState
+_TS, _TE = TaskState, TaskEvent  # short names for the table only
 TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
-    (T.QUEUED, TaskEvent.PLACE): T.ASSIGNING,
-    (T.QUEUED, TaskEvent.PLACEMENT_TIMEOUT): T.FAILED_POST,
-    (T.QUEUED, TaskEvent.FAIL): T.ERROR,
-    (T.ASSIGNING, TaskEvent.ACCEPTED): T.RUNNING,
-    (T.ASSIGNING, TaskEvent.REQUEUE): T.QUEUED,
-    (T.ASSIGNING, TaskEvent.FAIL): T.ERROR,
-    (T.RUNNING, TaskEvent.SUCCEED): T.SUCCESS,
-    (T.RUNNING, TaskEvent.REQUEUE): T.QUEUED,
-    (T.RUNNING, TaskEvent.FAIL): T.ERROR,
-    (T.ORPHAN, TaskEvent.ADOPT): T.RUNNING,
-    (T.QUEUED, TaskEvent.ADOPT): T.RUNNING,
-    (T.ORPHAN, TaskEvent.REQUEUE): T.QUEUED,
-    (T.ORPHAN, TaskEvent.FAIL): T.ERROR,
+    (_TS.QUEUED, _TE.PLACE): _TS.ASSIGNING,
+    (_TS.QUEUED, _TE.PLACEMENT_TIMEOUT): _TS.FAILED_POST,
+    (_TS.QUEUED, _TE.FAIL): _TS.ERROR,
+    (_TS.ASSIGNING, _TE.ACCEPTED): _TS.RUNNING,
+    (_TS.ASSIGNING, _TE.REQUEUE): _TS.QUEUED,
+    (_TS.ASSIGNING, _TE.FAIL): _TS.ERROR,
+    (_TS.RUNNING, _TE.SUCCEED): _TS.SUCCESS,
+    (_TS.RUNNING, _TE.REQUEUE): _TS.QUEUED,
+    (_TS.RUNNING, _TE.FAIL): _TS.ERROR,
+    (_TS.ORPHAN, _TE.ADOPT): _TS.RUNNING,
+    (_TS.QUEUED, _TE.ADOPT): _TS.RUNNING,
+    (_TS.ORPHAN, _TE.REQUEUE): _TS.QUEUED,
+    (_TS.ORPHAN, _TE.FAIL): _TS.ERROR,
 }
 
 
@@ -87,19 +88,19 @@ class WorkerEvent(enum.Enum):
     ADOPT = enum.auto()
 
 
-W = WorkerState
+_WS, _WE = WorkerState, WorkerEvent  # short names for the table only
 WORKER_TRANSITIONS: dict[tuple[WorkerState, WorkerEvent], WorkerState] = {
-    (W.STARTING, WorkerEvent.READY): W.IDLE,
-    (W.UNSURE, WorkerEvent.READY): W.IDLE,
-    (W.IDLE, WorkerEvent.ASSIGN): W.ASSIGNING,
-    (W.ASSIGNING, WorkerEvent.ACCEPTED): W.BUSY,
-    (W.ASSIGNING, WorkerEvent.REFUSED): W.UNSURE,
-    (W.BUSY, WorkerEvent.FETCH): W.FETCHING,
-    (W.FETCHING, WorkerEvent.FETCHED): W.IDLE,
-    (W.FETCHING, WorkerEvent.NOTHING_TO_FETCH): W.BUSY,
-    (W.STARTING, WorkerEvent.ADOPT): W.BUSY,
-    (W.IDLE, WorkerEvent.ADOPT): W.BUSY,
-    (W.UNSURE, WorkerEvent.ADOPT): W.BUSY,
+    (_WS.STARTING, _WE.READY): _WS.IDLE,
+    (_WS.UNSURE, _WE.READY): _WS.IDLE,
+    (_WS.IDLE, _WE.ASSIGN): _WS.ASSIGNING,
+    (_WS.ASSIGNING, _WE.ACCEPTED): _WS.BUSY,
+    (_WS.ASSIGNING, _WE.REFUSED): _WS.UNSURE,
+    (_WS.BUSY, _WE.FETCH): _WS.FETCHING,
+    (_WS.FETCHING, _WE.FETCHED): _WS.IDLE,
+    (_WS.FETCHING, _WE.NOTHING_TO_FETCH): _WS.BUSY,
+    (_WS.STARTING, _WE.ADOPT): _WS.BUSY,
+    (_WS.IDLE, _WE.ADOPT): _WS.BUSY,
+    (_WS.UNSURE, _WE.ADOPT): _WS.BUSY,
 }
 
 
@@ -148,9 +149,20 @@ class Task:
         self.state = next_task_state(self.state, event)
 
 
+class WorkerKind(Protocol):
+    """How the scheduler reaches one kind of worker (local today; calculators, pollers)."""
+
+    def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        """Hand `task` to `worker`; the answer comes back as accepted, refused or lost."""
+
+    def take_back(self, worker: Worker, actions: list[Action]) -> None:
+        """Stop the task `worker` holds by force (a local worker gets RESTART)."""
+
+
 @dataclass(eq=False)
 class Worker:
     worker_id: int
+    kind: WorkerKind
     pid: int | None
     uid: int | None
     deadline: float

@@ -1,0 +1,175 @@
+"""`Core`: the scheduler, the local worker kind and recovery, behind one face. No I/O, no clock.
+
+The shells feed events with the current time and carry out the actions that
+come back; `expire(now)` handles the deadlines that passed and
+`next_deadline()` says when to call it next (the style of h11 and wsproto).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from controller.core.local import LocalWorkers
+from controller.core.model import (
+    Action,
+    DialDone,
+    Event,
+    PulseReceived,
+    Task,
+    TaskState,
+    Worker,
+    WorkerExited,
+)
+from controller.core.recovery import Recovery
+from controller.core.scheduler import Counters, Scheduler
+
+
+class Core:
+    def __init__(
+        self,
+        *,
+        max_retries: int = 3,
+        timeout_task_placement: float = 30.0,
+        task_timeout: float = 0.0,
+        first_worker_id: int = 1,
+    ) -> None:
+        self.scheduler = Scheduler(
+            max_retries=max_retries,
+            timeout_task_placement=timeout_task_placement,
+            task_timeout=task_timeout,
+        )
+        self.recovery = Recovery(self.scheduler)
+        self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
+
+    # ------------------------------------------------------------ the shared records
+
+    @property
+    def workers(self) -> dict[int, Worker]:
+        return self.scheduler.workers
+
+    @property
+    def tasks(self) -> dict[int, Task]:
+        return self.scheduler.tasks
+
+    @property
+    def counters(self) -> Counters:
+        return self.scheduler.counters
+
+    @property
+    def queued(self) -> int:
+        return self.scheduler.queued
+
+    @property
+    def idle_workers(self) -> int:
+        return self.scheduler.idle_workers
+
+    @property
+    def timeout_task_placement(self) -> float:
+        return self.scheduler.timeout_task_placement
+
+    @property
+    def next_worker_id(self) -> int:
+        return self.local.next_worker_id
+
+    def task_state(self, ref: int) -> TaskState | None:
+        return self.scheduler.task_state(ref)
+
+    # ------------------------------------------------------------ driving it
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event; return what the shells must do."""
+        if isinstance(event, PulseReceived):
+            return self.local.pulse(event, now)
+        if isinstance(event, DialDone):
+            return self.local.dial_done(event, now)
+        if isinstance(event, WorkerExited):
+            return self.local.exited(event, now)
+        raise TypeError(f"not a core event: {event!r}")
+
+    def submit(
+        self, task_id: int, payload: bytes, owner: object, now: float
+    ) -> tuple[int, list[Action]]:
+        """Queue a new task; returns its ref and the actions (a SET_TASK when a worker is free)."""
+        task = self.scheduler.submit(task_id, payload, owner, now)
+        actions: list[Action] = []
+        self.scheduler.dispatch(actions)
+        return task.ref, actions
+
+    def expire(self, now: float) -> list[Action]:
+        """Handle every deadline at or before `now`."""
+        actions: list[Action] = []
+        self.scheduler.expire(now, actions)
+        return actions
+
+    def next_deadline(self) -> float:
+        """When `expire` next has something to do (inf when nothing is pending)."""
+        return self.scheduler.next_deadline()
+
+    def continue_numbering(self, first_worker_id: int, next_ref: int) -> None:
+        """Continue worker ids and task refs after those a previous run used."""
+        self.local.next_worker_id = max(self.local.next_worker_id, first_worker_id)
+        self.scheduler.next_ref = max(self.scheduler.next_ref, next_ref)
+
+    def recover(
+        self,
+        ref: int,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        now: float,
+        *,
+        running: bool,
+        attempts: int = 0,
+        failed_on: tuple[int, ...] = (),
+        placement_left: float | None = None,
+        grace: float = 3.0,
+    ) -> None:
+        """Put back a task a previous run had accepted but not finished (see recovery.py)."""
+        self.recovery.recover(
+            ref,
+            task_id,
+            payload,
+            owner,
+            now,
+            running=running,
+            attempts=attempts,
+            failed_on=failed_on,
+            placement_left=placement_left,
+            grace=grace,
+        )
+
+    def status(self, now: float, max_workers: int = 200) -> dict[str, object]:
+        """What `udp-client status` shows: workers, and tasks by state (an operator's query,
+        so it may look at every record)."""
+        by_state: dict[str, int] = {}
+        for task in self.tasks.values():
+            name = task.state.public
+            by_state[name] = by_state.get(name, 0) + 1
+        c = self.counters
+        workers = [
+            {
+                "id": w.worker_id,
+                "pid": w.pid,
+                "state": w.state.value,
+                "task": w.task.task_id if w.task is not None else 0,
+                "last_pulse_s": round(now - w.last_pulse, 2),
+                "done": w.done,
+            }
+            for w in itertools.islice(self.workers.values(), max_workers)
+        ]
+        return {
+            "workers": workers,
+            "workers_total": len(self.workers),
+            "tasks": {
+                "queued": by_state.get("queued", 0),
+                "running": by_state.get("running", 0),
+                "success": c.succeeded,
+                "error": c.errors,
+                "failed_post": c.failed_post,
+            },
+            "submitted": c.submitted,
+            "registered": c.registered,
+            "retries": c.retries,
+            "restarts_sent": c.restarts_sent,
+            "worker_losses": dict(c.worker_losses),
+        }

@@ -1,0 +1,286 @@
+"""Local workers: the Unix-socket protocol's side of the core. No I/O, no clock.
+
+How it works: pulses from main.sock (`PulseReceived`), the outcome of each
+dial (`DialDone`) and a worker's death (`WorkerExited`) come in here; what the
+protocol means for the job goes to the scheduler as accepted / refused /
+finished / failed / lost, and what to say to the worker goes out as actions
+(`Reply` to the pulse, `Dial` its socket, `WatchPid`).
+
+Per-job path in the common case: Dial(SET_TASK) -> DialDone(OK) ->
+PulseReceived(FETCH_ME) -> Dial(FETCH) -> DialDone(OK). A FETCH_ME that
+overtakes the SET_TASK answer is remembered and served when it lands. A
+pulse whose task_id disagrees with the record is checked with one
+GET_STATUS; only a confirmed mismatch gets RESTART. A pulse only moves the
+worker's deadline field; its heap entry is re-armed when it fires early.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from controller.core.model import (
+    Action,
+    Dial,
+    DialDone,
+    PulseReceived,
+    Reply,
+    Task,
+    WatchPid,
+    Worker,
+    WorkerEvent,
+    WorkerExited,
+    WorkerState,
+)
+from controller.core.recovery import Recovery
+from controller.core.scheduler import Scheduler
+from gen import worker_protocol_pb2 as pb
+
+log = logging.getLogger("controller.core")
+
+_REPLY_OK = Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK))
+_REPLY_UNKNOWN_ID = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
+_REPLY_UNKNOWN_TYPE = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_TYPE))
+_REPLY_FAILED = Reply(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
+
+_WORKER_ERR_NAMES: dict[int, str] = {int(v): str(k) for k, v in pb.WorkerError.items()}
+
+
+def describe_error(code: int) -> str:
+    return _WORKER_ERR_NAMES.get(code, f"unknown WorkerError {code}")
+
+
+class LocalWorkers:
+    """The local worker kind: registration, pulses, dial results, deaths."""
+
+    def __init__(self, scheduler: Scheduler, recovery: Recovery, first_worker_id: int = 1) -> None:
+        self.scheduler = scheduler
+        self.recovery = recovery
+        self.next_worker_id = first_worker_id
+
+    # ------------------------------------------------------------ the scheduler's side
+
+    def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        actions.append(
+            Dial(worker.worker_id, worker.uid, pb.CTRL_SET_TASK, task.task_id, task.payload)
+        )
+
+    def take_back(self, worker: Worker, actions: list[Action]) -> None:
+        actions.append(Dial(worker.worker_id, worker.uid, pb.CTRL_RESTART))
+
+    # ------------------------------------------------------------ pulses
+
+    def pulse(self, ev: PulseReceived, now: float) -> list[Action]:
+        pulse = ev.pulse
+        ptype = pulse.type
+        if ptype == pb.PULSE_REGISTER:
+            return self._register(ev, now)
+        if ptype not in (pb.PULSE_OK, pb.PULSE_FETCH_ME, pb.PULSE_SHUTDOWN):
+            log.info("pulse of unknown type %d refused", ptype)
+            return [_REPLY_UNKNOWN_TYPE]
+        sched = self.scheduler
+        worker = sched.workers.get(pulse.worker_id)
+        if worker is None:
+            return [_REPLY_UNKNOWN_ID]
+        if ev.uid is not None and worker.uid is not None and ev.uid != worker.uid:
+            log.warning(
+                "pulse for worker %d from uid %d refused: it registered as uid %d",
+                worker.worker_id,
+                ev.uid,
+                worker.uid,
+            )
+            return [_REPLY_FAILED]
+        actions: list[Action] = [_REPLY_OK]
+        if ptype == pb.PULSE_SHUTDOWN:
+            log.info("worker %d shut down", worker.worker_id)
+            sched.lost(worker, now, actions, cause="shutdown")
+            sched.dispatch(actions)
+            return actions
+        worker.deadline = now + max(1, pulse.next_pulse)
+        worker.last_pulse = now
+        task_id = pulse.task_id
+        state = worker.state
+        if task_id and worker.task is None and self.recovery.claim(worker, task_id, now, actions):
+            if ptype == pb.PULSE_FETCH_ME:
+                self._fetch(worker, actions)
+            return actions
+        if task_id == 0 and state in (WorkerState.STARTING, WorkerState.UNSURE):
+            sched.ready(worker)
+            sched.dispatch(actions)
+            return actions
+        if task_id not in worker.expected_task_ids():
+            self._check(worker, actions)
+        elif ptype == pb.PULSE_FETCH_ME:
+            if state is WorkerState.BUSY:
+                self._fetch(worker, actions)
+            elif state is WorkerState.ASSIGNING:
+                worker.fetch_wanted = True
+        return actions
+
+    def _register(self, ev: PulseReceived, now: float) -> list[Action]:
+        wid = self.next_worker_id
+        self.next_worker_id += 1
+        worker = Worker(
+            worker_id=wid,
+            kind=self,
+            pid=ev.pid,
+            uid=ev.uid,
+            deadline=now + max(1, ev.pulse.next_pulse),
+        )
+        worker.last_pulse = now
+        self.scheduler.add_worker(worker)
+        self._arm(worker)
+        log.info("worker %d registered (pid %s, uid %s)", wid, ev.pid, ev.uid)
+        actions: list[Action] = [Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=wid))]
+        if ev.pid:
+            actions.append(WatchPid(wid, ev.pid))
+        return actions
+
+    def _arm(self, worker: Worker) -> None:
+        if not worker.armed:
+            worker.armed = True
+            self.scheduler.at(worker.deadline, self._pulse_due, worker)
+
+    def _pulse_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
+        assert isinstance(obj, Worker)
+        obj.armed = False
+        if self.scheduler.workers.get(obj.worker_id) is not obj:
+            return
+        if obj.deadline > now:
+            self._arm(obj)
+            return
+        log.warning("worker %d missed its pulse deadline; dropping it", obj.worker_id)
+        self.scheduler.lost(obj, now, actions, cause="pulse deadline passed")
+
+    # ------------------------------------------------------------ dial results
+
+    def dial_done(self, ev: DialDone, now: float) -> list[Action]:
+        worker = self.scheduler.workers.get(ev.worker_id)
+        if worker is None:
+            return []  # dropped while the dial was in flight; its task was re-placed then
+        actions: list[Action] = []
+        kind = ev.kind
+        if kind == pb.CTRL_SET_TASK:
+            self._set_task_done(worker, ev, now, actions)
+        elif kind == pb.CTRL_FETCH:
+            self._fetch_done(worker, ev, now, actions)
+        elif kind == pb.CTRL_GET_STATUS:
+            self._status_done(worker, ev, now, actions)
+        # RESTART answers are ignored: the worker was dropped when it was sent.
+        self.scheduler.dispatch(actions)
+        return actions
+
+    def _set_task_done(
+        self, worker: Worker, ev: DialDone, now: float, actions: list[Action]
+    ) -> None:
+        task = worker.task
+        if worker.state is not WorkerState.ASSIGNING or task is None:
+            return
+        sched = self.scheduler
+        resp = ev.response
+        if ev.not_owned:
+            log.warning(
+                "worker %d: its socket is not owned by uid %s; dropping it unused",
+                worker.worker_id,
+                worker.uid,
+            )
+            sched.lost(worker, now, actions, cause="socket owned by another uid", blame=False)
+            return
+        if resp is None:
+            # It may have taken the task before going silent: that counts as an attempt.
+            task.attempts += 1
+            task.failed_on.add(worker.worker_id)
+            task.last_error = f"worker {worker.worker_id} did not answer SET_TASK"
+            log.warning("worker %d: SET_TASK got no answer (%s)", worker.worker_id, ev.error)
+            worker.task = None
+            sched.lost(worker, now, actions, cause="no answer")
+            sched.retry(task, now, actions)
+            return
+        err = resp.error
+        if err == pb.WORKER_ERR_OK and resp.task_id in (0, task.task_id):
+            sched.accepted(worker, now, actions)
+            if worker.fetch_wanted:
+                self._fetch(worker, actions)
+            return
+        if err == pb.WORKER_ERR_BUSY:
+            sched.refused(worker, now, actions)
+            return
+        why = (
+            f"answered task {resp.task_id} for task {task.task_id}"
+            if err == pb.WORKER_ERR_OK
+            else f"answered {describe_error(err)}"
+        )
+        log.warning("worker %d: SET_TASK %s; dropping it", worker.worker_id, why)
+        sched.lost(worker, now, actions, cause="bad answer", blame=False)
+
+    def _fetch_done(self, worker: Worker, ev: DialDone, now: float, actions: list[Action]) -> None:
+        task = worker.task
+        if worker.state is not WorkerState.FETCHING or task is None:
+            return
+        sched = self.scheduler
+        resp = ev.response
+        if resp is None:
+            log.warning("worker %d: FETCH got no answer (%s)", worker.worker_id, ev.error)
+            sched.lost(worker, now, actions, cause="no answer")
+            return
+        err = resp.error
+        if err == pb.WORKER_ERR_OK and resp.task_id == task.task_id:
+            sched.finished(worker, ev.extra, now, actions)
+        elif err in (pb.WORKER_ERR_NO_FETCH, pb.WORKER_ERR_BUSY):
+            worker.advance(WorkerEvent.NOTHING_TO_FETCH)
+        elif err == pb.WORKER_ERR_TASK_FAILED and resp.task_id in (0, task.task_id):
+            sched.failed(worker, ev.extra.decode("utf-8", "replace"), now, actions)
+        else:
+            why = (
+                f"answered task {resp.task_id} for task {task.task_id}"
+                if err in (pb.WORKER_ERR_OK, pb.WORKER_ERR_TASK_FAILED)
+                else f"answered {describe_error(err)}"
+            )
+            log.warning("worker %d: FETCH %s; dropping it", worker.worker_id, why)
+            sched.lost(worker, now, actions, cause="bad answer")
+
+    def _status_done(self, worker: Worker, ev: DialDone, now: float, actions: list[Action]) -> None:
+        worker.checking = False
+        sched = self.scheduler
+        resp = ev.response
+        if resp is None or resp.error != pb.WORKER_ERR_OK:
+            why = ev.error if resp is None else describe_error(resp.error)
+            log.warning("worker %d: GET_STATUS failed (%s); dropping it", worker.worker_id, why)
+            sched.lost(worker, now, actions, cause="no answer" if resp is None else "bad answer")
+            return
+        if resp.task_id == 0 and worker.state in (WorkerState.STARTING, WorkerState.UNSURE):
+            sched.ready(worker)
+            return
+        if resp.task_id in worker.expected_task_ids():
+            return
+        expected = worker.task.task_id if worker.task is not None else 0
+        log.warning(
+            "worker %d holds task %d but the controller gave it %d; restarting it",
+            worker.worker_id,
+            resp.task_id,
+            expected,
+        )
+        sched.take_back(worker, now, actions, cause="task mismatch")
+
+    # ------------------------------------------------------------ deaths
+
+    def exited(self, ev: WorkerExited, now: float) -> list[Action]:
+        worker = self.scheduler.workers.get(ev.worker_id)
+        if worker is None:
+            return []
+        log.debug("worker %d (pid %s) exited", worker.worker_id, worker.pid)
+        actions: list[Action] = []
+        self.scheduler.lost(worker, now, actions, cause="process exited")
+        self.scheduler.dispatch(actions)
+        return actions
+
+    # ------------------------------------------------------------ helpers
+
+    def _check(self, worker: Worker, actions: list[Action]) -> None:
+        if not worker.checking:
+            worker.checking = True
+            actions.append(Dial(worker.worker_id, worker.uid, pb.CTRL_GET_STATUS))
+
+    def _fetch(self, worker: Worker, actions: list[Action]) -> None:
+        worker.fetch_wanted = False
+        worker.advance(WorkerEvent.FETCH)
+        actions.append(Dial(worker.worker_id, worker.uid, pb.CTRL_FETCH))
