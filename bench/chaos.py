@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import os
 import random
 import signal
@@ -24,60 +23,21 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import trio
 
-from bench.common import controller_argv, recording_exec, worker_argv, write_config
-from controller import sockets
 from controller.client import Client, Outcome
+from tests.helpers import (
+    connect_unix,
+    controller_argv,
+    free_udp_port,
+    lossy_router,
+    recording_exec,
+    worker_argv,
+    write_config,
+)
 
 NOT_ACKED = "add_task was not acknowledged"
-
-
-async def lossy_router(
-    rng: random.Random,
-    server: tuple[str, int],
-    *,
-    drop: float,
-    dup: float,
-    reorder: float,
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Forward datagrams client <-> server, dropping, duplicating and delaying some."""
-    down = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    up = trio.socket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
-    await down.bind(("127.0.0.1", 0))
-    await up.bind(("127.0.0.1", 0))
-    client: list[Any] = []
-
-    async def deliver(sock: Any, data: bytes, addr: Any) -> None:
-        if rng.random() < reorder:
-            await trio.sleep(rng.uniform(0.001, 0.05))
-        with contextlib.suppress(
-            OSError
-        ):  # the controller is down: a lost datagram, like any other
-            await sock.sendto(data, addr)
-
-    async def pump(src: Any, dst: Any, nursery: trio.Nursery, to_client: bool) -> None:
-        while True:
-            try:
-                data, addr = await src.recvfrom(65535)
-            except OSError:
-                continue  # ICMP port unreachable while the controller restarts
-            if not to_client and not client:
-                client.append(addr)
-            target = client[0] if to_client else server
-            if rng.random() < drop:
-                continue
-            for _ in range(2 if rng.random() < dup else 1):
-                nursery.start_soon(deliver, dst, data, target)
-
-    with down, up:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, down, up, nursery, False)
-            nursery.start_soon(pump, up, down, nursery, True)
-            task_status.started(down.getsockname())
 
 
 @dataclass
@@ -85,12 +45,6 @@ class Tally:
     kills: collections.Counter[str] = field(default_factory=collections.Counter)
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     submitted: int = 0
-
-
-def free_udp_port() -> int:
-    with stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
@@ -162,7 +116,7 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
             else:
                 for _ in range(5):
                     try:
-                        conn = await sockets.connect_unix(sockdir / "main.sock", 1.0)
+                        conn = await connect_unix(sockdir / "main.sock", 1.0)
                     except OSError:
                         break
                     with conn:

@@ -1,52 +1,17 @@
-"""Small helpers shared by the benchmarks."""
+"""Small helpers of the benchmarks alone (those shared with the tests are in tests/helpers.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
-import socket
 import statistics
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def write_config(directory: Path, **settings: object) -> Path:
-    """A controller.json in `directory` with these settings (tests and benchmarks)."""
-    path = directory / "controller.json"
-    path.write_text(json.dumps(settings))
-    return path
-
-
-def recording_exec(execlog: Path) -> list[str]:
-    """`--exec` arguments for a job that logs its TASK_ID (to count executions) and echoes."""
-    return ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; cat']
-
-
-def controller_argv(config: Path, *args: str, log_level: str | None = None) -> list[str]:
-    """The command line of a real controller with this config file, plus `args`."""
-    level = ["--log-level", log_level] if log_level is not None else []
-    return [sys.executable, "-m", "controller", "--config", str(config), *level, *args]
-
-
-def worker_argv(socket_dir: Path, *args: str, log_level: str = "ERROR") -> list[str]:
-    """The command line of one real worker on `socket_dir` (quiet by default), plus `args`."""
-    return [
-        sys.executable,
-        "-m",
-        "worker",
-        "--socket-dir",
-        str(socket_dir),
-        "--log-level",
-        log_level,
-        *args,
-    ]
 
 
 def process_cpu(pid: int) -> float:
@@ -74,12 +39,6 @@ def socket_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def percentile(values: list[float], q: float) -> float:

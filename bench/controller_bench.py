@@ -16,9 +16,10 @@ from typing import Any
 
 import trio
 
-from bench.common import controller_argv, process_cpu, rss_mb, self_cpu, socket_dir, write_config
+from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
 from controller.config import Config
 from controller.shell.server import ControllerShell
+from tests.helpers import controller_argv, write_config
 
 
 def start_fakes(sockdir: Path, *args: str) -> subprocess.Popen[str]:

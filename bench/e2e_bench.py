@@ -18,16 +18,10 @@ from typing import Any
 
 import trio
 
-from bench.common import (
-    controller_argv,
-    free_udp_port,
-    median,
-    percentile,
-    socket_dir,
-    write_config,
-)
+from bench.common import median, percentile, socket_dir
 from controller.affinity import parse_cpus
 from controller.client import Client, Outcome
+from tests.helpers import controller_argv, free_udp_port, write_config
 
 HANDLER = "worker.runner:anoop"
 

@@ -16,11 +16,13 @@ from typing import Any
 
 import trio
 
-from bench.common import median, socket_dir, worker_argv
-from controller import sockets, wire
+from bench.common import median, socket_dir
+from controller import wire
 from controller.config import Config
 from controller.shell.server import ControllerShell
+from controller.transport import listen_unix
 from gen import worker_protocol_pb2 as pb
+from tests.helpers import accept, exchange, worker_argv
 
 
 class Catcher:
@@ -33,11 +35,11 @@ class Catcher:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         main = self.sockdir / "main.sock"
-        reg, _ = await sockets.exchange(
+        reg, _ = await exchange(
             main, pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=60), pb.PulseResponse, timeout=5
         )
-        listener = sockets.listen_unix(self.sockdir / f"{reg.worker_id}.sock", 16)
-        await sockets.exchange(
+        listener = listen_unix(self.sockdir / f"{reg.worker_id}.sock", 16)
+        await exchange(
             main,
             pb.WorkerPulse(type=pb.PULSE_OK, worker_id=reg.worker_id, next_pulse=60),
             pb.PulseResponse,
@@ -45,7 +47,7 @@ class Catcher:
         )
         task_status.started()
         while True:
-            conn = await sockets.accept(listener)
+            conn = await accept(listener)
             with conn:
                 msg, _ = await wire.recv_frame(conn, pb.ControlMsg, timeout=5)
                 if msg.type == pb.CTRL_SET_TASK and not self.got.is_set():

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import trio
 
-from controller import sockets, wire
+from controller import wire
+from controller.transport import listen_unix
 from gen import worker_protocol_pb2 as pb
+from tests.helpers import accept
+from tests.helpers import exchange as dial
 
 
 async def exchange(path: str, msg: pb.WorkerPulse) -> pb.PulseResponse:
-    resp, _ = await sockets.exchange(path, msg, pb.PulseResponse, timeout=10)
+    resp, _ = await dial(path, msg, pb.PulseResponse, timeout=10)
     return resp
 
 
@@ -40,14 +43,14 @@ class AnsweringWorker:
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         reg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=60)
         self.wid = (await exchange(self.main, reg)).worker_id
-        sock = sockets.listen_unix(self.dir / f"{self.wid}.sock", 64)
+        sock = listen_unix(self.dir / f"{self.wid}.sock", 64)
         await exchange(
             self.main, pb.WorkerPulse(type=pb.PULSE_OK, worker_id=self.wid, next_pulse=60)
         )
         task_status.started()
         async with trio.open_nursery() as nursery:
             while True:
-                nursery.start_soon(self.answer, await sockets.accept(sock), nursery)
+                nursery.start_soon(self.answer, await accept(sock), nursery)
 
     async def answer(self, conn: socket.socket, nursery: trio.Nursery) -> None:
         with conn:

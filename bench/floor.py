@@ -20,9 +20,10 @@ import sys
 import time
 from typing import Any
 
-from bench.common import free_udp_port, percentile, socket_dir
+from bench.common import percentile, socket_dir
 from controller.wire import encode_frame, whole_frame
 from gen import worker_protocol_pb2 as pb
+from tests.helpers import free_udp_port
 
 
 def read_frame(sock: socket.socket, msg_type: type[Any]) -> Any:

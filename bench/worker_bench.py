@@ -13,9 +13,11 @@ from typing import Any
 
 import trio
 
-from bench.common import median, socket_dir, worker_argv
-from controller import sockets, wire
+from bench.common import median, socket_dir
+from controller import wire
+from controller.transport import listen_unix
 from gen import worker_protocol_pb2 as pb
+from tests.helpers import accept, exchange, worker_argv
 
 
 class MiniController:
@@ -28,11 +30,11 @@ class MiniController:
         self.fetch_me = trio.Event()
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listener = sockets.listen_unix(self.sockdir / "main.sock", 64)
+        listener = listen_unix(self.sockdir / "main.sock", 64)
         task_status.started()
         async with trio.open_nursery() as nursery:
             while True:
-                nursery.start_soon(self.answer, await sockets.accept(listener))
+                nursery.start_soon(self.answer, await accept(listener))
 
     async def answer(self, conn: Any) -> None:
         with conn:
@@ -62,9 +64,9 @@ async def drive(args: list[str], tasks: int) -> float:
                 for task_id in range(1, tasks + 1):
                     ctl.fetch_me = trio.Event()
                     msg = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=task_id)
-                    await sockets.exchange(path, msg, pb.WorkerResponse, b"", timeout=5)
+                    await exchange(path, msg, pb.WorkerResponse, b"", timeout=5)
                     await ctl.fetch_me.wait()
-                    resp, _ = await sockets.exchange(
+                    resp, _ = await exchange(
                         path, pb.ControlMsg(type=pb.CTRL_FETCH), pb.WorkerResponse, timeout=5
                     )
                     assert resp.error == pb.WORKER_ERR_OK, resp

@@ -8,46 +8,12 @@ from pathlib import Path
 
 import trio
 
-from controller import sockets, wire
+from controller import wire
+from controller.transport import listen_unix
 from gen import worker_protocol_pb2 as pb
+from tests.helpers import accept, exchange
 
 Responder = Callable[[pb.ControlMsg, bytes], Awaitable[tuple[pb.WorkerResponse, bytes] | None]]
-
-
-async def exchange(path: Path, msg, reply_type, extra: bytes = b"", timeout: float = 5.0):
-    """One connection: send a frame, read the answer frame."""
-    return await sockets.exchange(path, msg, reply_type, extra, timeout=timeout)
-
-
-async def recv_all(sock, timeout: float = 5.0) -> bytes:
-    """Everything the peer sends until it closes."""
-    out = b""
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                chunk = sock.recv(65536)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            if not chunk:
-                return out
-            out += chunk
-
-
-async def send_raw(path: Path, data: bytes, timeout: float = 5.0) -> bytes:
-    """Send arbitrary bytes, return whatever comes back before the peer closes."""
-    with await sockets.connect_unix(path, timeout) as sock:
-        sock.sendall(data) if len(data) < 65536 else await _send_big(sock, data)
-        return await recv_all(sock, timeout)
-
-
-async def _send_big(sock, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view) :]
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
 
 
 @dataclass
@@ -80,7 +46,7 @@ class FakeWorker:
         assert resp.error == pb.CTRL_ERR_OK
         self.worker_id = resp.worker_id
         path = self.socket_dir / f"{self.worker_id}.sock"
-        sock = sockets.listen_unix(path, 64)
+        sock = listen_unix(path, 64)
         nursery.start_soon(self._serve, sock, nursery)
         if ready:
             assert (await self.pulse()).error == pb.CTRL_ERR_OK
@@ -89,7 +55,7 @@ class FakeWorker:
     async def _serve(self, sock, nursery) -> None:
         with sock:
             while True:
-                nursery.start_soon(self._answer, await sockets.accept(sock))
+                nursery.start_soon(self._answer, await accept(sock))
 
     async def _answer(self, conn) -> None:
         with conn:
@@ -125,13 +91,6 @@ class FakeWorker:
             await self.got.wait()
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (for state that has no event to wait on)."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.005)
-
-
 @dataclass
 class FakeController:
     """A scripted main.sock: answers pulses, records them, can forget worker ids."""
@@ -144,12 +103,12 @@ class FakeController:
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_dir / "main.sock"
-        sock = sockets.listen_unix(path, 64)
+        sock = listen_unix(path, 64)
         task_status.started()
         async with trio.open_nursery() as nursery:
             with sock:
                 while True:
-                    nursery.start_soon(self._answer, await sockets.accept(sock))
+                    nursery.start_soon(self._answer, await accept(sock))
 
     async def _answer(self, conn) -> None:
         with conn:

@@ -8,12 +8,19 @@ import socket as stdsocket
 import pytest
 import trio
 
-from controller import sockets, wire
+from controller import wire
 from controller.core import TaskState, WorkerState
 from controller.shell.server import StartupError, bind_main_socket, prepare_socket_dir
 from gen import worker_protocol_pb2 as pb
-from tests.conftest import running_controller
-from tests.fakes import FakeWorker, exchange, recv_all, send_raw, wait_until
+from tests.fakes import FakeWorker
+from tests.helpers import (
+    connect_unix,
+    exchange,
+    recv_all,
+    running_controller,
+    send_raw,
+    wait_until,
+)
 
 
 async def fresh_register_is_answered(sockdir) -> None:
@@ -212,7 +219,7 @@ async def test_half_message_and_200_idle_connections(sockdir):
         socks = []
         try:
             for _ in range(200):
-                socks.append(await sockets.connect_unix(sockdir / "main.sock", 5))
+                socks.append(await connect_unix(sockdir / "main.sock", 5))
             socks[0].send(b"\x08")  # half a message, then silence
             await fresh_register_is_answered(sockdir)
         finally:
@@ -222,7 +229,7 @@ async def test_half_message_and_200_idle_connections(sockdir):
 
 async def test_silent_pulse_connection_is_closed_after_dial_timeout(sockdir, autojump_clock):
     async with running_controller(sockdir, dial_timeout=2):
-        with await sockets.connect_unix(sockdir / "main.sock", 5) as s:
+        with await connect_unix(sockdir / "main.sock", 5) as s:
             s.send(b"\x06\x08")
             start = trio.current_time()
             reply = await recv_all(s)

@@ -16,9 +16,14 @@ import subprocess
 
 import trio
 
-from bench.common import controller_argv, recording_exec, worker_argv, write_config
 from controller.client import Client
-from tests.test_udp import free_udp_port
+from tests.helpers import (
+    controller_argv,
+    free_udp_port,
+    recording_exec,
+    worker_argv,
+    write_config,
+)
 
 ROUNDS = 20
 TASKS = 400

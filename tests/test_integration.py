@@ -8,20 +8,12 @@ import subprocess
 
 import trio
 
-from bench.common import worker_argv
 from controller.core import TaskState
-from tests.conftest import running_controller
-from tests.fakes import wait_until
+from tests.helpers import reap, running_controller, wait_until, worker_argv
 
 
 def spawn(sockdir, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(worker_argv(sockdir, *args, log_level="WARNING"))
-
-
-def reap(procs) -> None:
-    for proc in procs:
-        proc.kill()
-        proc.wait()
 
 
 async def test_tasks_flow_through_real_workers(sockdir):
@@ -37,7 +29,8 @@ async def test_tasks_flow_through_real_workers(sockdir):
             }
             assert all(d.state is TaskState.SUCCESS for d in done)
     finally:
-        reap(procs)
+        for proc in procs:
+            reap(proc)
 
 
 async def test_kill_9_busy_worker_is_seen_at_once(sockdir):
@@ -58,4 +51,5 @@ async def test_kill_9_busy_worker_is_seen_at_once(sockdir):
             assert shell.core.queued == 1
             assert shell.core.counters.worker_losses == {"process exited": 1}
     finally:
-        reap(procs)
+        for proc in procs:
+            reap(proc)

@@ -18,15 +18,23 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench.common import controller_argv, write_config
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.core import TaskState
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor
 from gen import worker_protocol_pb2 as pb
-from tests.conftest import running_controller
-from tests.fakes import FakeWorker, wait_until
-from tests.test_udp import client, free_udp_port
+from tests.fakes import FakeWorker
+from tests.helpers import (
+    controller_argv,
+    free_tcp_port,
+    free_udp_port,
+    reap,
+    run_udp_client,
+    running_controller,
+    wait_for_condition,
+    wait_until,
+    write_config,
+)
 
 NOBODY = 65534
 
@@ -220,15 +228,6 @@ def run_as_nobody(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stderr=subprocess.PIPE)
 
 
-def reap(proc: subprocess.Popen[bytes]) -> bytes:
-    proc.kill()
-    proc.wait()
-    assert proc.stderr is not None
-    out = proc.stderr.read()
-    proc.stderr.close()
-    return out
-
-
 @as_root
 async def test_worker_of_unknown_uid_is_refused(sockdir):
     sockdir.chmod(0o711)
@@ -271,9 +270,12 @@ async def test_pulse_for_another_uids_worker_is_refused(sockdir, nursery):
         os.chmod(sockdir / "main.sock", 0o666)
         w = await FakeWorker(sockdir).start(nursery)  # registered by root
         script = (
-            "import sys, trio; from controller import sockets; from gen import worker_protocol_pb2 as pb\n"
+            "import socket, sys; from controller import wire; "
+            "from gen import worker_protocol_pb2 as pb\n"
             f"msg = pb.WorkerPulse(type=pb.PULSE_OK, worker_id={w.worker_id}, next_pulse=2)\n"
-            f"resp, _ = trio.run(lambda: sockets.exchange({str(sockdir / 'main.sock')!r}, msg, pb.PulseResponse, timeout=5))\n"
+            "s = socket.socket(socket.AF_UNIX); s.settimeout(5)\n"
+            f"s.connect({str(sockdir / 'main.sock')!r}); s.sendall(wire.encode_frame(msg))\n"
+            "resp, _ = wire.whole_frame(pb.PulseResponse, s.recv(4096), 0)\n"
             "sys.exit(resp.error)"
         )
         proc = run_as_nobody("-c", script)
@@ -302,12 +304,6 @@ async def test_socket_owned_by_another_uid_is_not_dialled(sockdir, nursery):
 # ---------------------------------------------------------------- metrics
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_metrics_scrape_parses(tmp_path, sockdir):
     import urllib.request
 
@@ -326,7 +322,7 @@ def test_metrics_scrape_parses(tmp_path, sockdir):
         stderr=subprocess.DEVNULL,
     )
     try:
-        done = client(udp, "--timeout", "20", "add", "1-5", "--payload", "m")
+        done = run_udp_client(udp, "--timeout", "20", "add", "1-5", "--payload", "m")
         assert done.returncode == 0, done.stderr
         deadline = time.monotonic() + 10
         while True:
@@ -426,13 +422,6 @@ def test_cpu_list_short_form():
 
 def affinity_of(pid: int) -> set[int]:
     return set(os.sched_getaffinity(pid))
-
-
-def wait_for_condition(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

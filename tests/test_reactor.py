@@ -12,10 +12,10 @@ import pytest
 import trio
 
 from controller import wire
-from controller.reactor import Incoming, Outgoing, Reactor
-from controller.sockets import listen_unix
+from controller.reactor import Reactor
+from controller.transport import Incoming, Outgoing, listen_unix
 from gen import worker_protocol_pb2 as pb
-from tests.fakes import wait_until
+from tests.helpers import wait_until
 
 REQUEST = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=7)
 

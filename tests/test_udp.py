@@ -14,12 +14,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench.chaos import lossy_router
-from bench.common import controller_argv, write_config
 from controller.client import Client
 from controller.config import ClientAddress, Config
 from controller.shell.main import assemble
-from tests.fakes import wait_until
+from tests.helpers import (
+    controller_argv,
+    free_udp_port,
+    lossy_router,
+    run_udp_client,
+    wait_until,
+    write_config,
+)
 from worker.runner import handler_runner
 from worker.shell import WorkerShell
 
@@ -108,12 +113,6 @@ async def test_large_result_read_with_get_result(sockdir, nursery):
 # ---------------------------------------------------------------- real processes
 
 
-def free_udp_port() -> int:
-    with stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_controller(
     tmp: Path, sockdir: Path, port: int, *args: str, **settings
 ) -> subprocess.Popen[bytes]:
@@ -134,11 +133,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def client(port: int, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
-    cmd = [sys.executable, "-m", "controller.client", "--server", f"127.0.0.1:{port}", *args]
-    return subprocess.run(cmd, capture_output=True, timeout=timeout + 30)
-
-
 TUNED = ["--cpus", "0", "--busy-poll", "200", "--", "--cpus", str((os.cpu_count() or 1) - 1)]
 
 
@@ -147,14 +141,14 @@ def test_udp_client_add_5_prints_result(tmp_path, sockdir, tuning):
     port = free_udp_port()
     proc = start_controller(tmp_path, sockdir, port, "--workers", "2", *tuning)
     try:
-        done = client(port, "--timeout", "30", "add", "5", "--payload", "hi")
+        done = run_udp_client(port, "--timeout", "30", "add", "5", "--payload", "hi")
         assert (done.returncode, done.stdout) == (0, b"hi"), done.stderr
         ids = tmp_path / "ids"
         ids.write_text("\n".join(str(i) for i in range(10, 60)) + "\n")
-        many = client(port, "add", "--ids-from", str(ids), "--payload", "x")
+        many = run_udp_client(port, "add", "--ids-from", str(ids), "--payload", "x")
         assert many.returncode == 0, many.stderr
         assert b"succeeded: 50" in many.stderr and b"p99" in many.stderr
-        status = client(port, "status")
+        status = run_udp_client(port, "status")
         assert status.returncode == 0, status.stderr
         assert b"workers: 2" in status.stdout and b"success 51" in status.stdout
     finally:
@@ -165,7 +159,7 @@ def test_failed_post_exits_1(tmp_path, sockdir):
     port = free_udp_port()
     proc = start_controller(tmp_path, sockdir, port, timeout_task_placement=0.5)
     try:
-        done = client(port, "add", "1")
+        done = run_udp_client(port, "add", "1")
         assert done.returncode == 1
         assert b"failed_post" in done.stderr
     finally:
@@ -173,7 +167,7 @@ def test_failed_post_exits_1(tmp_path, sockdir):
 
 
 def test_no_answer_exits_3():
-    done = client(free_udp_port(), "--timeout", "1", "add", "1", timeout=1)
+    done = run_udp_client(free_udp_port(), "--timeout", "1", "add", "1", timeout=1)
     assert done.returncode == 3 and b"no answer" in done.stderr
 
 
@@ -197,12 +191,12 @@ def test_global_options_after_the_command():
 
 
 def test_usage_error_exits_2(tmp_path):
-    assert client(1, "add", "abc").returncode == 2
-    assert client(1, "add", "5-1").returncode == 2
+    assert run_udp_client(1, "add", "abc").returncode == 2
+    assert run_udp_client(1, "add", "5-1").returncode == 2
     ids = tmp_path / "ids"
     ids.write_text("1\n2\nthree\n")
-    bad_line = client(1, "add", "--ids-from", str(ids))
+    bad_line = run_udp_client(1, "add", "--ids-from", str(ids))
     assert bad_line.returncode == 2 and b"line 3" in bad_line.stderr
-    missing = client(1, "add", "--ids-from", str(tmp_path / "nope"))
+    missing = run_udp_client(1, "add", "--ids-from", str(tmp_path / "nope"))
     assert missing.returncode == 2 and b"nope" in missing.stderr
-    assert client(1, "add", "5", "--ids-from", str(ids)).returncode == 2  # not both
+    assert run_udp_client(1, "add", "5", "--ids-from", str(ids)).returncode == 2  # not both

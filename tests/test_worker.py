@@ -15,7 +15,8 @@ import trio.lowlevel
 
 from controller import wire
 from gen import worker_protocol_pb2 as pb
-from tests.fakes import FakeController, send_raw
+from tests.fakes import FakeController
+from tests.helpers import reap, send_raw
 from worker.runner import SetupError, TaskFailed, build_runner, handler_runner, run_command
 from worker.shell import EXIT_RESTART, WorkerShell, promised_next_pulse
 
@@ -220,14 +221,6 @@ def test_bad_handler_is_setup_error(spec, message):
 def spawn_worker(sockdir, *args: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "worker", "--socket-dir", str(sockdir), "--pulse", "0.2", *args]
     return subprocess.Popen(cmd, stderr=subprocess.PIPE)
-
-
-def reap(proc: subprocess.Popen[bytes]) -> None:
-    """Stop what the test started, by its pid, and close its pipe."""
-    proc.kill()
-    proc.wait()
-    if proc.stderr:
-        proc.stderr.close()
 
 
 async def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 10) -> int:

@@ -24,8 +24,8 @@ from pathlib import Path
 import trio
 
 from controller import wire
-from controller.reactor import Incoming, Outgoing, Reactor, Result
-from controller.sockets import exchange, listen_unix
+from controller.reactor import Reactor
+from controller.transport import Incoming, Outgoing, Result, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
 from worker.runner import Runner, TaskFailed
@@ -170,7 +170,11 @@ class WorkerShell:
         """One exchange on main.sock; None when the controller could not be reached."""
         try:
             resp, _ = await exchange(
-                self.socket_dir / "main.sock", pulse, pb.PulseResponse, timeout=self.dial_timeout
+                self._reactor,
+                self._main_socket,
+                wire.encode_frame(pulse),
+                pb.PulseResponse,
+                timeout=self.dial_timeout,
             )
         except (OSError, wire.RemoteProtocolError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -38,11 +38,11 @@ from controller.core import (
     WorkerExited,
 )
 from controller.core.model import Task
-from controller.reactor import Incoming, Outgoing, Reactor, Result
+from controller.reactor import Reactor
 from controller.shell.durability import WriteAhead
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
-from controller.sockets import listen_unix
+from controller.transport import Incoming, Outgoing, Result, listen_unix
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")

@@ -1,0 +1,329 @@
+"""Unix-socket exchanges, the one way both controller and worker make them.
+
+Every job crosses three Unix connections (SET_TASK, FETCH_ME, FETCH), each a
+connect or accept, one frame each way and a close, all on one `Reactor`
+(controller/reactor.py) instead of a trio task per connection.
+
+`Outgoing` dials, sends one frame and reads the one frame that answers it;
+`Incoming` reads one frame from an accepted connection, hands it on, writes
+the answer and closes; `exchange` is `Outgoing` for a trio task that wants
+to await the answer (the worker's periodic pulse). All read with
+`wire.FrameReader` and report every failure as a `wire.RemoteProtocolError`
+(or the `OSError` of a failed dial). A done callback never runs inside the
+call that started the exchange (a dial that fails at once reports on the
+next turn), so callers never see themselves re-entered.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Generic
+
+import trio
+
+from controller import wire
+from controller.reactor import Reactor, Timer
+
+# A full listen backlog makes a non-blocking Unix connect fail with EAGAIN and no
+# completion event: retry after this pause until the timeout.
+CONNECT_RETRY = 0.001
+_IN = select.EPOLLIN
+_OUT = select.EPOLLOUT
+
+Result = tuple[wire.M, bytes] | wire.RemoteProtocolError | OSError
+
+
+def listen_unix(path: Path, backlog: int, mode: int = 0o660) -> socket.socket:
+    """Bind and listen on `path` with file mode `mode` (synchronously: a local bind
+    takes microseconds, and trio's own bind hops to a thread, letting a MockClock jump)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, mode)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Outgoing(Generic[wire.M]):
+    """Dial `path`, send one frame, read the frame that answers it, close, report `done`.
+
+    `timeout` bounds each silence, as in `wire.recv_frame`.
+    """
+
+    __slots__ = (
+        "_data",
+        "_deadline",
+        "_done",
+        "_path",
+        "_reactor",
+        "_reader",
+        "_sock",
+        "_started",
+        "_timeout",
+        "_timer",
+        "_type",
+    )
+
+    def __init__(
+        self,
+        reactor: Reactor,
+        path: str | Path,
+        data: bytes,
+        answer_type: type[wire.M],
+        done: Callable[[Result[wire.M]], None],
+        *,
+        timeout: float,
+        max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+    ) -> None:
+        self._reactor = reactor
+        self._path = str(path)
+        self._data = data
+        self._type = answer_type
+        self._reader = wire.FrameReader(answer_type, max_extra_size)
+        self._done = done
+        self._timeout = timeout
+        now = trio.current_time()
+        self._deadline = now + timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        self._started = False
+        self._timer = reactor.call_at(self._deadline, self._on_timer)
+        self._connect(now)
+        self._started = True
+
+    def _connect(self, now: float) -> None:
+        try:
+            self._sock.connect(self._path)
+        except BlockingIOError:  # listen backlog full
+            self._timer.cancel()
+            if now >= self._deadline:
+                self._finish(
+                    wire.PeerTimeout(f"{self._path}: listen backlog full for {self._timeout:g} s")
+                )
+            else:
+                self._timer = self._reactor.call_at(now + CONNECT_RETRY, self._connect)
+            return
+        except OSError as exc:
+            self._finish(exc)
+            return
+        if self._timer.callback is None:  # came back from a backlog retry
+            self._timer = self._reactor.call_at(self._deadline, self._on_timer)
+        try:
+            sent = self._sock.send(self._data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._finish(wire.ConnectionLost(f"sending a request: {exc}"))
+            return
+        if sent == len(self._data):
+            self._data = b""
+            self._reactor.watch(self._sock, _IN, self._receive)
+        else:  # a big request: the rest as the peer reads
+            self._data = self._data[sent:]
+            self._reactor.watch(self._sock, _OUT, self._send)
+
+    def _send(self, events: int) -> None:
+        try:
+            sent = self._sock.send(self._data)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._finish(wire.ConnectionLost(f"sending a request: {exc}"))
+            return
+        self._data = self._data[sent:]
+        self._deadline = trio.current_time() + self._timeout
+        if not self._data:
+            self._reactor.watch(self._sock, _IN, self._receive)
+
+    def _receive(self, events: int) -> None:
+        try:
+            frame = self._reader.read(self._sock)
+        except wire.RemoteProtocolError as exc:
+            self._finish(exc)
+            return
+        if frame is not None:
+            self._finish(frame)
+        else:
+            self._deadline = trio.current_time() + self._timeout
+
+    def _on_timer(self, now: float) -> None:
+        if now < self._deadline:  # progress since: wait for the rest
+            self._timer = self._reactor.call_at(self._deadline, self._on_timer)
+            return
+        if self._data:
+            why = f"peer did not read the request within {self._timeout:g} s"
+        else:
+            why = f"peer silent for {self._timeout:g} s while sending a {self._type.__name__}"
+        self._finish(wire.PeerTimeout(why))
+
+    def _finish(self, result: Result[wire.M]) -> None:
+        self._timer.cancel()
+        self._reactor.unwatch(self._sock)
+        self._sock.close()
+        done = self._done
+        if self._started:
+            done(result)  # in event order: an answer is handled before what came after it
+        else:
+            self._reactor.call_soon(lambda now: done(result))
+
+
+class Incoming(Generic[wire.M]):
+    """One accepted connection: read a frame, hand it to `on_frame`, write the answer, close.
+
+    `on_frame(conn, msg, extra)` answers with `conn.reply(data)`, now or later;
+    `on_error(conn, exc)` hears about a bad or missing frame and may still
+    `reply` when `exc.can_reply`. A peer that does not read its answer within
+    `timeout` is dropped.
+    """
+
+    __slots__ = (
+        "_on_error",
+        "_on_frame",
+        "_out",
+        "_reactor",
+        "_reader",
+        "_reading",
+        "_sent",
+        "_timeout",
+        "_timer",
+        "_type",
+        "sock",
+    )
+
+    def __init__(
+        self,
+        reactor: Reactor,
+        sock: socket.socket,
+        request_type: type[wire.M],
+        on_frame: Callable[[Incoming[wire.M], wire.M, bytes], None],
+        on_error: Callable[[Incoming[wire.M], wire.RemoteProtocolError], None],
+        *,
+        timeout: float,
+        max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+    ) -> None:
+        self._reactor = reactor
+        self.sock = sock
+        self._type = request_type
+        self._reader = wire.FrameReader(request_type, max_extra_size)
+        self._on_frame = on_frame
+        self._on_error = on_error
+        self._timeout = timeout
+        self._out = b""
+        self._sent: Callable[[], None] | None = None
+        self._timer: Timer | None = None
+        self._reading = True
+        self._receive(_IN)  # the request has often arrived with the connection
+        if self._reading:
+            self._rearm()
+            reactor.watch(sock, _IN, self._receive)
+
+    def reply(self, data: bytes, sent: Callable[[], None] | None = None) -> None:
+        """Send `data` and close; `sent()` once all of it is written.
+
+        A peer that stops reading is dropped (and `sent` is not called).
+        """
+        if self.sock.fileno() < 0:
+            return
+        self._out = data
+        self._sent = sent
+        self._send(_OUT)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._reactor.unwatch(self.sock)
+            self.sock.close()
+
+    def _receive(self, events: int) -> None:
+        if not self._reading:
+            return
+        try:
+            frame = self._reader.read(self.sock)
+        except wire.RemoteProtocolError as exc:
+            self._fail(exc)
+            return
+        if frame is None:
+            self._rearm()
+            return
+        self._request_done()
+        self._on_frame(self, *frame)
+
+    def _send(self, events: int) -> None:
+        try:
+            while self._out:
+                self._out = self._out[self.sock.send(self._out) :]
+        except BlockingIOError:
+            self._reactor.watch(self.sock, _OUT, self._send)
+            self._rearm()
+            return
+        except OSError:
+            self.close()  # the peer went away: nothing else to do for it
+            return
+        self.close()
+        if self._sent is not None:
+            self._sent()
+
+    def _request_done(self) -> None:
+        self._reading = False
+        if self._timer is not None:
+            self._timer.cancel()
+        self._reactor.unwatch(self.sock)
+
+    def _fail(self, exc: wire.RemoteProtocolError) -> None:
+        self._request_done()
+        self._on_error(self, exc)  # may answer when exc.can_reply
+        if not self._out:  # on_error did not answer, or the answer is already out
+            self.close()
+
+    def _rearm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._reactor.call_at(trio.current_time() + self._timeout, self._on_timer)
+
+    def _on_timer(self, now: float) -> None:
+        if self._reading:
+            self._fail(
+                wire.PeerTimeout(
+                    f"peer silent for {self._timeout:g} s while sending a {self._type.__name__}"
+                )
+            )
+        else:
+            self.close()  # the peer stopped reading its answer
+
+
+async def exchange(
+    reactor: Reactor,
+    path: str | Path,
+    data: bytes,
+    answer_type: type[wire.M],
+    *,
+    timeout: float,
+    max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+) -> tuple[wire.M, bytes]:
+    """Dial `path`, send the encoded frame `data`, and return the frame that answers it.
+
+    Raises what `Outgoing` reports: `OSError` (nobody listens) or `wire.RemoteProtocolError`.
+    """
+    done = trio.Event()
+    outcome: list[Result[wire.M]] = []
+
+    def finished(result: Result[wire.M]) -> None:
+        outcome.append(result)
+        done.set()
+
+    Outgoing(
+        reactor, path, data, answer_type, finished, timeout=timeout, max_extra_size=max_extra_size
+    )
+    await done.wait()
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -1,0 +1,281 @@
+"""Helpers shared by the tests and the benchmarks (which import them from here).
+
+Free ports, stopping processes by pid, waiting on a condition with a
+deadline, command lines of real controllers and workers, per-connection
+trio helpers for fake peers on Unix sockets, the seeded lossy UDP router,
+and an in-process controller shell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+from google.protobuf.message import Message
+
+from controller import wire
+from controller.config import Config
+from controller.core import TaskFinished
+from controller.shell.server import ControllerShell
+from controller.transport import CONNECT_RETRY
+
+# ---------------------------------------------------------------- ports and processes
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def reap(proc: subprocess.Popen[bytes]) -> bytes:
+    """Kill what the test started, by its pid; return its stderr if it was piped."""
+    proc.kill()
+    proc.wait()
+    if proc.stderr is None:
+        return b""
+    out = proc.stderr.read()
+    proc.stderr.close()
+    return out
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll a condition with a deadline (for state that has no event to wait on)."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+def wait_for_condition(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """`wait_until` for code outside trio."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def write_config(directory: Path, **settings: object) -> Path:
+    """A controller.json in `directory` with these settings."""
+    path = directory / "controller.json"
+    path.write_text(json.dumps(settings))
+    return path
+
+
+def recording_exec(execlog: Path) -> list[str]:
+    """`--exec` arguments for a job that logs its TASK_ID (to count executions) and echoes."""
+    return ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; cat']
+
+
+def controller_argv(config: Path, *args: str, log_level: str | None = None) -> list[str]:
+    """The command line of a real controller with this config file, plus `args`."""
+    level = ["--log-level", log_level] if log_level is not None else []
+    return [sys.executable, "-m", "controller", "--config", str(config), *level, *args]
+
+
+def worker_argv(socket_dir: Path, *args: str, log_level: str = "ERROR") -> list[str]:
+    """The command line of one real worker on `socket_dir` (quiet by default), plus `args`."""
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "--socket-dir",
+        str(socket_dir),
+        "--log-level",
+        log_level,
+        *args,
+    ]
+
+
+# ---------------------------------------------------------------- fake peers on Unix sockets
+# One trio task per connection: simple, and slow enough not to matter in a fake.
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    """The next connection, non-blocking."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(listener)
+            continue
+        conn.setblocking(False)
+        return conn
+
+
+async def connect_unix(path: str | Path, timeout: float) -> socket.socket:
+    """A connected non-blocking socket; OSError when nobody listens, PeerTimeout when full."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    deadline = trio.current_time() + timeout
+    try:
+        while True:
+            try:
+                sock.connect(str(path))
+                return sock
+            except BlockingIOError:
+                if trio.current_time() >= deadline:
+                    raise wire.PeerTimeout(
+                        f"{path}: listen backlog full for {timeout:g} s"
+                    ) from None
+                await trio.sleep(CONNECT_RETRY)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def exchange(
+    path: str | Path,
+    msg: Message,
+    answer_type: type[wire.M],
+    extra: bytes = b"",
+    timeout: float = 5.0,
+    max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+) -> tuple[wire.M, bytes]:
+    """Dial `path`, send one frame, read the one frame that answers it, close."""
+    sock = await connect_unix(path, timeout)
+    with sock:
+        await wire.send_frame(sock, msg, extra, timeout=timeout)
+        return await wire.recv_frame(
+            sock, answer_type, timeout=timeout, max_extra_size=max_extra_size
+        )
+
+
+async def recv_all(sock, timeout: float = 5.0) -> bytes:
+    """Everything the peer sends until it closes."""
+    out = b""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if not chunk:
+                return out
+            out += chunk
+
+
+async def send_raw(path: Path, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send arbitrary bytes, return whatever comes back before the peer closes."""
+    with await connect_unix(path, timeout) as sock:
+        sock.sendall(data) if len(data) < 65536 else await _send_big(sock, data)
+        return await recv_all(sock, timeout)
+
+
+async def _send_big(sock, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+
+
+# ---------------------------------------------------------------- a lossy network
+
+
+async def lossy_router(
+    rng: random.Random,
+    server: tuple[str, int],
+    *,
+    drop: float,
+    dup: float,
+    reorder: float,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Forward datagrams client <-> server, dropping, duplicating and delaying some."""
+    down = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    up = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    await down.bind(("127.0.0.1", 0))
+    await up.bind(("127.0.0.1", 0))
+    client: list[Any] = []
+
+    async def deliver(sock: Any, data: bytes, addr: Any) -> None:
+        if rng.random() < reorder:
+            await trio.sleep(rng.uniform(0.001, 0.05))
+        with contextlib.suppress(
+            OSError
+        ):  # the controller is down: a lost datagram, like any other
+            await sock.sendto(data, addr)
+
+    async def pump(src: Any, dst: Any, nursery: trio.Nursery, to_client: bool) -> None:
+        while True:
+            try:
+                data, addr = await src.recvfrom(65535)
+            except OSError:
+                continue  # ICMP port unreachable while the controller restarts
+            if not to_client and not client:
+                client.append(addr)
+            target = client[0] if to_client else server
+            if rng.random() < drop:
+                continue
+            for _ in range(2 if rng.random() < dup else 1):
+                nursery.start_soon(deliver, dst, data, target)
+
+    with down, up:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, down, up, nursery, False)
+            nursery.start_soon(pump, up, down, nursery, True)
+            task_status.started(down.getsockname())
+
+
+# ---------------------------------------------------------------- an in-process controller
+
+
+class Outcomes:
+    """Collects finished tasks; `wait(n)` blocks until n have arrived."""
+
+    def __init__(self) -> None:
+        self.items: list[TaskFinished] = []
+        self._changed = trio.Event()
+
+    def __call__(self, finished: TaskFinished) -> None:
+        self.items.append(finished)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait(self, count: int = 1, timeout: float = 10.0) -> list[TaskFinished]:
+        with trio.fail_after(timeout):
+            while len(self.items) < count:
+                await self._changed.wait()
+        return self.items
+
+
+@asynccontextmanager
+async def running_controller(
+    sockdir: Path, **settings: object
+) -> AsyncIterator[tuple[ControllerShell, Outcomes]]:
+    outcomes = Outcomes()
+    config = Config(socket_dir=sockdir, journal=None).replace(**settings)
+    shell = ControllerShell(config, on_finished=outcomes)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(shell.serve)
+        yield shell, outcomes
+        nursery.cancel_scope.cancel()
+
+
+def run_udp_client(
+    port: int, *args: str, timeout: float = 30
+) -> subprocess.CompletedProcess[bytes]:
+    """Run `udp-client --server 127.0.0.1:PORT ARGS...` to its end (bounded)."""
+    cmd = [sys.executable, "-m", "controller.client", "--server", f"127.0.0.1:{port}", *args]
+    return subprocess.run(cmd, capture_output=True, timeout=timeout + 30)
