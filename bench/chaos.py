@@ -26,7 +26,7 @@ from pathlib import Path
 
 import trio
 
-from controller.client import Client, Outcome
+from controller.client import Outcome, UdpSession
 from tests.helpers import (
     connect_unix,
     controller_argv,
@@ -140,7 +140,9 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path) -> int:
                     task_status=task_status,
                 )
             )
-            client = Client(sock, router, timeout=max(60.0, deadline - trio.current_time() + 30))
+            client = UdpSession(
+                sock, router, timeout=max(60.0, deadline - trio.current_time() + 30)
+            )
             nursery.start_soon(client.receive)
             nursery.start_soon(chaos)
             window = trio.Semaphore(16)

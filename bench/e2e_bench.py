@@ -20,7 +20,7 @@ import trio
 
 from bench.common import median, percentile, socket_dir
 from controller.affinity import parse_cpus
-from controller.client import Client, Outcome
+from controller.client import Outcome, UdpSession
 from tests.helpers import controller_argv, free_udp_port, write_config
 
 HANDLER = "worker.runner:anoop"
@@ -88,7 +88,7 @@ def start_controller(
 async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[float, list[float]]:
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
-    client = Client(sock, ("127.0.0.1", port), timeout=60)
+    client = UdpSession(sock, ("127.0.0.1", port), timeout=60)
     latencies: list[float] = []
 
     def done(outcome: Outcome) -> None:

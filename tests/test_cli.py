@@ -29,6 +29,29 @@ def test_help(module, words):
         assert word in proc.stdout
 
 
+@pytest.mark.parametrize(
+    ("module", "prog"),
+    [("controller", "controller"), ("worker", "worker"), ("controller.client", "udp-client")],
+)
+def test_version(module, prog):
+    from controller.cli import version
+
+    proc = run("-m", module, "--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{prog} {version()}"
+    assert version()[0].isdigit()
+
+
+def test_help_points_at_documents_that_exist():
+    from pathlib import Path
+
+    from controller.cli import DOCS
+
+    proc = run("-m", "controller", "--help")
+    assert DOCS in proc.stdout.replace("\n", " ")
+    assert (Path(__file__).parent.parent / DOCS).is_file()
+
+
 def test_controller_bad_config_exit_2(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"max_retries": -1}')
@@ -71,7 +94,7 @@ def test_controller_corrupt_journal_exit_2_naming_path(tmp_path):
 def test_logs_without_timestamps_under_systemd(monkeypatch, capsys):
     import logging
 
-    from controller.logs import setup_logging
+    from controller.cli import setup_logging
 
     monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
     setup_logging("INFO", "controller")

@@ -16,7 +16,7 @@ import subprocess
 
 import trio
 
-from controller.client import Client
+from controller.client import UdpSession
 from tests.helpers import (
     controller_argv,
     free_udp_port,
@@ -69,7 +69,7 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
     controller = await spawn(controller_cmd, logs[0])
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
-    client = Client(sock, ("127.0.0.1", port), timeout=180)
+    client = UdpSession(sock, ("127.0.0.1", port), timeout=180)
     limiter = trio.CapacityLimiter(32)
 
     async def one(task_id: int) -> None:

@@ -1,4 +1,4 @@
-"""The pure front door with raw datagrams: every rule of DESIGN.md section 4."""
+"""The pure front door with raw datagrams: every rule of the UDP door (docs/design-notes.md)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from controller.client import Client
+from controller.client import UdpSession
 from controller.config import ClientAddress, Config
 from controller.shell.main import assemble
 from tests.helpers import (
@@ -59,7 +59,7 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
 
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
-    client = Client(sock, router, timeout=60)
+    client = UdpSession(sock, router, timeout=60)
     results = {}
     reported = collections.Counter[int]()
     limiter = trio.CapacityLimiter(50)
@@ -101,7 +101,7 @@ async def test_large_result_read_with_get_result(sockdir, nursery):
     nursery.start_soon(lambda: worker.run(handle_signals=False))
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
-    client = Client(sock, server, timeout=30)
+    client = UdpSession(sock, server, timeout=30)
     with sock:
         async with trio.open_nursery() as inner:
             inner.start_soon(client.receive)

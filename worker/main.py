@@ -10,8 +10,8 @@ from pathlib import Path
 import trio
 
 from controller.affinity import AffinityError, parse_cpus, pin
+from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
-from controller.logs import LEVELS, setup_logging
 from worker.runner import SetupError, build_runner
 from worker.shell import WorkerShell
 
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_cpus,
         help="run only on these CPUs, e.g. 1 or 2-3 (default: wherever the system puts it)",
     )
-    parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
+    add_common_flags(parser)
     parser.add_argument(
         "--exit-with-parent",
         action="store_true",

@@ -27,7 +27,7 @@ class TaskState(enum.Enum):
 
     @property
     def public(self) -> str:
-        """The status name clients see (DESIGN.md section 4)."""
+        """The status name UDP clients see (queued, running, success, error, failed_post)."""
         if self is TaskState.ASSIGNING or self is TaskState.ORPHAN:
             return "running"
         return str(self.value)

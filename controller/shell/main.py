@@ -14,10 +14,10 @@ from pathlib import Path
 import trio
 
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
+from controller.cli import DOCS, add_common_flags, setup_logging
 from controller.config import Config, ConfigError, load_config
 from controller.jobs import JobBook
 from controller.journal import Journal, JournalError
-from controller.logs import LEVELS, setup_logging
 from controller.shell.committer import Committer
 from controller.shell.desk import JobDesk
 from controller.shell.metrics import Metrics
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Arguments after -- go to every local worker, e.g. "
-            "'controller --workers auto -- --exec ./job.sh'. Config keys: see docs/DESIGN.md."
+            "'controller --workers auto -- --exec ./job.sh'. "
+            f"Config keys and their defaults: {DOCS}."
         ),
     )
     parser.add_argument("--config", metavar="FILE", help="JSON config file (every key optional)")
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "never); only for a controller on a CPU of its own (--cpus), which it keeps busy "
         "while jobs flow",
     )
-    parser.add_argument("--log-level", choices=LEVELS, default="INFO", type=str.upper)
+    add_common_flags(parser)
     return parser
 
 

@@ -1,0 +1,48 @@
+"""Command-line helpers shared by the three commands: --version, --log-level, logging set-up."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from importlib import metadata
+
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Where the configuration keys, the decisions and the layout are explained.
+DOCS = "docs/design-notes.md"
+
+
+def version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    try:
+        return metadata.version("job-controller")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def add_common_flags(parser: argparse.ArgumentParser, *, log_level: bool = True) -> None:
+    """--version (every command answers it) and, for the daemons, --log-level."""
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{parser.prog} {version()}",
+        help="print the version",
+    )
+    if log_level:
+        parser.add_argument(
+            "--log-level",
+            choices=LEVELS,
+            default="INFO",
+            type=str.upper,
+            help="least severe log lines shown (default INFO)",
+        )
+
+
+def setup_logging(level: str, name: str) -> None:
+    """Log to stderr; under systemd (JOURNAL_STREAM set) the journal adds time and unit."""
+    if os.environ.get("JOURNAL_STREAM"):
+        fmt = "%(levelname)s %(name)s: %(message)s"
+    else:
+        fmt = f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)

@@ -1,0 +1,3 @@
+from controller.client.cli import main
+
+raise SystemExit(main())

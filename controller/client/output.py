@@ -1,0 +1,98 @@
+"""What udp-client prints on a terminal: the progress line, the summary, the status table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+from controller.client.engine import Outcome
+
+
+class Progress:
+    """A progress line on a terminal, a plain line every few seconds elsewhere."""
+
+    def __init__(self, total: int, stream: Any = sys.stderr) -> None:
+        self.total = total
+        self.done = 0
+        self.failed = 0
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.start = time.monotonic()
+        self._last = 0.0
+
+    def step(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += 0 if ok else 1
+        now = time.monotonic()
+        if now - self._last < (0.1 if self.tty else 5.0) and self.done < self.total:
+            return
+        self._last = now
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate else math.inf
+        if self.tty:
+            width = 30
+            filled = width * self.done // self.total
+            bar = "#" * filled + "-" * (width - filled)
+            print(
+                f"\r[{bar}] {self.done}/{self.total} {rate:,.0f}/s "
+                f"ETA {eta:,.0f}s failed {self.failed}",
+                end="",
+                file=self.stream,
+                flush=True,
+            )
+            if self.done == self.total:
+                print(file=self.stream)
+        else:
+            print(
+                f"progress: {self.done}/{self.total} done, {rate:,.0f}/s, "
+                f"ETA {eta:,.0f} s, {self.failed} failed",
+                file=self.stream,
+                flush=True,
+            )
+
+
+def summary(outcomes: list[Outcome], duplicates: int, elapsed: float) -> str:
+    counts = {status: 0 for status in ("success", "error", "failed_post", "refused", "timeout")}
+    for outcome in outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    latencies = sorted(o.latency for o in outcomes if o.status == "success")
+    lines = [
+        f"tasks: {len(outcomes)} in {elapsed:.2f} s ({len(outcomes) / max(elapsed, 1e-9):,.0f}/s)",
+        f"succeeded: {counts['success']}  failed: {counts['error']}"
+        f"  failed_post: {counts['failed_post']}  refused: {counts['refused']}"
+        f"  no answer: {counts['timeout']}",
+        f"duplicates suppressed: {duplicates}",
+    ]
+    if latencies:
+        p50 = statistics.median(latencies)
+        p99 = latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)]
+        lines.append(f"latency p50 {p50 * 1000:.2f} ms  p99 {p99 * 1000:.2f} ms")
+    return "\n".join(lines)
+
+
+def format_status(report: dict[str, Any]) -> str:
+    workers = report.get("workers", [])
+    lines = [f"workers: {report.get('workers_total', len(workers))}"]
+    if workers:
+        lines.append(
+            f"  {'id':>6} {'pid':>8}  {'state':<9} {'task':>8} {'last pulse':>11} {'done':>8}"
+        )
+        for w in workers:
+            lines.append(
+                f"  {w['id']:>6} {w['pid'] or '-':>8}  {w['state']:<9} {w['task']:>8}"
+                f" {w['last_pulse_s']:>9.1f} s {w['done']:>8}"
+            )
+    tasks = report.get("tasks", {})
+    lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in tasks.items()))
+    lines.append(
+        f"retries {report.get('retries', 0)}, restarts sent {report.get('restarts_sent', 0)}, "
+        f"workers lost {report.get('worker_losses', {}) or 'none'}"
+    )
+    door = report.get("front_door")
+    if door:
+        lines.append("front door: " + ", ".join(f"{k} {v}" for k, v in door.items()))
+    return "\n".join(lines)
