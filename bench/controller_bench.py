@@ -18,7 +18,7 @@ import trio
 
 from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
 from controller.config import Config
-from controller.shell.server import ControllerShell
+from controller.shell.core_shell import CoreShell
 from tests.helpers import controller_argv, write_config
 
 
@@ -88,7 +88,7 @@ async def _run_tasks(sockdir: Path, tasks: int, workers: int) -> dict[str, Any]:
         if done == tasks:
             finished.set()
 
-    shell = ControllerShell(Config(socket_dir=sockdir, journal=None), on_finished=on_finished)
+    shell = CoreShell(Config(socket_dir=sockdir, journal=None), on_finished=on_finished)
     base = rss_mb(os.getpid())
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)

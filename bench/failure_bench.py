@@ -19,7 +19,7 @@ import trio
 from bench.common import median, socket_dir
 from controller import wire
 from controller.config import Config
-from controller.shell.server import ControllerShell
+from controller.shell.core_shell import CoreShell
 from controller.transport import listen_unix
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import accept, exchange, worker_argv
@@ -60,7 +60,7 @@ class Catcher:
 
 async def one(how: int, pulse: float) -> float:
     with socket_dir() as sockdir:
-        shell = ControllerShell(Config(socket_dir=sockdir, journal=None))
+        shell = CoreShell(Config(socket_dir=sockdir, journal=None))
         async with trio.open_nursery() as nursery:
             await nursery.start(shell.serve)
             cmd = worker_argv(sockdir, "--pulse", str(pulse), "--exec", "sleep", "60")

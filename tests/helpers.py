@@ -26,7 +26,7 @@ from google.protobuf.message import Message
 from controller import wire
 from controller.config import Config
 from controller.core import TaskFinished
-from controller.shell.server import ControllerShell
+from controller.shell.core_shell import CoreShell
 from controller.transport import CONNECT_RETRY
 
 # ---------------------------------------------------------------- ports and processes
@@ -263,10 +263,10 @@ class Outcomes:
 @asynccontextmanager
 async def running_controller(
     sockdir: Path, **settings: object
-) -> AsyncIterator[tuple[ControllerShell, Outcomes]]:
+) -> AsyncIterator[tuple[CoreShell, Outcomes]]:
     outcomes = Outcomes()
     config = Config(socket_dir=sockdir, journal=None).replace(**settings)
-    shell = ControllerShell(config, on_finished=outcomes)
+    shell = CoreShell(config, on_finished=outcomes)
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
         yield shell, outcomes

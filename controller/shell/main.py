@@ -22,7 +22,7 @@ from controller.shell.committer import Committer
 from controller.shell.desk import JobDesk
 from controller.shell.metrics import Metrics
 from controller.shell.sdnotify import Notifier
-from controller.shell.server import ControllerShell, StartupError
+from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
 
@@ -107,12 +107,12 @@ def assemble(
     journal: Journal | None = None,
     metrics: Metrics | None = None,
     busy_poll: float = 0.0,
-) -> tuple[ControllerShell, JobDesk, UdpDoor]:
+) -> tuple[CoreShell, JobDesk, UdpDoor]:
     """The controller's parts, wired: scheduler shell, job desk (book, journal), UDP door.
     Must be called inside trio.run (the book reads the trio clock once)."""
     book = JobBook(result_retention=config.result_retention)
     book.wall_offset = time.time() - trio.current_time()
-    shell = ControllerShell(config, metrics=metrics, busy_poll=busy_poll)
+    shell = CoreShell(config, metrics=metrics, busy_poll=busy_poll)
     desk = JobDesk(book, shell, journal)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
@@ -120,7 +120,7 @@ def assemble(
     return shell, desk, UdpDoor(config, shell, desk)
 
 
-def status_line(shell: ControllerShell, journal: Journal | None) -> str:
+def status_line(shell: CoreShell, journal: Journal | None) -> str:
     """One line for `systemctl status`."""
     core = shell.core
     running = len(core.tasks) - core.queued

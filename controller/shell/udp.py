@@ -17,7 +17,7 @@ from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
 from controller.jobs import Job
 from controller.shell.desk import JobDesk
-from controller.shell.server import ControllerShell, StartupError
+from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.timer import DeadlineTimer
 
 log = logging.getLogger("controller.udp")
@@ -54,7 +54,7 @@ def open_udp_socket(host: str, port: int) -> stdsocket.socket:
 class UdpDoor:
     """The UDP door's shell: its socket, the pure `FrontDoor` codec, and the door's timer."""
 
-    def __init__(self, config: Config, shell: ControllerShell, desk: JobDesk) -> None:
+    def __init__(self, config: Config, shell: CoreShell, desk: JobDesk) -> None:
         self.config = config
         self.shell = shell
         self.desk = desk

@@ -1,10 +1,10 @@
-"""The controller's trio shell around the pure `Core`.
+"""The core's trio shell: the pure `Core` against main.sock, the worker sockets and the clock.
 
-It owns every socket and the clock: it accepts pulses on main.sock, dials the
-workers' sockets, sleeps until the core's next deadline, watches worker pids,
-and hands each event to the core with `now=trio.current_time()`. Whatever the
-core returns is carried out by `execute`. Finished tasks leave through the
-`on_finished` callback (the front door, or a test).
+It accepts pulses on main.sock, dials the workers' sockets, sleeps until the
+core's next deadline, watches worker pids, and hands each event to the core
+with `now=trio.current_time()`. Whatever the core returns is carried out by
+`execute`. Jobs that end and jobs that start or go back to the queue leave
+through `on_finished` and `on_progress` (the job desk, or a test).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def bind_main_socket(path: Path) -> socket.socket:
         raise StartupError(f"cannot listen on {path}: {exc.strerror}") from None
 
 
-class ControllerShell:
+class CoreShell:
     """Runs a `Core` against real sockets and the trio clock."""
 
     def __init__(
