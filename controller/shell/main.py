@@ -19,10 +19,10 @@ from controller.config import Config, ConfigError, load_config
 from controller.jobs import JobBook
 from controller.journal import Journal, JournalError
 from controller.shell.committer import Committer
+from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.metrics import Metrics
 from controller.shell.sdnotify import Notifier
-from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
 

@@ -16,8 +16,8 @@ from controller.config import Config
 from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
 from controller.jobs import Job
-from controller.shell.desk import JobDesk
 from controller.shell.core_shell import CoreShell, StartupError
+from controller.shell.desk import JobDesk
 from controller.shell.timer import DeadlineTimer
 
 log = logging.getLogger("controller.udp")
