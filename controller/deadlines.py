@@ -21,29 +21,31 @@ T = TypeVar("T")
 class Deadlines(Generic[T]):
     """Items ordered by when they are due; ties keep the order they were pushed in."""
 
-    __slots__ = ("_heap", "_seq")
+    __slots__ = ("_seq", "heap")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, T]] = []
+        # (when, sequence, item), heap-ordered: read `heap[0]` in a hot loop, change it
+        # only through the methods.
+        self.heap: list[tuple[float, int, T]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self.heap)
 
     def push(self, when: float, item: T) -> None:
-        heapq.heappush(self._heap, (when, next(self._seq), item))
+        heapq.heappush(self.heap, (when, next(self._seq), item))
 
     def next(self) -> float:
         """When the earliest item is due (inf when there is none)."""
-        return self._heap[0][0] if self._heap else math.inf
+        return self.heap[0][0] if self.heap else math.inf
 
     def peek(self) -> T | None:
         """The earliest item, left in place."""
-        return self._heap[0][2] if self._heap else None
+        return self.heap[0][2] if self.heap else None
 
     def pop_due(self, now: float) -> tuple[float, T] | None:
         """The earliest item if it is due at `now`, with the time it was due; else None."""
-        heap = self._heap
+        heap = self.heap
         if heap and heap[0][0] <= now:
             when, _, item = heapq.heappop(heap)
             return when, item
@@ -51,4 +53,4 @@ class Deadlines(Generic[T]):
 
     def pop(self) -> T:
         """Remove the earliest item whatever its time (IndexError when empty)."""
-        return heapq.heappop(self._heap)[2]
+        return heapq.heappop(self.heap)[2]

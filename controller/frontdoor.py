@@ -188,7 +188,8 @@ class FrontDoor:
     def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[DoorAction]:
         task_id = self._task_id(params)
         payload = dg.bytes_param(params, "payload", self.max_payload)
-        job = self.book.get(udp_job_id(addr[0], addr[1], task_id))
+        job_id = udp_job_id(addr[0], addr[1], task_id)
+        job = self.book.get(job_id)
         if job is not None:
             self.stats.duplicates += 1
             if not job.state.final:
@@ -197,7 +198,7 @@ class FrontDoor:
         if self.refusal():
             raise BadPacket("journal_unavailable", "cannot record new tasks now")
         self.stats.tasks_added += 1
-        return [Submit(udp_job_id(addr[0], addr[1], task_id), task_id, payload, addr)]
+        return [Submit(job_id, task_id, payload, addr)]
 
     def _get_task(self, params: dict[str, Any], addr: Address) -> dict[str, Any]:
         task_id = self._task_id(params)
@@ -239,7 +240,7 @@ class FrontDoor:
         addr = job.key
         assert isinstance(addr, tuple)
         self.stats.notifications += 1
-        if job.state is not JobState.FINISHED:
+        if job.final is not JobState.FINISHED:
             params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
             return [Send(dg.request("notify_task", params), addr), Delivered(job.id)]
         txid = self.repeats.start(job.id, addr, now)

@@ -71,7 +71,7 @@ def udp_job_id(host: str, port: int, task_id: int) -> str:
     return f"udp-{host}-{port}-{task_id}"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     id: str
     ref: int  # the scheduler's and the journal's handle
@@ -123,6 +123,7 @@ class JobBook:
         self._by_id: dict[str, Job] = {}
         self._by_ref: dict[int, Job] = {}
         self._deadlines: Deadlines[Job] = Deadlines()
+        self.next_deadline = self._deadlines.next
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -191,9 +192,6 @@ class JobBook:
             self._by_ref.pop(job.ref, None)
             gone.append(job)
         return gone
-
-    def next_deadline(self) -> float:
-        return self._deadlines.next()
 
     def wall(self, now: float) -> float:
         """A trio-clock time as wall-clock seconds."""

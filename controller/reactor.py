@@ -151,7 +151,8 @@ class Reactor:
     async def _timer_task(self) -> None:
         timers = self._timers
         while True:
-            while (first := timers.peek()) is not None and first.callback is None:
+            heap = timers.heap
+            while heap and heap[0][2].callback is None:
                 timers.pop()  # cancelled: must not wake us up
             # Look again at least every TIMER_TICK, so that a new timeout (seconds
             # away) does not have to wake this task: only an earlier one does.

@@ -56,7 +56,7 @@ class Seen:
         return next(iter(self._answers.values()))[0] if self._answers else float("inf")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """One success notification waiting for its acknowledgement."""
 
@@ -77,13 +77,15 @@ class Repeats:
         self._by_txid: dict[int, Pending] = {}
         self._by_job: dict[str, Pending] = {}
         self._deadlines: Deadlines[Pending] = Deadlines()
+        self.next_deadline = self._deadlines.next
 
     def __len__(self) -> int:
         return len(self._by_txid)
 
     def start(self, job_id: str, addr: Address, now: float) -> int:
         """A new notification (replacing any earlier one for the job); its transmission id."""
-        self.cancel(job_id)
+        if job_id in self._by_job:
+            self.cancel(job_id)
         pending = Pending(job_id, addr, next(self._txid), self.retries, now + NOTIFY_FIRST_INTERVAL)
         self._by_txid[pending.txid] = pending
         self._by_job[job_id] = pending
@@ -121,9 +123,6 @@ class Repeats:
                 self._forget(pending)
                 gave_up.append(pending.job_id)
         return again, gave_up
-
-    def next_deadline(self) -> float:
-        return self._deadlines.next()
 
     def _forget(self, pending: Pending) -> None:
         del self._by_txid[pending.txid]

@@ -40,6 +40,12 @@ class Core:
         )
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
+        # The shells' hot paths call these directly: no dispatch on the event's type,
+        # no extra frame (`handle` does the same for any event).
+        self.pulse = self.local.pulse
+        self.dial_done = self.local.dial_done
+        self.exited = self.local.exited
+        self.next_deadline = self.scheduler.deadlines.next
 
     # ------------------------------------------------------------ the shared records
 
@@ -88,22 +94,18 @@ class Core:
 
     def submit(
         self, task_id: int, payload: bytes, owner: object, now: float
-    ) -> tuple[int, list[Action]]:
-        """Queue a new task; returns its ref and the actions (a SET_TASK when a worker is free)."""
+    ) -> tuple[Task, list[Action]]:
+        """Queue a new task; returns it and the actions (a SET_TASK when a worker is free)."""
         task = self.scheduler.submit(task_id, payload, owner, now)
         actions: list[Action] = []
         self.scheduler.dispatch(actions)
-        return task.ref, actions
+        return task, actions
 
     def expire(self, now: float) -> list[Action]:
         """Handle every deadline at or before `now`."""
         actions: list[Action] = []
         self.scheduler.expire(now, actions)
         return actions
-
-    def next_deadline(self) -> float:
-        """When `expire` next has something to do (inf when nothing is pending)."""
-        return self.scheduler.next_deadline()
 
     def continue_numbering(self, first_worker_id: int, next_ref: int) -> None:
         """Continue worker ids and task refs after those a previous run used."""

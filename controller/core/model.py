@@ -129,7 +129,7 @@ def next_worker_state(state: WorkerState, event: WorkerEvent) -> WorkerState:
 # ---------------------------------------------------------------- records
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Task:
     ref: int  # the controller's own handle; task_id alone is not unique across clients
     task_id: int  # the client's number, sent on the wire
@@ -159,7 +159,7 @@ class WorkerKind(Protocol):
         """Stop the task `worker` holds by force (a local worker gets RESTART)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Worker:
     worker_id: int
     kind: WorkerKind

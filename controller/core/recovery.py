@@ -25,7 +25,6 @@ class Recovery:
         # Recovered tasks a re-registering worker may still hold, by task_id, until they
         # are claimed, placed elsewhere or finished.
         self._orphans: dict[int, list[Task]] = {}
-        scheduler.on_settled = self._settled
 
     def recover(
         self,
@@ -49,6 +48,7 @@ class Recovery:
         sched.tasks[ref] = task
         sched.next_ref = max(sched.next_ref, ref + 1)
         self._orphans.setdefault(task_id, []).append(task)
+        sched.on_settled = self._settled  # until the last orphan is settled
         if running:
             task.state = TaskState.ORPHAN
             sched.at(now + grace, self._grace_due, task)
@@ -89,6 +89,8 @@ class Recovery:
             same.remove(task)
         if not same:
             del self._orphans[task.task_id]
+            if not self._orphans:
+                self.scheduler.on_settled = None  # nothing left to claim: off the hot path
 
     def _grace_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
         assert isinstance(obj, Task)

@@ -72,7 +72,7 @@ class Scheduler:
         self.next_ref = 1
         # Called for every task that is placed on a worker or ends: it can no longer be
         # claimed by a worker that held it before a restart (see recovery.py).
-        self.on_settled: Callable[[Task], None] = lambda task: None
+        self.on_settled: Callable[[Task], None] | None = None
         self._queue: deque[Task] = deque()
         self._queued = 0  # tasks in state QUEUED (the deque may hold stale entries)
         self._idle: dict[int, Worker] = {}
@@ -139,7 +139,8 @@ class Scheduler:
         worker.advance(WorkerEvent.ACCEPTED)
         task.advance(TaskEvent.ACCEPTED)
         actions.append(progress(task, waited=now - task.queued_at))
-        self.start_clock(task, now)
+        if self.task_timeout > 0:
+            self.start_clock(task, now)
 
     def refused(self, worker: Worker, now: float, actions: list[Action]) -> None:
         """The worker was busy: the task goes back to the head of the queue, no attempt used."""
@@ -204,7 +205,8 @@ class Scheduler:
         task.advance(TaskEvent.ADOPT)
         worker.task = task
         task.worker_id = worker.worker_id
-        self.start_clock(task, now)
+        if self.task_timeout > 0:
+            self.start_clock(task, now)
 
     # ------------------------------------------------------------ the queue
 
@@ -234,7 +236,8 @@ class Scheduler:
             if task.state is not TaskState.QUEUED:
                 continue  # timed out or adopted while queued
             worker = self._pick(task)
-            self.on_settled(task)
+            if self.on_settled is not None:
+                self.on_settled(task)
             del idle[worker.worker_id]
             self._queued -= 1
             worker.advance(WorkerEvent.ASSIGN)
@@ -299,7 +302,8 @@ class Scheduler:
         error: str = "",
     ) -> None:
         del self.tasks[task.ref]
-        self.on_settled(task)
+        if self.on_settled is not None:
+            self.on_settled(task)
         task.payload = b""
         actions.append(
             TaskFinished(
@@ -314,10 +318,9 @@ class Scheduler:
         )
 
     def start_clock(self, task: Task, now: float) -> None:
-        """The task runs from now on: arm its task_timeout, if any."""
-        if self.task_timeout > 0:
-            task.running_deadline = now + self.task_timeout
-            self.at(task.running_deadline, self._running_due, task)
+        """The task runs from now on: arm its task_timeout (callers check there is one)."""
+        task.running_deadline = now + self.task_timeout
+        self.at(task.running_deadline, self._running_due, task)
 
     # ------------------------------------------------------------ deadlines
 

@@ -122,7 +122,7 @@ class CoreShell:
             task_timeout=config.task_timeout,
         )
         self.on_finished = on_finished or (lambda finished: None)
-        self.on_progress = on_progress or (lambda progress: None)
+        self.on_progress = on_progress
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
         self.reactor = Reactor(busy_poll=busy_poll)
@@ -166,15 +166,11 @@ class CoreShell:
             with contextlib.suppress(OSError):
                 cfg.main_socket.unlink()
 
-    def submit(self, task_id: int, payload: bytes, owner: object = None) -> int:
-        """The internal API: queue a task now; returns its ref. Must run inside `serve`."""
-        ref, actions = self.core.submit(task_id, payload, owner, trio.current_time())
+    def submit(self, task_id: int, payload: bytes, owner: object = None) -> Task:
+        """The internal API: queue a task now; returns its record. Must run inside `serve`."""
+        task, actions = self.core.submit(task_id, payload, owner, trio.current_time())
         self.execute(actions)
-        return ref
-
-    def task(self, ref: int) -> Task | None:
-        """The scheduler's record of a live task."""
-        return self.core.tasks.get(ref)
+        return task
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""
@@ -196,7 +192,8 @@ class CoreShell:
             elif isinstance(action, TaskProgress):
                 if self.metrics is not None:
                     self.metrics.task_started(action)
-                self.on_progress(action)
+                if self.on_progress is not None:
+                    self.on_progress(action)
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
         self._timer.poke()
@@ -245,7 +242,7 @@ class CoreShell:
     def _on_pulse(
         self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, _: bytes
     ) -> None:
-        actions = self.core.handle(PulseReceived(pulse, pid or None, uid), trio.current_time())
+        actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), trio.current_time())
         reply = actions[0]
         assert isinstance(reply, Reply)
         # Dials first: a FETCH is on its way before the FETCH_ME answer wakes the worker.
@@ -307,11 +304,11 @@ class CoreShell:
             if result.errno == errno.ENOENT:
                 reason = f"{path} is missing"
             done = DialDone(wid, action.kind, None, error=reason)
-        self.execute(self.core.handle(done, trio.current_time()))
+        self.execute(self.core.dial_done(done, trio.current_time()))
 
     def _report(self, done: DialDone) -> None:
         """A dial that failed before sending: reported on the reactor's next turn."""
-        self.reactor.call_soon(lambda now: self.execute(self.core.handle(done, now)))
+        self.reactor.call_soon(lambda now: self.execute(self.core.dial_done(done, now)))
 
     # ------------------------------------------------------------ deadlines
 
@@ -351,4 +348,4 @@ class CoreShell:
             )
             log.warning("pid %d exited: dropping worker %s", pid, shown)
         for wid in wids:
-            self.execute(self.core.handle(WorkerExited(wid), now))
+            self.execute(self.core.exited(WorkerExited(wid), now))

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import trio
 
-from controller.core import TaskFinished, TaskProgress, TaskState
+from controller.core import Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import DoorAction, Send, Submit
 from controller.jobs import Job, JobBook, JobState
 from controller.journal import Journal, Recovered
@@ -52,9 +52,7 @@ class Door(Protocol):
 class Scheduling(Protocol):
     """What the desk needs of the scheduler's shell."""
 
-    def submit(self, task_id: int, payload: bytes, owner: object = None) -> int: ...
-
-    def task(self, ref: int) -> Any: ...
+    def submit(self, task_id: int, payload: bytes, owner: object = None) -> Task: ...
 
 
 class JobDesk:
@@ -63,7 +61,7 @@ class JobDesk:
         book: JobBook,
         scheduling: Scheduling,
         journal: Journal | None = None,
-        on_finished: Callable[[Job], None] = lambda job: None,
+        on_finished: Callable[[Job], None] | None = None,
     ) -> None:
         self.book = book
         self.scheduling = scheduling
@@ -86,42 +84,32 @@ class JobDesk:
 
     def apply(self, door: Door, actions: Sequence[DoorAction], now: float) -> None:
         """Carry out a door's actions: state changes first, then the answers."""
+        if not actions:
+            return
         sends: list[Send] = []
         for action in actions:
             if isinstance(action, Send):
-                sends.append(action)
+                if action.independent:  # reveals nothing recorded: it need not wait
+                    door.transmit((action,))
+                else:
+                    sends.append(action)
             elif isinstance(action, Submit):
                 self.submit(action.job_id, "udp", action.addr, action.task_id, action.payload, now)
             else:
                 self.delivered(action.job_id, now)
         if sends:
-            independent = [send for send in sends if send.independent]
-            if independent:
-                door.transmit(independent)
-                sends = [send for send in sends if not send.independent]
-            if sends:
-                self.write_ahead.after_commit(door.transmit, sends)
+            self.write_ahead.after_commit(door.transmit, sends)
 
     def submit(
         self, job_id: str, door: str, key: object, task_id: int, payload: bytes, now: float
     ) -> Job:
         """Record a new job (journal first) and queue it."""
-        ref = self.scheduling.submit(task_id, payload, job_id)
-        job = Job(
-            id=job_id,
-            ref=ref,
-            task_id=task_id,
-            door=door,
-            key=key,
-            payload=payload,
-            added_at=now,
-            updated_at=now,
-            task=self.scheduling.task(ref),
-        )
+        task = self.scheduling.submit(task_id, payload, job_id)
+        job = Job(job_id, task.ref, task_id, door, key, payload, added_at=now, updated_at=now)
+        job.task = task
         self.book.add(job)
         if self.journal is not None:
             self.journal.job_added(job)
-        self._timer.poke()
         return job
 
     def delivered(self, job_id: str, now: float) -> None:
@@ -131,7 +119,7 @@ class JobDesk:
         self.book.retain(job, now)
         if self.journal is not None:
             self.journal.job_delivered(job.ref, self.book.result_retention)
-        self._timer.poke()
+        self._timer.poke_at(job.expires_at)
 
     # ------------------------------------------------------------ from the scheduler
 
@@ -155,7 +143,8 @@ class JobDesk:
             return
         if self.journal is not None:
             self.journal.job_finished(job)
-        self.on_finished(job)
+        if self.on_finished is not None:
+            self.on_finished(job)
         self._tell(job, now)
 
     def _tell(self, job: Job, now: float) -> None:

@@ -25,6 +25,11 @@ class DeadlineTimer:
         if self._next_deadline() < self._at:
             self._wake.set()
 
+    def poke_at(self, when: float) -> None:
+        """`poke` for a caller that knows the one deadline it may have moved earlier."""
+        if when < self._at:
+            self._wake.set()
+
     async def run(self) -> None:
         while True:
             self._at = self._next_deadline()

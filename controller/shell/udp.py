@@ -15,10 +15,11 @@ import trio
 from controller.config import Config
 from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
-from controller.jobs import Job
+from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.timer import DeadlineTimer
+from controller.transmissions import NOTIFY_FIRST_INTERVAL
 
 log = logging.getLogger("controller.udp")
 
@@ -126,7 +127,8 @@ class UdpDoor:
 
     def job_finished(self, job: Job, now: float) -> list[DoorAction]:
         actions = self.door.job_finished(job, now)
-        self._timer.poke()
+        if job.final is JobState.FINISHED:  # a success: its first repeat is now due then
+            self._timer.poke_at(now + NOTIFY_FIRST_INTERVAL)
         return actions
 
     def forget(self, job: Job) -> None:
