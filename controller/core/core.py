@@ -46,6 +46,8 @@ class Core:
         self.dial_done = self.local.dial_done
         self.exited = self.local.exited
         self.next_deadline = self.scheduler.deadlines.next
+        # Put back a task a previous run had accepted but not finished (see recovery.py).
+        self.recover = self.recovery.recover
 
     # ------------------------------------------------------------ the shared records
 
@@ -111,34 +113,6 @@ class Core:
         """Continue worker ids and task refs after those a previous run used."""
         self.local.next_worker_id = max(self.local.next_worker_id, first_worker_id)
         self.scheduler.next_ref = max(self.scheduler.next_ref, next_ref)
-
-    def recover(
-        self,
-        ref: int,
-        task_id: int,
-        payload: bytes,
-        owner: object,
-        now: float,
-        *,
-        running: bool,
-        attempts: int = 0,
-        failed_on: tuple[int, ...] = (),
-        placement_left: float | None = None,
-        grace: float = 3.0,
-    ) -> None:
-        """Put back a task a previous run had accepted but not finished (see recovery.py)."""
-        self.recovery.recover(
-            ref,
-            task_id,
-            payload,
-            owner,
-            now,
-            running=running,
-            attempts=attempts,
-            failed_on=failed_on,
-            placement_left=placement_left,
-            grace=grace,
-        )
 
     def status(self, now: float, max_workers: int = 200) -> dict[str, object]:
         """What `udp-client status` shows: workers, and tasks by state (an operator's query,
