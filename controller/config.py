@@ -34,6 +34,15 @@ class ClientAddress:
 
 
 @dataclass(frozen=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    stream: str = "jobs"
+    group: str = "controllers"
+    consumer: str | None = None  # None: the host name plus the socket directory
+    claim_after: float = 60.0
+
+
+@dataclass(frozen=True)
 class Config:
     socket_dir: Path = Path("/run/controller")
     client_address: ClientAddress = field(default_factory=ClientAddress)
@@ -50,6 +59,18 @@ class Config:
     max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE
     journal: Path | None = Path("/var/lib/controller/journal.sqlite3")
     allowed_uids: tuple[int, ...] = (0,)
+    # The HTTP job API and status page (host, port); None: off.
+    http_address: ClientAddress | None = None
+    # One bearer token a line; None: no token needed.
+    http_token_file: Path | None = None
+    allowed_calculators: tuple[IPNetwork, ...] = (
+        ipaddress.ip_network("127.0.0.0/8"),
+        ipaddress.ip_network("::1/128"),
+    )
+    calculator_timeout: float = 5.0
+    claim_timeout: float = 300.0
+    lease_timeout: float = 30.0
+    redis: RedisSettings | None = None
     # Prometheus endpoint (host, port); None: no endpoint.
     metrics_address: ClientAddress | None = None
 
@@ -147,6 +168,30 @@ def _networks(value: Any) -> tuple[IPNetwork, ...]:
     return tuple(networks)
 
 
+def _redis(value: Any) -> RedisSettings | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f'must be null or an object like {{"url": "redis://..."}}, got {value!r}')
+    fields = [f.name for f in dataclasses.fields(RedisSettings)]
+    unknown = set(value) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown member {sorted(unknown)[0]!r} (expected {', '.join(fields)})")
+    for name in ("url", "stream", "group"):
+        if name in value and (not isinstance(value[name], str) or not value[name]):
+            raise ValueError(f"{name} must be a non-empty string, got {value[name]!r}")
+    consumer = value.get("consumer")
+    if consumer is not None and (not isinstance(consumer, str) or not consumer):
+        raise ValueError(f"consumer must be null or a non-empty string, got {consumer!r}")
+    settings = dict(value)
+    if "claim_after" in settings:
+        try:
+            settings["claim_after"] = _positive_seconds(settings["claim_after"])
+        except ValueError as exc:
+            raise ValueError(f"claim_after {exc}") from None
+    return RedisSettings(**settings)
+
+
 def _uids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ValueError(f"must be a list of numeric uids, got {value!r}")
@@ -166,6 +211,13 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_extra_size": _size,
     "journal": _optional_path,
     "allowed_uids": _uids,
+    "http_address": _optional_address,
+    "http_token_file": _optional_path,
+    "allowed_calculators": _networks,
+    "calculator_timeout": _positive_seconds,
+    "claim_timeout": _positive_seconds,
+    "lease_timeout": _positive_seconds,
+    "redis": _redis,
     "metrics_address": _optional_address,
 }
 

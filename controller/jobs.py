@@ -53,6 +53,7 @@ _FROM_TASK = {
     TaskState.SUCCESS: JobState.FINISHED,
     TaskState.ERROR: JobState.FAILED,
     TaskState.FAILED_POST: JobState.FAILED,
+    TaskState.CANCELED: JobState.CANCELED,
 }
 
 # The UDP door's own words for the same states (section 4 of the contract).
@@ -80,6 +81,8 @@ class Job:
     key: object  # the door's own handle: a UDP job's client address
     payload: bytes = b""
     name: str = ""
+    info_url: str = ""
+    download_url: str = ""
     added_at: float = 0.0  # trio clock
     updated_at: float = 0.0
     attempts: int = 0
@@ -87,6 +90,7 @@ class Job:
     error: str = ""
     failed_post: bool = False
     log: list[str] = field(default_factory=list)
+    ran_on: str = ""  # the worker that held it last (kept once it ended)
     task: Task | None = None  # the scheduler's record while the job is live
     final: JobState | None = None  # set once the job ended
     expires_at: float = 0.0  # 0: kept until its outcome is delivered
@@ -108,10 +112,13 @@ class Job:
         return _UDP_WORDS[state]
 
     @property
-    def worker(self) -> int:
-        """The worker holding it (0: none)."""
+    def worker(self) -> str | None:
+        """Who holds it from `requested` on (a local worker's id as text), else who held it
+        last; None when no worker ever had it."""
         task = self.task
-        return task.worker_id if task is not None else 0
+        if task is not None and task.worker_id:
+            return str(task.worker_id)
+        return self.ran_on or None
 
 
 class JobBook:
@@ -155,20 +162,49 @@ class JobBook:
         error: str = "",
         failed_post: bool = False,
     ) -> Job | None:
-        """The job ended: keep its outcome (its payload is dropped). None for an unknown ref."""
+        """The job ended: keep its outcome. None for an unknown ref or an ended job."""
         job = self._by_ref.get(ref)
         if job is None or job.final is not None:
             return None
-        if job.task is not None:
-            job.attempts = job.task.attempts
+        task = job.task
+        if task is not None:
+            job.attempts = task.attempts
+            if task.worker_id:
+                job.ran_on = str(task.worker_id)
         job.final = state
         job.task = None
-        job.payload = b""
         job.result = result
         job.error = error
         job.failed_post = failed_post
         job.updated_at = now
         return job
+
+    def delete(self, job: Job, now: float) -> None:
+        """Soft delete: payload and result dropped, the record kept until its retention."""
+        job.final = JobState.DELETED
+        job.payload = b""
+        job.result = b""
+        job.updated_at = now
+
+    def latest(self, limit: int, state: JobState | None = None) -> list[Job]:
+        """The newest jobs first, at most `limit`, in `state` if given; deleted ones only
+        when asked for (an operator's query: it may look at many records)."""
+        out: list[Job] = []
+        for job in reversed(self._by_id.values()):
+            job_state = job.state
+            if state is None:
+                if job_state is JobState.DELETED:
+                    continue
+            elif job_state is not state:
+                continue
+            out.append(job)
+            if len(out) >= limit:
+                break
+        return out
+
+    def count(self, state: JobState) -> int:
+        """How many jobs are in `state` now (for status pages)."""
+        return sum(1 for job in self._by_id.values() if job.state is state)
 
     def retain(self, job: Job, now: float, retain_for: float | None = None) -> None:
         """Its outcome was delivered (or given up on): forget it after `result_retention`."""

@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     task_id INTEGER NOT NULL,
     name TEXT NOT NULL DEFAULT '',
     payload BLOB NOT NULL,
-    state TEXT NOT NULL,              -- pending, working, finished, failed
+    state TEXT NOT NULL,              -- pending, working, finished, failed, canceled, deleted
     attempts INTEGER NOT NULL DEFAULT 0,
     failed_on TEXT NOT NULL DEFAULT '[]',
     queued_at REAL NOT NULL,          -- when it (re-)entered the queue
@@ -87,6 +87,7 @@ _FINISH = (
 )
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
+_DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
@@ -301,6 +302,9 @@ class Journal:
 
     def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))
+
+    def job_deleted(self, ref: int) -> None:
+        self._stage((_DELETED, (ref,)))
 
     def job_forgotten(self, ref: int) -> None:
         self._stage((_FORGET, (ref,)))

@@ -422,3 +422,39 @@ def test_same_task_id_from_two_owners_kept_apart():
     assert one.owner == "client-2" and one.result == b"r2"
     [two] = finished(run_to_success(core, a, 5, 0.1, b"r1"))
     assert two.owner == "client-1" and two.result == b"r1"
+
+
+# ---------------------------------------------------------------- cancel
+
+
+def test_cancel_a_queued_task_ends_it_and_it_is_never_placed():
+    core = Core(timeout_task_placement=30)
+    task, _ = core.submit(1, b"x", "c", 0.0)
+    actions: list[object] = []
+    assert core.scheduler.cancel(task.ref, 1.0, actions)
+    [done] = finished(actions)
+    assert done.state is TaskState.CANCELED and done.error == "canceled"
+    assert core.queued == 0 and task.ref not in core.tasks
+    wid = ready_worker(core, 2.0)  # a free worker finds nothing to run
+    assert dials(pulse(core, wid, 2.1), pb.CTRL_SET_TASK) == []
+    assert finished(core.expire(100.0)) == []  # no placement timeout either
+    assert not core.scheduler.cancel(task.ref, 3.0, [])  # gone: nothing to cancel
+
+
+@pytest.mark.parametrize("accepted", [False, True], ids=["assigning", "running"])
+def test_cancel_a_task_on_a_local_worker_restarts_that_worker(accepted):
+    core = Core()
+    wid = ready_worker(core)
+    task, actions = core.submit(7, b"x", "c", 0.0)
+    assert dials(actions, pb.CTRL_SET_TASK)
+    if accepted:
+        answer(core, wid, pb.CTRL_SET_TASK, 0.1, task_id=7)
+    actions = []
+    assert core.scheduler.cancel(task.ref, 0.2, actions)
+    assert [d.worker_id for d in dials(actions, pb.CTRL_RESTART)] == [wid]
+    [done] = finished(actions)
+    assert done.state is TaskState.CANCELED
+    assert wid not in core.workers  # it restarts and registers anew
+    assert core.counters.worker_losses == {"its job was canceled": 1}
+    # Its late answers change nothing.
+    assert finished(answer(core, wid, pb.CTRL_SET_TASK, 0.3, task_id=7)) == []

@@ -24,12 +24,15 @@ class TaskState(enum.Enum):
     ERROR = "error"
     FAILED_POST = "failed_post"
     ORPHAN = "orphan"  # was running when the controller restarted; waiting to be claimed
+    CANCELED = "canceled"  # by a user: never placed again
 
     @property
     def public(self) -> str:
         """The status name UDP clients see (queued, running, success, error, failed_post)."""
         if self is TaskState.ASSIGNING or self is TaskState.ORPHAN:
             return "running"
+        if self is TaskState.CANCELED:
+            return "error"
         return str(self.value)
 
     @property
@@ -37,7 +40,9 @@ class TaskState(enum.Enum):
         return self in _FINISHED
 
 
-_FINISHED = frozenset({TaskState.SUCCESS, TaskState.ERROR, TaskState.FAILED_POST})
+_FINISHED = frozenset(
+    {TaskState.SUCCESS, TaskState.ERROR, TaskState.FAILED_POST, TaskState.CANCELED}
+)
 
 
 class TaskEvent(enum.Enum):
@@ -48,6 +53,7 @@ class TaskEvent(enum.Enum):
     FAIL = enum.auto()  # retries used up
     PLACEMENT_TIMEOUT = enum.auto()  # no free worker within timeout_task_placement
     ADOPT = enum.auto()  # a re-registered worker reports it still holds this task
+    CANCEL = enum.auto()  # a user canceled it
 
 
 _TS, _TE = TaskState, TaskEvent  # short names for the table only
@@ -65,6 +71,10 @@ TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
     (_TS.QUEUED, _TE.ADOPT): _TS.RUNNING,
     (_TS.ORPHAN, _TE.REQUEUE): _TS.QUEUED,
     (_TS.ORPHAN, _TE.FAIL): _TS.ERROR,
+    (_TS.QUEUED, _TE.CANCEL): _TS.CANCELED,
+    (_TS.ASSIGNING, _TE.CANCEL): _TS.CANCELED,
+    (_TS.RUNNING, _TE.CANCEL): _TS.CANCELED,
+    (_TS.ORPHAN, _TE.CANCEL): _TS.CANCELED,
 }
 
 

@@ -48,6 +48,7 @@ class Counters:
     succeeded: int = 0
     errors: int = 0
     failed_post: int = 0
+    canceled: int = 0
     retries: int = 0
     restarts_sent: int = 0
     registered: int = 0
@@ -197,6 +198,26 @@ class Scheduler:
         self.counters.restarts_sent += 1
         worker.kind.take_back(worker, actions)
         self.lost(worker, now, actions, cause=cause)
+
+    def cancel(self, ref: int, now: float, actions: list[Action]) -> bool:
+        """A user canceled the task: it ends now and is never placed again. A worker that
+        holds it has it taken back (a local worker gets RESTART). False: no such live task."""
+        task = self.tasks.get(ref)
+        if task is None:
+            return False
+        if task.state is TaskState.QUEUED:
+            self._queued -= 1  # its deque entry is skipped lazily
+        worker = self.workers.get(task.worker_id) if task.worker_id else None
+        task.advance(TaskEvent.CANCEL)
+        task.worker_id = 0
+        if worker is not None and worker.task is task:
+            worker.task = None
+            self.counters.restarts_sent += 1
+            worker.kind.take_back(worker, actions)
+            self.lost(worker, now, actions, cause="its job was canceled")
+        self.counters.canceled += 1
+        self._finish(task, actions, now, error="canceled")
+        return True
 
     def holds(self, worker: Worker, task: Task, now: float) -> None:
         """`worker` turned out to hold `task` already (recovery): it runs there."""

@@ -12,6 +12,7 @@ does recovery from the journal at start.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +29,10 @@ from controller.shell.timer import DeadlineTimer
 
 log = logging.getLogger("controller")
 
+# Numbers the controller picks for the worker wire (`task_id`) of jobs that come with none
+# (HTTP, Redis): above what UDP clients usually number their tasks with, unique among live jobs.
+FIRST_PICKED_TASK_ID = 1 << 32
+
 # After a restart, how long a job that was running waits for its worker to re-register
 # and claim it before it is placed again: a little over one default pulse deadline (2 s).
 RECOVERY_GRACE = 3.0
@@ -36,6 +41,7 @@ _FINAL = {
     TaskState.SUCCESS: JobState.FINISHED,
     TaskState.ERROR: JobState.FAILED,
     TaskState.FAILED_POST: JobState.FAILED,
+    TaskState.CANCELED: JobState.CANCELED,
 }
 
 
@@ -69,6 +75,9 @@ class JobDesk:
         self.write_ahead = WriteAhead(journal)
         self.on_finished = on_finished
         self.doors: dict[str, Door] = {}
+        self.execute: Callable[[list[Any]], None] = lambda actions: None  # the core shell's
+        self.core: Any = None  # the scheduler's face, for cancel
+        self._picked = itertools.count(FIRST_PICKED_TASK_ID)
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -100,12 +109,26 @@ class JobDesk:
         if sends:
             self.write_ahead.after_commit(door.transmit, sends)
 
+    def pick_task_id(self) -> int:
+        """A wire number for a job whose door gives none."""
+        return next(self._picked)
+
     def submit(
-        self, job_id: str, door: str, key: object, task_id: int, payload: bytes, now: float
+        self,
+        job_id: str,
+        door: str,
+        key: object,
+        task_id: int,
+        payload: bytes,
+        now: float,
+        **details: str,
     ) -> Job:
-        """Record a new job (journal first) and queue it."""
+        """Record a new job (journal first) and queue it; `details`: name, info_url,
+        download_url."""
         task = self.scheduling.submit(task_id, payload, job_id)
         job = Job(job_id, task.ref, task_id, door, key, payload, added_at=now, updated_at=now)
+        for name, value in details.items():
+            setattr(job, name, value)
         job.task = task
         self.book.add(job)
         if self.journal is not None:
@@ -120,6 +143,26 @@ class JobDesk:
         if self.journal is not None:
             self.journal.job_delivered(job.ref, self.book.result_retention)
         self._timer.poke_at(job.expires_at)
+
+    def cancel(self, job: Job, now: float) -> bool:
+        """Cancel a live job (a local worker holding it gets RESTART); False if it ended."""
+        if job.state.final:
+            return False
+        actions: list[Any] = []
+        if self.core.scheduler.cancel(job.ref, now, actions):
+            self.execute(actions)  # its TaskFinished comes back through `finished`
+        return True
+
+    def delete(self, job: Job, now: float) -> None:
+        """Soft delete (canceling it first if it is live); deleting twice changes nothing."""
+        if job.state is JobState.DELETED:
+            return
+        self.cancel(job, now)
+        self.book.delete(job, now)
+        if self.journal is not None:
+            self.journal.job_deleted(job.ref)
+        if self.on_finished is not None:
+            self.on_finished(job)
 
     # ------------------------------------------------------------ from the scheduler
 

@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import trio
+
 from controller.journal import Journal
 
 
@@ -61,6 +63,12 @@ class WriteAhead:
                 self.after_commit(send, answer)
                 return
         send(answer)
+
+    async def committed(self) -> None:
+        """Return once everything staged so far is on disk (at once without a journal)."""
+        done = trio.Event()
+        self.after_commit(lambda _: done.set(), None)
+        await done.wait()
 
     def release(self) -> None:
         """A commit finished: send, in order, what was waiting for it."""

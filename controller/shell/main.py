@@ -21,6 +21,7 @@ from controller.journal import Journal, JournalError
 from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
+from controller.shell.http import HttpDoor
 from controller.shell.metrics import Metrics
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
@@ -116,6 +117,8 @@ def assemble(
     desk = JobDesk(book, shell, journal)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
+    desk.execute = shell.execute
+    desk.core = shell.core
     if journal is not None:  # the one use of progress besides the metrics
         shell.on_progress = desk.progress
     return shell, desk, UdpDoor(config, shell, desk)
@@ -150,9 +153,18 @@ async def run_controller(
     committer = None
     if journal is not None:
         committer = Committer(journal, on_committed=desk.write_ahead.release)
+    if config.redis is not None:
+        raise StartupError(
+            "redis: the Redis stream door is not available in this version; "
+            "remove the key (or set it to null) to start"
+        )
     notifier = Notifier()
     await shell.bind()
     door.bind()
+    web = None
+    if config.http_address is not None:
+        web = HttpDoor(config, desk, shell.core)
+        web.bind()
     http = None
     if metrics is not None and config.metrics_address is not None:
         try:
@@ -171,6 +183,8 @@ async def run_controller(
                 desk.recover(recovered, shell.core, trio.current_time())
             await nursery.start(shell.serve)
             await nursery.start(door.serve)
+            if web is not None:
+                await nursery.start(web.serve)
             if metrics is not None:
                 nursery.start_soon(metrics.run, shell.core)
             notifier.notify("READY=1")

@@ -1,0 +1,224 @@
+"""The HTTP job API's codec, pure: request bodies in, job objects out, errors as values.
+
+The shell (controller/shell/http.py) owns the server and the clock; this
+module decides what a body means and what a job looks like in JSON, so that
+every rule about fields and errors is in one place and testable without a
+server. A bad request can only raise `ApiError`, which carries the HTTP
+status and the message of the error object `{"code": status, "message": ...}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from controller.jobs import Job, JobState
+
+# ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
+MAX_WAIT = 60.0
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+# Room for JSON and base64 around the largest payload (base64 grows it by 4/3).
+BODY_OVERHEAD = 64 * 1024
+# A job id is text a person can read and put in a URL path.
+MAX_ID_LENGTH = 200
+
+NEW_JOB_FIELDS = frozenset({"name", "info_url", "download_url", "payload", "payload_b64", "id"})
+UPDATE_FIELDS = frozenset({"state", "log", "worker", "result", "result_b64", "error"})
+USER_STATES = frozenset({"canceled"})
+POLLER_STATES = frozenset({"working", "finished", "failed"})
+
+
+class ApiError(Exception):
+    """A request refused: `status` is the HTTP status, `message` says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def body(self) -> dict[str, Any]:
+        return {"code": self.status, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    id: str | None
+    payload: bytes
+    name: str
+    info_url: str
+    download_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    state: JobState | None
+    log: str | None
+    worker: str | None
+    result: bytes | None
+    error: str | None
+
+
+def max_body(max_payload: int) -> int:
+    """The largest request body worth reading for payloads up to `max_payload` bytes."""
+    return max_payload * 4 // 3 + BODY_OVERHEAD
+
+
+def new_job_id() -> str:
+    """A new job id: a UUID4 in upper case."""
+    return str(uuid.uuid4()).upper()
+
+
+def _object(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+    return data
+
+
+def _text(data: dict[str, Any], name: str, limit: int = 10_000) -> str | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be text, got {type(value).__name__}")
+    if len(value) > limit:
+        raise ApiError(400, f"{name} is longer than {limit} characters")
+    return value
+
+
+def _bytes(data: dict[str, Any], name: str, max_size: int) -> bytes | None:
+    text = data.get(name)
+    b64 = data.get(f"{name}_b64")
+    if text is not None and b64 is not None:
+        raise ApiError(400, f"give {name} or {name}_b64, not both")
+    if text is not None:
+        if not isinstance(text, str):
+            raise ApiError(400, f"{name} must be text (or use {name}_b64 for bytes)")
+        value = text.encode("utf-8")
+    elif b64 is not None:
+        if not isinstance(b64, str):
+            raise ApiError(400, f"{name}_b64 must be base64 text")
+        try:
+            value = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"{name}_b64 is not valid base64") from None
+    else:
+        return None
+    if len(value) > max_size:
+        raise ApiError(413, f"{name} of {len(value)} bytes is over max_extra_size {max_size}")
+    return value
+
+
+def parse_new_job(body: bytes, max_payload: int) -> NewJob:
+    """The body of `POST /job/` (every field optional)."""
+    data = _object(body, NEW_JOB_FIELDS)
+    job_id = _text(data, "id", MAX_ID_LENGTH)
+    if job_id is not None and (not job_id or not job_id.isprintable() or "/" in job_id):
+        raise ApiError(400, "id must be printable text without '/', 1 to 200 characters")
+    return NewJob(
+        id=job_id,
+        payload=_bytes(data, "payload", max_payload) or b"",
+        name=_text(data, "name") or "",
+        info_url=_text(data, "info_url") or "",
+        download_url=_text(data, "download_url") or "",
+    )
+
+
+def parse_update(body: bytes, max_result: int) -> Update:
+    """The body of `PUT /job/{id}/`: `state` and/or `log`, and what a poller reports."""
+    data = _object(body, UPDATE_FIELDS)
+    state_name = _text(data, "state", 40)
+    state = None
+    if state_name is not None:
+        if state_name not in USER_STATES | POLLER_STATES:
+            known = ", ".join(sorted(USER_STATES | POLLER_STATES))
+            raise ApiError(400, f"state {state_name!r} cannot be set (one of: {known})")
+        state = JobState(state_name)
+    update = Update(
+        state=state,
+        log=_text(data, "log", 1_000_000),
+        worker=_text(data, "worker", MAX_ID_LENGTH),
+        result=_bytes(data, "result", max_result),
+        error=_text(data, "error", 100_000),
+    )
+    if update.state is None and update.log is None:
+        raise ApiError(400, "give state and/or log")
+    return update
+
+
+def parse_state(value: str | None) -> JobState | None:
+    """`?state=NAME` of `GET /job/`."""
+    if value is None:
+        return None
+    try:
+        return JobState(value)
+    except ValueError:
+        known = ", ".join(state.value for state in JobState)
+        raise ApiError(400, f"unknown state {value!r} (one of: {known})") from None
+
+
+def parse_number(value: str | None, name: str, default: float, low: float, high: float) -> float:
+    """A query parameter that is a number from `low` to `high`."""
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ApiError(400, f"{name} must be a number, got {value[:40]!r}") from None
+    if not low <= number <= high:
+        raise ApiError(400, f"{name} must be from {low:g} to {high:g}, got {value[:40]!r}")
+    return number
+
+
+def rfc3339(wall: float) -> str:
+    """Wall-clock seconds as RFC 3339 in UTC (microseconds, `Z`)."""
+    stamp = datetime.fromtimestamp(wall, UTC).isoformat(timespec="microseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def _put_bytes(out: dict[str, Any], name: str, data: bytes) -> None:
+    try:
+        out[name] = data.decode("utf-8")
+    except UnicodeDecodeError:
+        out[f"{name}_b64"] = base64.b64encode(data).decode()
+
+
+def job_json(job: Job, wall_offset: float) -> dict[str, Any]:
+    """The job object of the API (`wall_offset` turns the trio clock into wall-clock time)."""
+    state = job.state
+    out: dict[str, Any] = {
+        "id": job.id,
+        "task_id": job.task_id,
+        "door": job.door,
+        "name": job.name,
+        "state": state.value,
+        "added_at": rfc3339(job.added_at + wall_offset),
+        "updated_at": rfc3339(max(job.updated_at, job.added_at) + wall_offset),
+        "attempts": job.task.attempts if job.task is not None else job.attempts,
+        "worker": job.worker,
+        "info_url": job.info_url,
+        "download_url": job.download_url,
+        "log": list(job.log),
+        "error": job.error,
+        "failed_post": job.failed_post,
+    }
+    if state is JobState.DELETED:
+        return out
+    _put_bytes(out, "payload", job.payload)
+    if state is JobState.FINISHED:
+        _put_bytes(out, "result", job.result)
+    return out

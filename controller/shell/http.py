@@ -1,0 +1,372 @@
+"""The HTTP job API and status page: Starlette on Hypercorn's trio server, in the controller's loop.
+
+Every handler runs in the controller's own trio loop, so it reads the job book
+and calls the job desk directly: no threads, no locks, no copies. What a body
+means and what a job looks like is controller/httpapi.py; this module only
+routes, checks who may ask (`allowed_clients`, bearer tokens) and waits:
+a new job's 201 waits for its journal commit (`WriteAhead.committed`), and
+`?wait=` long-polls wait on one trio.Event per job, set when the job ends, so
+a thousand of them cost no CPU while they wait.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.run import worker_serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from controller import httpapi
+from controller.config import Config
+from controller.frontdoor import address_allowed
+from controller.httpapi import ApiError
+from controller.jobs import Job, JobState
+from controller.shell.core_shell import StartupError
+from controller.shell.desk import JobDesk
+from controller.shell.openapi import OPENAPI
+from controller.shell.statuspage import render_status_page
+
+log = logging.getLogger("controller.http")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# A connection that sends no request for this long is closed (also the keep-alive idle time).
+IDLE_TIMEOUT = 5.0
+
+
+def read_tokens(path: Path) -> frozenset[str]:
+    """One bearer token a line (blank lines and #-comments ignored); StartupError if unusable."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise StartupError(f"http_token_file {path}: {reason}") from None
+    tokens = frozenset(
+        line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")
+    )
+    if not tokens:
+        raise StartupError(f"http_token_file {path}: no token in it (one a line)")
+    return tokens
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+class Gate:
+    """ASGI middleware: `allowed_clients` on every path (403), then bearer tokens on every
+    path but /health/ (401)."""
+
+    def __init__(
+        self,
+        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
+        tokens: frozenset[str] | None,
+    ) -> None:
+        self.app = app
+        self.networks = tuple(networks)
+        self.tokens = tokens
+        self.refused = 0
+        self._allowed: dict[str, bool] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client = scope.get("client")
+        host = client[0] if client else ""
+        allowed = self._allowed.get(host)
+        if allowed is None:
+            allowed = address_allowed(host, self.networks)
+            if len(self._allowed) > 10_000:
+                self._allowed.clear()
+            self._allowed[host] = allowed
+        if not allowed:
+            self.refused += 1
+            refusal = error_response(403, "this address is not in allowed_clients")
+            await refusal(scope, receive, send)
+            return
+        needs_token = self.tokens is not None and scope["path"].rstrip("/") != "/health"
+        if needs_token and not self._token_ok(scope):
+            self.refused += 1
+            refusal = error_response(401, "a valid 'Authorization: Bearer <token>' is needed")
+            refusal.headers["WWW-Authenticate"] = "Bearer"
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _token_ok(self, scope: Scope) -> bool:
+        assert self.tokens is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() != "bearer":
+                    return False
+                token = token.strip()
+                return any(hmac.compare_digest(token, known) for known in self.tokens)
+        return False
+
+
+class HttpDoor:
+    """The HTTP door's shell: the app, its listening socket, and the long-poll waiters."""
+
+    def __init__(self, config: Config, desk: JobDesk, core: Any) -> None:
+        assert config.http_address is not None
+        self.config = config
+        self.desk = desk
+        self.core = core
+        self.book = desk.book
+        self.max_payload = config.max_extra_size
+        self.max_body = httpapi.max_body(config.max_extra_size)
+        self.started_at = 0.0
+        self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
+        self._ended: dict[str, trio.Event] = {}
+        self._sockets: Any = None
+        tokens = read_tokens(config.http_token_file) if config.http_token_file else None
+        routes = []
+        for path, endpoint, methods in (
+            ("/health/", self.health, ["GET"]),
+            ("/job/", self.jobs, ["GET", "POST"]),
+            ("/job/{job_id}/", self.job, ["GET", "PUT", "DELETE"]),
+            ("/ping/", self.ping, ["GET"]),
+            ("/openapi.json", self.openapi, ["GET"]),
+            ("/", self.status_page, ["GET"]),
+        ):
+            routes.append(Route(path, endpoint, methods=methods))
+            if path.endswith("/") and path != "/":  # the same path without the slash, no redirect
+                routes.append(Route(path.rstrip("/"), endpoint, methods=methods))
+        app = Starlette(
+            routes=routes,
+            exception_handlers={HTTPException: self._http_error},
+        )
+        app.router.redirect_slashes = False
+        self.gate = Gate(app, config.allowed_clients, tokens)
+        desk.on_finished = self.job_ended
+
+    # ------------------------------------------------------------ serving
+
+    def bind(self) -> None:
+        """Listen (before the nursery, so that an error is a plain StartupError)."""
+        address = self.config.http_address
+        assert address is not None
+        hc = self._hypercorn_config()
+        try:
+            self._sockets = hc.create_sockets()
+            for sock in self._sockets.insecure_sockets:
+                sock.listen(hc.backlog)
+        except OSError as exc:
+            raise StartupError(
+                f"http_address {address.host}:{address.port}: {exc.strerror or exc}"
+            ) from None
+
+    def address(self) -> tuple[str, int]:
+        sock: socket.socket = self._sockets.insecure_sockets[0]
+        host, port = sock.getsockname()[:2]
+        return host, port
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        if self._sockets is None:
+            self.bind()
+        self.started_at = trio.current_time()
+        host, port = self.address()
+        log.info("HTTP job API and status page on http://%s:%d/", host, port)
+        await worker_serve(
+            ASGIWrapper(self.gate),  # type: ignore[arg-type]
+            self._hypercorn_config(),
+            sockets=self._sockets,
+            task_status=task_status,
+        )
+
+    def _hypercorn_config(self) -> HypercornConfig:
+        address = self.config.http_address
+        assert address is not None
+        hc = HypercornConfig()
+        host = f"[{address.host}]" if ":" in address.host else address.host
+        hc.bind = [f"{host}:{address.port}"]
+        hc.keep_alive_timeout = IDLE_TIMEOUT
+        hc.accesslog = None
+        hc.errorlog = log
+        hc.backlog = 1024
+        return hc
+
+    def job_ended(self, job: Job) -> None:
+        """The desk's hook: a job ended (or was deleted): wake its long-polls."""
+        event = self._ended.pop(job.id, None)
+        if event is not None:
+            event.set()
+
+    # ------------------------------------------------------------ endpoints
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = {404: "no such path", 405: "method not allowed here"}.get(
+            exc.status_code, str(exc.detail)
+        )
+        return error_response(exc.status_code, message)
+
+    async def health(self, request: Request) -> Response:
+        uptime = trio.current_time() - self.started_at
+        return JSONResponse(
+            {
+                "uptime": f"{uptime:.9f}s",
+                "workers": len(self.core.workers),
+                "pending": self.core.queued,
+            }
+        )
+
+    async def jobs(self, request: Request) -> Response:
+        self.counters["requests"] += 1
+        try:
+            if request.method == "POST":
+                return await self._add(request)
+            query = request.query_params
+            state = httpapi.parse_state(query.get("state"))
+            limit = httpapi.parse_number(
+                query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT
+            )
+            offset = self.book.wall_offset
+            listing = {
+                job.id: httpapi.job_json(job, offset) for job in self.book.latest(int(limit), state)
+            }
+            return JSONResponse(listing)
+        except ApiError as exc:
+            return self._refuse(exc)
+
+    async def _add(self, request: Request) -> Response:
+        new = httpapi.parse_new_job(await self._body(request), self.max_payload)
+        if new.id is not None:
+            existing = self.book.get(new.id)
+            if existing is not None:
+                return self._job_response(existing, 200)
+        refusal = self.desk.refusal()
+        if refusal:
+            raise ApiError(503, f"the journal cannot record new jobs now: {refusal}")
+        now = trio.current_time()
+        job = self.desk.submit(
+            new.id or httpapi.new_job_id(),
+            "http",
+            None,
+            self.desk.pick_task_id(),
+            new.payload,
+            now,
+            name=new.name,
+            info_url=new.info_url,
+            download_url=new.download_url,
+        )
+        self.counters["jobs_added"] += 1
+        await self.desk.write_ahead.committed()  # 201 only once the job is on disk
+        return self._job_response(job, 201)
+
+    async def job(self, request: Request) -> Response:
+        self.counters["requests"] += 1
+        try:
+            job = self._lookup(request)
+            if request.method == "GET":
+                wait = httpapi.parse_number(
+                    request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
+                )
+                if wait > 0 and not job.state.final:
+                    event = self._ended.get(job.id)
+                    if event is None:
+                        event = self._ended[job.id] = trio.Event()
+                    with trio.move_on_after(wait):
+                        await event.wait()
+                return self._job_response(job, 200)
+            if request.method == "DELETE":
+                self.desk.delete(job, trio.current_time())
+                return self._job_response(job, 200)
+            return await self._update(job, request)
+        except ApiError as exc:
+            return self._refuse(exc)
+
+    async def _update(self, job: Job, request: Request) -> Response:
+        update = httpapi.parse_update(await self._body(request), self.max_payload)
+        state = job.state
+        if state is JobState.DELETED:
+            raise ApiError(409, "the job is deleted: it takes no change")
+        if update.state is JobState.CANCELED:
+            if state.final and state is not JobState.CANCELED:
+                raise ApiError(409, f"the job is {state.value}: it can no longer be canceled")
+            self.desk.cancel(job, trio.current_time())
+        elif update.state is not None:
+            # working / finished / failed come from the poller that holds the job.
+            who = f" ({update.worker})" if update.worker else ""
+            raise ApiError(
+                409, f"no poller{who} holds this job: it cannot be set {update.state.value}"
+            )
+        if update.log is not None:
+            job.log.append(update.log)
+            job.updated_at = trio.current_time()
+        return self._job_response(job, 200)
+
+    async def ping(self, request: Request) -> Response:
+        try:
+            worker = request.query_params.get("worker")
+            if not worker:
+                raise ApiError(400, "give ?worker=NAME")
+            wait = httpapi.parse_number(
+                request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
+            )
+        except ApiError as exc:
+            return self._refuse(exc)
+        # Pollers as a worker kind are not built yet: no job is handed out this way.
+        with trio.move_on_after(wait):
+            await trio.sleep_forever()
+        return Response(status_code=204)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(OPENAPI)
+
+    async def status_page(self, request: Request) -> Response:
+        now = trio.current_time()
+        html = render_status_page(self.core, self.book, now, self.counters, self.gate.refused)
+        return HTMLResponse(html)
+
+    # ------------------------------------------------------------ helpers
+
+    def _lookup(self, request: Request) -> Job:
+        job_id = request.path_params["job_id"]
+        job = self.book.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no job {job_id[:200]!r}")
+        return job
+
+    async def _body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise ApiError(413, f"the body is over {self.max_body} bytes")
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise ApiError(413, f"the body is over {self.max_body} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _job_response(self, job: Job, status: int) -> Response:
+        body = json.dumps(httpapi.job_json(job, self.book.wall_offset), ensure_ascii=False)
+        return Response(body, status_code=status, media_type="application/json")
+
+    def _refuse(self, exc: ApiError) -> Response:
+        self.counters["errors"] += 1
+        return error_response(exc.status, exc.message)

@@ -1,0 +1,246 @@
+"""`GET /openapi.json`: the OpenAPI 3 document of the HTTP job API (written by hand, and
+checked against the live server by tests/test_http_schema.py with schemathesis)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controller import httpapi
+from controller.jobs import JobState
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    why = {
+        400: "malformed JSON or a bad field",
+        401: "a bearer token is needed (http_token_file is set)",
+        403: "the source address is not in allowed_clients",
+        404: "no such job or path",
+        409: "a change the job's state does not allow",
+        413: "a payload over max_extra_size",
+        503: "the journal cannot record now",
+    }
+    return {
+        str(code): {
+            "description": why[code],
+            "content": {"application/json": {"schema": _ERROR}},
+        }
+        for code in codes
+    }
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_JOB = {"$ref": "#/components/schemas/Job"}
+_JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_WAIT = {
+    "name": "wait",
+    "in": "query",
+    "required": False,
+    "description": "seconds to wait for an answer",
+    "schema": {"type": "number", "minimum": 0, "maximum": httpapi.MAX_WAIT},
+}
+_TEXT = {"type": "string"}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {
+        "title": "job controller HTTP job API",
+        "version": "1",
+        "description": "Jobs from every door (UDP, HTTP, Redis) and the workers that run them.",
+    },
+    "paths": {
+        "/health/": {
+            "get": {
+                "summary": "uptime, live workers of every kind, pending jobs",
+                "responses": {
+                    "200": _json({"$ref": "#/components/schemas/Health"}, "the controller lives"),
+                    **_errors(403),
+                },
+            }
+        },
+        "/job/": {
+            "get": {
+                "summary": "jobs keyed by id, newest first",
+                "parameters": [
+                    {
+                        "name": "state",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": [s.value for s in JobState]},
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": httpapi.MAX_LIMIT},
+                    },
+                ],
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "additionalProperties": _JOB}, "jobs keyed by id"
+                    ),
+                    **_errors(400, 401, 403),
+                },
+            },
+            "post": {
+                "summary": "add a job (recorded in the journal before the answer)",
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/NewJob"}}
+                    },
+                },
+                "responses": {
+                    "201": _json(_JOB, "the new job"),
+                    "200": _json(_JOB, "a job with that id exists: it, unchanged"),
+                    **_errors(400, 401, 403, 413, 503),
+                },
+            },
+        },
+        "/job/{job_id}/": {
+            "parameters": [_JOB_ID],
+            "get": {
+                "summary": "one job; with ?wait= as soon as it ended or the time is up",
+                "parameters": [_WAIT],
+                "responses": {"200": _json(_JOB, "the job"), **_errors(400, 401, 403, 404)},
+            },
+            "put": {
+                "summary": "cancel it, append to its log, or (a poller) report on it",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Update"}}
+                    },
+                },
+                "responses": {
+                    "200": _json(_JOB, "the job, changed"),
+                    **_errors(400, 401, 403, 404, 409, 413),
+                },
+            },
+            "delete": {
+                "summary": "soft delete (canceled first if it runs)",
+                "responses": {"200": _json(_JOB, "the job, deleted"), **_errors(401, 403, 404)},
+            },
+        },
+        "/ping/": {
+            "get": {
+                "summary": "a poller asks for its next job",
+                "parameters": [
+                    {"name": "worker", "in": "query", "required": True, "schema": _TEXT},
+                    _WAIT,
+                ],
+                "responses": {
+                    "200": _json(_JOB, "the next job, now requested by this poller"),
+                    "204": {"description": "no job came within wait"},
+                    **_errors(400, 401, 403),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "this document",
+                "responses": {"200": _json({"type": "object"}, "OpenAPI 3"), **_errors(401, 403)},
+            }
+        },
+        "/": {
+            "get": {
+                "summary": "the status page (HTML)",
+                "responses": {
+                    "200": {
+                        "description": "workers, queue depth, counters, latest jobs",
+                        "content": {"text/html": {"schema": _TEXT}},
+                    },
+                    **_errors(401, 403),
+                },
+            }
+        },
+    },
+    "components": {
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["code", "message"],
+                "properties": {"code": {"type": "integer"}, "message": _TEXT},
+            },
+            "Health": {
+                "type": "object",
+                "required": ["uptime", "workers", "pending"],
+                "properties": {
+                    "uptime": {"type": "string", "pattern": "^[0-9]+\\.[0-9]+s$"},
+                    "workers": {"type": "integer", "minimum": 0},
+                    "pending": {"type": "integer", "minimum": 0},
+                },
+            },
+            "NewJob": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "id": {"type": "string", "minLength": 1, "maxLength": httpapi.MAX_ID_LENGTH},
+                    "name": _TEXT,
+                    "info_url": _TEXT,
+                    "download_url": _TEXT,
+                    "payload": _TEXT,
+                    "payload_b64": {"type": "string", "format": "byte"},
+                },
+            },
+            "Update": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "state": {
+                        "type": "string",
+                        "enum": sorted(httpapi.USER_STATES | httpapi.POLLER_STATES),
+                    },
+                    "log": _TEXT,
+                    "worker": _TEXT,
+                    "result": _TEXT,
+                    "result_b64": {"type": "string", "format": "byte"},
+                    "error": _TEXT,
+                },
+            },
+            "Job": {
+                "type": "object",
+                "required": [
+                    "id",
+                    "task_id",
+                    "door",
+                    "name",
+                    "state",
+                    "added_at",
+                    "updated_at",
+                    "attempts",
+                    "worker",
+                    "info_url",
+                    "download_url",
+                    "log",
+                    "error",
+                    "failed_post",
+                ],
+                "properties": {
+                    "id": _TEXT,
+                    "task_id": {"type": "integer", "minimum": 1},
+                    "door": {"type": "string", "enum": ["udp", "http", "redis"]},
+                    "name": _TEXT,
+                    "state": {"type": "string", "enum": [s.value for s in JobState]},
+                    "added_at": {"type": "string", "format": "date-time"},
+                    "updated_at": {"type": "string", "format": "date-time"},
+                    "attempts": {"type": "integer", "minimum": 0},
+                    "worker": {"type": "string", "nullable": True},
+                    "info_url": _TEXT,
+                    "download_url": _TEXT,
+                    "log": {"type": "array", "items": _TEXT},
+                    "error": _TEXT,
+                    "failed_post": {"type": "boolean"},
+                    "payload": _TEXT,
+                    "payload_b64": {"type": "string", "format": "byte"},
+                    "result": _TEXT,
+                    "result_b64": {"type": "string", "format": "byte"},
+                },
+            },
+        }
+    },
+}
