@@ -1,0 +1,408 @@
+"""The HTTP job API against an in-process controller with real workers and a real HTTP client."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import functools
+import ipaddress
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from controller.config import ClientAddress, Config
+from controller.jobs import JobState
+from controller.journal import Journal
+from controller.shell.committer import Committer
+from controller.shell.core_shell import CoreShell
+from controller.shell.desk import JobDesk
+from controller.shell.http import IDLE_TIMEOUT, HttpDoor
+from controller.shell.main import assemble
+from tests.helpers import run_udp_client, wait_until
+from worker.runner import handler_runner
+from worker.shell import WorkerShell
+
+
+@dataclass
+class Running:
+    url: str
+    shell: CoreShell
+    desk: JobDesk
+    udp_port: int
+    executions: collections.Counter[bytes]
+    web: HttpDoor
+
+
+async def _echo(payload: bytes) -> bytes:
+    return payload
+
+
+@asynccontextmanager
+async def http_controller(
+    sockdir: Path,
+    workers: int = 2,
+    handler: Callable[[bytes], Awaitable[bytes]] = _echo,
+    journal: Path | None = None,
+    **settings: Any,
+) -> AsyncIterator[Running]:
+    config = Config(
+        socket_dir=sockdir,
+        journal=journal,
+        client_address=ClientAddress("127.0.0.1", 0),
+        http_address=ClientAddress("127.0.0.1", 0),
+    ).replace(**settings)
+    store = Journal.open(journal) if journal is not None else None
+    if store is not None:
+        store.load()
+    shell, desk, udp = assemble(config, store)
+    web = HttpDoor(config, desk, shell.core)
+    web.bind()
+    udp_port = udp.bind()[1]
+    executions: collections.Counter[bytes] = collections.Counter()
+
+    async def counted(payload: bytes) -> bytes:
+        executions[payload] += 1
+        return await handler(payload)
+
+    async with trio.open_nursery() as nursery:
+        if store is not None:
+            committer = Committer(store, on_committed=desk.write_ahead.release)
+            await nursery.start(committer.run)
+        await nursery.start(desk.run)
+        await nursery.start(shell.serve)
+        await nursery.start(udp.serve)
+        await nursery.start(web.serve)
+        for _ in range(workers):
+            worker = WorkerShell(sockdir, handler_runner(counted, 1 << 20), pulse_period=1.0)
+            nursery.start_soon(functools.partial(worker.run, handle_signals=False))
+        await wait_until(lambda: shell.core.idle_workers == workers)
+        host, port = web.address()
+        yield Running(f"http://{host}:{port}", shell, desk, udp_port, executions, web)
+        nursery.cancel_scope.cancel()
+    if store is not None:
+        store.close()
+
+
+@asynccontextmanager
+async def client(url: str, **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=url, timeout=30, **kwargs) as http:
+        yield http
+
+
+async def test_post_runs_the_job_and_wait_returns_its_result(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        resp = await http.post("/job/", json={"payload": "hello", "name": "demo"})
+        assert resp.status_code == 201, resp.text
+        job = resp.json()
+        assert job["door"] == "http" and job["name"] == "demo" and job["payload"] == "hello"
+        assert len(job["id"]) == 36 and job["id"] == job["id"].upper()
+        assert job["task_id"] >= 1 and job["log"] == [] and job["failed_post"] is False
+        done = (await http.get(f"/job/{job['id']}/", params={"wait": 10})).json()
+        assert done["state"] == "finished" and done["result"] == "hello"
+        assert done["worker"] in {"1", "2"} and done["attempts"] == 1
+        assert done["added_at"].endswith("Z") and done["updated_at"] >= done["added_at"]
+
+
+async def test_post_with_an_existing_id_returns_it_and_runs_nothing_again(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        first = await http.post("/job/", json={"id": "job-1", "payload": "once"})
+        assert first.status_code == 201
+        await http.get("/job/job-1/", params={"wait": 10})
+        again = await http.post("/job/", json={"id": "job-1", "payload": "other"})
+        assert again.status_code == 200 and again.json()["payload"] == "once"
+        assert ctl.executions == {b"once": 1}
+
+
+async def test_binary_payload_and_result_travel_as_base64(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        data = base64.b64encode(b"\xff\x00\xfe").decode()
+        job = (await http.post("/job/", json={"payload_b64": data})).json()
+        assert job["payload_b64"] == data and "payload" not in job
+        done = (await http.get(f"/job/{job['id']}", params={"wait": 10})).json()
+        assert done["result_b64"] == data
+
+
+async def test_listing_newest_first_with_state_and_limit_and_udp_jobs_in_it(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        for n in range(3):
+            job = (await http.post("/job/", json={"id": f"j{n}"})).json()
+            await http.get(f"/job/{job['id']}/", params={"wait": 10})
+        done = await trio.to_thread.run_sync(
+            lambda: run_udp_client(ctl.udp_port, "add", "7", "--payload", "u")
+        )
+        assert done.returncode == 0, done.stderr
+        listing = (await http.get("/job/")).json()
+        assert list(listing)[1:] == ["j2", "j1", "j0"]
+        [udp_id] = [key for key in listing if key.startswith("udp-127.0.0.1-")]
+        assert udp_id.endswith("-7") and listing[udp_id]["door"] == "udp"
+        assert list((await http.get("/job", params={"limit": 2})).json()) == [udp_id, "j2"]
+        assert (await http.get("/job/", params={"state": "pending"})).json() == {}
+        await http.delete("/job/j1/")
+        assert "j1" not in (await http.get("/job/")).json()
+        assert list((await http.get("/job/", params={"state": "deleted"})).json()) == ["j1"]
+
+
+async def test_health_counts_workers_and_pending_jobs(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl, client(ctl.url) as http:
+        health = (await http.get("/health/")).json()
+        assert health["workers"] == 1 and health["pending"] == 0
+        assert health["uptime"].endswith("s") and float(health["uptime"][:-1]) >= 0
+        assert (await http.get("/health")).json()["workers"] == 1  # no slash, no redirect
+
+
+async def test_cancel_pending_job_and_wait_wakes_at_once(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        job = (await http.post("/job/", json={"id": "p"})).json()
+        assert job["state"] == "pending"
+        async with trio.open_nursery() as nursery:
+            seen: list[dict[str, Any]] = []
+
+            async def waiter() -> None:
+                seen.append((await http.get("/job/p/", params={"wait": 30})).json())
+
+            nursery.start_soon(waiter)
+            await wait_until(lambda: bool(ctl.desk.doors) and "p" in _waiting(ctl))
+            with trio.fail_after(5):
+                resp = await http.put("/job/p/", json={"state": "canceled"})
+                assert resp.status_code == 200 and resp.json()["state"] == "canceled"
+        assert seen[0]["state"] == "canceled"
+        assert ctl.shell.core.queued == 0
+        again = await http.put("/job/p/", json={"state": "canceled"})
+        assert again.status_code == 200  # canceling a canceled job answers the same
+
+
+def _waiting(ctl: Running) -> set[str]:
+    return set(ctl.web._ended)
+
+
+async def test_cancel_running_job_restarts_its_local_worker(sockdir):
+    started = trio.Event()
+
+    async def slow(payload: bytes) -> bytes:
+        started.set()
+        await trio.sleep(60)
+        return payload
+
+    async with (
+        http_controller(sockdir, workers=1, handler=slow) as ctl,
+        client(ctl.url) as http,
+    ):
+        await http.post("/job/", json={"id": "long"})
+        with trio.fail_after(10):
+            await started.wait()
+        resp = await http.put("/job/long/", json={"state": "canceled"})
+        assert resp.json()["state"] == "canceled"
+        assert ctl.shell.core.counters.restarts_sent == 1
+        losses = ctl.shell.core.counters.worker_losses
+        assert losses == {"its job was canceled": 1}
+
+
+async def test_wait_returns_when_the_time_is_up(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "p"})
+        start = trio.current_time()
+        job = (await http.get("/job/p/", params={"wait": 0.3})).json()
+        assert job["state"] == "pending" and trio.current_time() - start >= 0.3
+
+
+async def test_delete_cancels_drops_payload_and_takes_no_put(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "d", "payload": "secret"})
+        gone = (await http.delete("/job/d/")).json()
+        assert gone["state"] == "deleted" and "payload" not in gone and "result" not in gone
+        assert (await http.delete("/job/d/")).json() == gone  # deleting twice: the same
+        put = await http.put("/job/d/", json={"log": "late"})
+        assert put.status_code == 409 and put.json()["code"] == 409
+        assert ctl.shell.core.queued == 0
+
+
+async def test_log_lines_are_appended(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "l"})
+        await http.put("/job/l/", json={"log": "one"})
+        job = (await http.put("/job/l/", json={"log": "two"})).json()
+        assert job["log"] == ["one", "two"]
+
+
+def _bad(status: int, message_part: str) -> tuple[int, str]:
+    return status, message_part
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "expected"),
+    [
+        ("POST", "/job/", b"{not json", _bad(400, "not valid JSON")),
+        ("POST", "/job/", b"[1, 2]", _bad(400, "JSON object")),
+        ("POST", "/job/", b'{"payload": 5}', _bad(400, "payload must be text")),
+        ("POST", "/job/", b'{"name": ["x"]}', _bad(400, "name must be text")),
+        ("POST", "/job/", b'{"colour": "red"}', _bad(400, "unknown field 'colour'")),
+        ("POST", "/job/", b'{"payload_b64": "***"}', _bad(400, "not valid base64")),
+        ("POST", "/job/", b'{"payload": "a", "payload_b64": "YQ=="}', _bad(400, "not both")),
+        ("POST", "/job/", b'{"id": ""}', _bad(400, "id must be")),
+        ("POST", "/job/", b'{"payload": "%s"}' % (b"x" * 2000), _bad(413, "max_extra_size")),
+        ("POST", "/job/", b"x" * 200_000, _bad(413, "body is over")),
+        ("GET", "/job/nope/", b"", _bad(404, "no job 'nope'")),
+        ("PUT", "/job/nope/", b'{"log": "x"}', _bad(404, "no job")),
+        ("DELETE", "/job/nope/", b"", _bad(404, "no job")),
+        ("GET", "/job/?state=lost", b"", _bad(400, "unknown state 'lost'")),
+        ("GET", "/job/?limit=0", b"", _bad(400, "limit must be")),
+        ("GET", "/job/?limit=many", b"", _bad(400, "limit must be a number")),
+        ("GET", "/ping/", b"", _bad(400, "worker=NAME")),
+        ("GET", "/no/such/path", b"", _bad(404, "no such path")),
+        ("PATCH", "/job/", b"", _bad(405, "not allowed")),
+    ],
+)
+async def test_bad_requests_get_their_error_object(sockdir, method, path, body, expected):
+    status, part = expected
+    async with (
+        http_controller(sockdir, workers=0, max_extra_size=1000) as ctl,
+        client(ctl.url) as http,
+    ):
+        resp = await http.request(method, path, content=body)
+        assert resp.status_code == status, resp.text
+        error = resp.json()
+        assert error["code"] == status and part in error["message"]
+        assert (await http.get("/health/")).status_code == 200  # nothing else harmed
+        assert ctl.shell.core.counters.submitted == 0
+
+
+async def test_put_states_a_job_does_not_allow(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "f"})
+        await http.get("/job/f/", params={"wait": 10})
+        for body, status, part in [
+            ({"state": "canceled"}, 409, "finished"),
+            ({"state": "working", "worker": "w1"}, 409, "no poller (w1) holds"),
+            ({"state": "finished"}, 409, "no poller holds"),
+            ({"state": "deleted"}, 400, "cannot be set"),
+            ({"state": "bogus"}, 400, "cannot be set"),
+            ({}, 400, "state and/or log"),
+        ]:
+            resp = await http.put("/job/f/", json=body)
+            assert resp.status_code == status and part in resp.json()["message"], body
+        assert (await http.get("/job/f/")).json()["state"] == "finished"
+
+
+async def test_tokens_needed_everywhere_but_health(sockdir, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# operators\nsecret-one\n\nsecret-two\n")
+    async with http_controller(sockdir, http_token_file=tokens) as ctl, client(ctl.url) as http:
+        assert (await http.get("/health/")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+            resp = await http.get("/job/", headers=headers)
+            assert resp.status_code == 401 and resp.json()["code"] == 401
+            assert resp.headers["www-authenticate"] == "Bearer"
+        resp = await http.post("/job/", json={}, headers={"Authorization": "Bearer secret-two"})
+        assert resp.status_code == 201
+        assert ctl.shell.core.counters.submitted == 1
+
+
+async def test_sources_outside_allowed_clients_get_403_everywhere(sockdir):
+    outside = (ipaddress.ip_network("10.0.0.0/8"),)
+    async with (
+        http_controller(sockdir, allowed_clients=outside) as ctl,
+        client(ctl.url) as http,
+    ):
+        for path in ("/health/", "/job/", "/", "/openapi.json"):
+            resp = await http.get(path)
+            assert resp.status_code == 403 and resp.json()["code"] == 403
+        assert (await http.post("/job/", json={})).status_code == 403
+        assert ctl.shell.core.counters.submitted == 0
+
+
+async def test_silent_connection_is_closed_and_harms_nobody(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        host, port = ctl.url.removeprefix("http://").rsplit(":", 1)
+        silent = await trio.open_tcp_stream(host, int(port))
+        resp = await http.post("/job/", json={"payload": "meanwhile"})
+        job = (await http.get(f"/job/{resp.json()['id']}/", params={"wait": 10})).json()
+        assert job["result"] == "meanwhile"
+        with trio.fail_after(IDLE_TIMEOUT + 5):
+            assert await silent.receive_some() == b""  # closed by the server
+        await silent.aclose()
+
+
+async def test_journal_that_cannot_record_gets_503_and_nothing_is_queued(sockdir, tmp_path):
+    async with (
+        http_controller(sockdir, journal=tmp_path / "j.sqlite3") as ctl,
+        client(ctl.url) as http,
+    ):
+        assert ctl.desk.journal is not None
+        ctl.desk.journal.failing = "disk full (simulated)"
+        resp = await http.post("/job/", json={"id": "x"})
+        assert resp.status_code == 503 and "disk full" in resp.json()["message"]
+        assert ctl.shell.core.counters.submitted == 0
+        assert (await http.get("/job/x/")).status_code == 404
+        ctl.desk.journal.failing = ""
+        assert (await http.post("/job/", json={"id": "x"})).status_code == 201
+
+
+async def test_job_is_on_disk_when_201_is_answered(sockdir, tmp_path):
+    path = tmp_path / "j.sqlite3"
+    async with http_controller(sockdir, workers=0, journal=path) as ctl, client(ctl.url) as http:
+        assert (await http.post("/job/", json={"id": "durable", "name": "n"})).status_code == 201
+        rows = Journal.open(path).load().jobs  # a second reader sees it committed
+        assert [(r.id, r.door, r.state, r.name) for r in rows] == [
+            ("durable", "http", "pending", "n")
+        ]
+        job = ctl.desk.book.get("durable")
+        assert job is not None and job.state is JobState.PENDING
+
+
+async def test_status_page_shows_workers_queue_and_latest_jobs(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "s1", "name": "<script>x</script>"})
+        page = await http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        text = page.text
+        assert "Workers" in text and "local" in text and "queue depth" in text
+        assert "&lt;script&gt;" in text and "<script>" not in text  # escaped
+        assert 'http-equiv="refresh"' in text
+
+
+async def test_openapi_document_names_every_path(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        doc = (await http.get("/openapi.json")).json()
+        assert doc["openapi"].startswith("3.")
+        assert set(doc["paths"]) == {
+            "/health/",
+            "/job/",
+            "/job/{job_id}/",
+            "/ping/",
+            "/openapi.json",
+            "/",
+        }
+
+
+def test_http_address_in_use_is_a_clear_startup_error(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import free_udp_port, write_config
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(
+            tmp_path,
+            socket_dir=str(tmp_path / "s"),
+            journal=None,
+            client_address={"host": "127.0.0.1", "port": free_udp_port()},
+            http_address={"host": "127.0.0.1", "port": port},
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "controller", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 2
+    assert f"http_address 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
