@@ -25,8 +25,14 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 # Room for JSON and base64 around the largest payload (base64 grows it by 4/3).
 BODY_OVERHEAD = 64 * 1024
-# A job id is text a person can read and put in a URL path.
+# A job id is text a person can read and put in a URL path as it is.
 MAX_ID_LENGTH = 200
+ID_PATTERN = r"^[A-Za-z0-9._:~@+=-]{1,200}$"
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:~@+=-")
+# Longest text fields.
+MAX_TEXT = 10_000
+MAX_ERROR = 100_000
+MAX_LOG = 1_000_000
 
 NEW_JOB_FIELDS = frozenset({"name", "info_url", "download_url", "payload", "payload_b64", "id"})
 UPDATE_FIELDS = frozenset({"state", "log", "worker", "result", "result_b64", "error"})
@@ -89,7 +95,7 @@ def _object(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
     return data
 
 
-def _text(data: dict[str, Any], name: str, limit: int = 10_000) -> str | None:
+def _text(data: dict[str, Any], name: str, limit: int = MAX_TEXT) -> str | None:
     value = data.get(name)
     if value is None:
         return None
@@ -108,7 +114,8 @@ def _bytes(data: dict[str, Any], name: str, max_size: int) -> bytes | None:
     if text is not None:
         if not isinstance(text, str):
             raise ApiError(400, f"{name} must be text (or use {name}_b64 for bytes)")
-        value = text.encode("utf-8")
+        # surrogatepass: a lone surrogate (legal in JSON text) stays bytes, not an error.
+        value = text.encode("utf-8", "surrogatepass")
     elif b64 is not None:
         if not isinstance(b64, str):
             raise ApiError(400, f"{name}_b64 must be base64 text")
@@ -127,8 +134,8 @@ def parse_new_job(body: bytes, max_payload: int) -> NewJob:
     """The body of `POST /job/` (every field optional)."""
     data = _object(body, NEW_JOB_FIELDS)
     job_id = _text(data, "id", MAX_ID_LENGTH)
-    if job_id is not None and (not job_id or not job_id.isprintable() or "/" in job_id):
-        raise ApiError(400, "id must be printable text without '/', 1 to 200 characters")
+    if job_id is not None and (not job_id or not set(job_id) <= _ID_CHARS):
+        raise ApiError(400, "id must be 1 to 200 of the characters A-Z a-z 0-9 and . _ : ~ @ + = -")
     return NewJob(
         id=job_id,
         payload=_bytes(data, "payload", max_payload) or b"",
@@ -150,10 +157,10 @@ def parse_update(body: bytes, max_result: int) -> Update:
         state = JobState(state_name)
     update = Update(
         state=state,
-        log=_text(data, "log", 1_000_000),
+        log=_text(data, "log", MAX_LOG),
         worker=_text(data, "worker", MAX_ID_LENGTH),
         result=_bytes(data, "result", max_result),
-        error=_text(data, "error", 100_000),
+        error=_text(data, "error", MAX_ERROR),
     )
     if update.state is None and update.log is None:
         raise ApiError(400, "give state and/or log")
@@ -171,14 +178,25 @@ def parse_state(value: str | None) -> JobState | None:
         raise ApiError(400, f"unknown state {value!r} (one of: {known})") from None
 
 
-def parse_number(value: str | None, name: str, default: float, low: float, high: float) -> float:
-    """A query parameter that is a number from `low` to `high`."""
+def parse_number(
+    value: str | None,
+    name: str,
+    default: float,
+    low: float,
+    high: float,
+    *,
+    whole: bool = False,
+) -> float:
+    """A query parameter that is a number (a whole one with `whole`) from `low` to `high`."""
     if value is None:
         return default
     try:
-        number = float(value)
+        number = float(int(value)) if whole else float(value)
     except ValueError:
-        raise ApiError(400, f"{name} must be a number, got {value[:40]!r}") from None
+        kind = "a whole number" if whole else "a number"
+        raise ApiError(400, f"{name} must be {kind}, got {value[:40]!r}") from None
+    if number != number:  # NaN
+        raise ApiError(400, f"{name} must be a number, got {value[:40]!r}")
     if not low <= number <= high:
         raise ApiError(400, f"{name} must be from {low:g} to {high:g}, got {value[:40]!r}")
     return number
@@ -188,6 +206,12 @@ def rfc3339(wall: float) -> str:
     """Wall-clock seconds as RFC 3339 in UTC (microseconds, `Z`)."""
     stamp = datetime.fromtimestamp(wall, UTC).isoformat(timespec="microseconds")
     return stamp.replace("+00:00", "Z")
+
+
+def dumps(body: Any) -> bytes:
+    """A JSON answer: ASCII only, so that any text a client sent (a lone surrogate too)
+    comes back without an encoding error."""
+    return json.dumps(body, separators=(",", ":")).encode("ascii")
 
 
 def _put_bytes(out: dict[str, Any], name: str, data: bytes) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -27,7 +26,7 @@ from hypercorn.trio.run import worker_serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from controller import httpapi
@@ -66,8 +65,12 @@ def read_tokens(path: Path) -> frozenset[str]:
     return tokens
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(httpapi.dumps(body), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str) -> Response:
+    return json_response({"code": status, "message": message}, status)
 
 
 class Gate:
@@ -225,7 +228,7 @@ class HttpDoor:
 
     async def health(self, request: Request) -> Response:
         uptime = trio.current_time() - self.started_at
-        return JSONResponse(
+        return json_response(
             {
                 "uptime": f"{uptime:.9f}s",
                 "workers": len(self.core.workers),
@@ -241,13 +244,13 @@ class HttpDoor:
             query = request.query_params
             state = httpapi.parse_state(query.get("state"))
             limit = httpapi.parse_number(
-                query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT
+                query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT, whole=True
             )
             offset = self.book.wall_offset
             listing = {
                 job.id: httpapi.job_json(job, offset) for job in self.book.latest(int(limit), state)
             }
-            return JSONResponse(listing)
+            return json_response(listing)
         except ApiError as exc:
             return self._refuse(exc)
 
@@ -323,6 +326,8 @@ class HttpDoor:
             worker = request.query_params.get("worker")
             if not worker:
                 raise ApiError(400, "give ?worker=NAME")
+            if len(worker) > httpapi.MAX_ID_LENGTH:
+                raise ApiError(400, f"worker is longer than {httpapi.MAX_ID_LENGTH} characters")
             wait = httpapi.parse_number(
                 request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
             )
@@ -334,12 +339,13 @@ class HttpDoor:
         return Response(status_code=204)
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(OPENAPI)
+        return json_response(OPENAPI)
 
     async def status_page(self, request: Request) -> Response:
         now = trio.current_time()
         html = render_status_page(self.core, self.book, now, self.counters, self.gate.refused)
-        return HTMLResponse(html)
+        # errors="replace": a name a client sent may hold a lone surrogate.
+        return HTMLResponse(html.encode("utf-8", "replace"))
 
     # ------------------------------------------------------------ helpers
 
@@ -364,8 +370,7 @@ class HttpDoor:
         return b"".join(chunks)
 
     def _job_response(self, job: Job, status: int) -> Response:
-        body = json.dumps(httpapi.job_json(job, self.book.wall_offset), ensure_ascii=False)
-        return Response(body, status_code=status, media_type="application/json")
+        return json_response(httpapi.job_json(job, self.book.wall_offset), status)
 
     def _refuse(self, exc: ApiError) -> Response:
         self.counters["errors"] += 1

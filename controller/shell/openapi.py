@@ -44,6 +44,7 @@ _WAIT = {
     "schema": {"type": "number", "minimum": 0, "maximum": httpapi.MAX_WAIT},
 }
 _TEXT = {"type": "string"}
+_SHORT = {"type": "string", "maxLength": httpapi.MAX_TEXT}
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.3",
@@ -130,7 +131,16 @@ OPENAPI: dict[str, Any] = {
             "get": {
                 "summary": "a poller asks for its next job",
                 "parameters": [
-                    {"name": "worker", "in": "query", "required": True, "schema": _TEXT},
+                    {
+                        "name": "worker",
+                        "in": "query",
+                        "required": True,
+                        "schema": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": httpapi.MAX_ID_LENGTH,
+                        },
+                    },
                     _WAIT,
                 ],
                 "responses": {
@@ -178,11 +188,12 @@ OPENAPI: dict[str, Any] = {
             "NewJob": {
                 "type": "object",
                 "additionalProperties": False,
+                "not": {"required": ["payload", "payload_b64"]},
                 "properties": {
-                    "id": {"type": "string", "minLength": 1, "maxLength": httpapi.MAX_ID_LENGTH},
-                    "name": _TEXT,
-                    "info_url": _TEXT,
-                    "download_url": _TEXT,
+                    "id": {"type": "string", "pattern": httpapi.ID_PATTERN},
+                    "name": _SHORT,
+                    "info_url": _SHORT,
+                    "download_url": _SHORT,
                     "payload": _TEXT,
                     "payload_b64": {"type": "string", "format": "byte"},
                 },
@@ -190,16 +201,18 @@ OPENAPI: dict[str, Any] = {
             "Update": {
                 "type": "object",
                 "additionalProperties": False,
+                "anyOf": [{"required": ["state"]}, {"required": ["log"]}],
+                "not": {"required": ["result", "result_b64"]},
                 "properties": {
                     "state": {
                         "type": "string",
                         "enum": sorted(httpapi.USER_STATES | httpapi.POLLER_STATES),
                     },
-                    "log": _TEXT,
-                    "worker": _TEXT,
+                    "log": {"type": "string", "maxLength": httpapi.MAX_LOG},
+                    "worker": {"type": "string", "maxLength": httpapi.MAX_ID_LENGTH},
                     "result": _TEXT,
                     "result_b64": {"type": "string", "format": "byte"},
-                    "error": _TEXT,
+                    "error": {"type": "string", "maxLength": httpapi.MAX_ERROR},
                 },
             },
             "Job": {
