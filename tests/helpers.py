@@ -15,8 +15,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +281,49 @@ def run_udp_client(
     """Run `udp-client --server 127.0.0.1:PORT ARGS...` to its end (bounded)."""
     cmd = [sys.executable, "-m", "controller.client", "--server", f"127.0.0.1:{port}", *args]
     return subprocess.run(cmd, capture_output=True, timeout=timeout + 30)
+
+
+# ---------------------------------------------------------------- a live controller process
+
+
+@dataclass
+class LiveController:
+    url: str  # the HTTP API
+    udp_port: int
+    proc: subprocess.Popen[bytes]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def live_controller(tmp: Path, *args: str, **settings: Any) -> Iterator[LiveController]:
+    """A real controller (both doors, a journal in `tmp`) with `args` (e.g. --workers 2);
+    stopped by pid at the end, and checked for tracebacks."""
+    http_port, udp_port = free_tcp_port(), free_udp_port()
+    config = write_config(
+        tmp,
+        **{
+            "socket_dir": str(tmp / "s"),
+            "journal": str(tmp / "journal.sqlite3"),
+            "client_address": {"host": "127.0.0.1", "port": udp_port},
+            "http_address": {"host": "127.0.0.1", "port": http_port},
+            **settings,
+        },
+    )
+    proc = subprocess.Popen(
+        controller_argv(config, *args, log_level="WARNING"), stderr=subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_for_condition(lambda: _answers(f"{url}/health/") or proc.poll() is not None, 20)
+        assert proc.poll() is None, "the controller did not start"
+        yield LiveController(url, udp_port, proc)
+    finally:
+        stderr = reap(proc)
+        assert b"Traceback" not in stderr, stderr.decode(errors="replace")

@@ -1,0 +1,337 @@
+"""The Python client: `Client` (blocking, shareable by threads) and `AsyncClient` (asyncio or trio).
+
+    from controller.client import Client, JobFailed
+    with Client("http://127.0.0.1:8080") as client:
+        job = client.submit(b"input", name="demo")
+        print(job.result(timeout=30))
+
+`url` is `http://HOST:PORT` (the HTTP job API) or `udp://HOST:PORT` (the UDP
+front door; the client picks each job's task_id, and `id`, `get` and `cancel`
+are not available there). `job.state` uses the job states of the HTTP API
+(pending, requested, working, finished, failed, canceled, deleted) for both.
+`job.result()` returns the result bytes, raises `JobFailed` (its `error` says
+why; a canceled or deleted job too) or the builtin `TimeoutError`.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import anyio
+import httpx
+
+from controller.client.udp import UdpBackend, UdpError
+
+FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
+# Longest single ?wait= the server allows; longer waits are several of them.
+MAX_WAIT = 60.0
+# What udp:// job states come back as, from the UDP door's words.
+_UDP_STATES = {
+    "queued": "pending",
+    "running": "working",
+    "success": "finished",
+    "error": "failed",
+    "failed_post": "failed",
+}
+
+
+class JobFailed(Exception):
+    """The job ended without a result: failed, canceled or deleted; `error` says why."""
+
+    def __init__(self, job_id: str, state: str, error: str) -> None:
+        super().__init__(f"job {job_id} {state}: {error}")
+        self.job_id = job_id
+        self.state = state
+        self.error = error or state
+
+
+class ControllerError(Exception):
+    """The controller refused a request: `status` (HTTP status, or the UDP error code)."""
+
+    def __init__(self, status: int | str, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def _payload(payload: bytes | str) -> bytes:
+    if isinstance(payload, str):
+        return payload.encode("utf-8")
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
+
+
+def _body(payload: bytes, name: str | None, job_id: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    try:
+        body["payload"] = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        body["payload_b64"] = base64.b64encode(payload).decode()
+    if name is not None:
+        body["name"] = name
+    if job_id is not None:
+        body["id"] = job_id
+    return body
+
+
+def _outcome(data: dict[str, Any]) -> bytes:
+    """The result of an ended job object, or JobFailed."""
+    state = data.get("state", "")
+    if state == "finished":
+        if "result_b64" in data:
+            return base64.b64decode(data["result_b64"])
+        return str(data.get("result", "")).encode("utf-8")
+    raise JobFailed(str(data.get("id")), str(state), str(data.get("error", "")))
+
+
+def _check(resp: httpx.Response) -> dict[str, Any]:
+    try:
+        data = resp.json()
+    except ValueError:
+        raise ControllerError(resp.status_code, resp.text[:200]) from None
+    if resp.status_code >= 400:
+        if resp.status_code == 404:
+            raise KeyError(data.get("message", "no such job"))
+        raise ControllerError(resp.status_code, str(data.get("message", "")))
+    return data if isinstance(data, dict) else {}
+
+
+def _split(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "udp") or not parts.hostname or not parts.port:
+        raise ValueError(f"expected http://HOST:PORT or udp://HOST:PORT, got {url!r}")
+    return parts.scheme, parts.hostname, parts.port
+
+
+def _remaining(deadline: float | None) -> float:
+    return MAX_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+# ---------------------------------------------------------------- blocking
+
+
+class Job:
+    """A submitted job (blocking); `state` is the latest state seen."""
+
+    def __init__(self, client: Client, data: dict[str, Any], task_id: int = 0) -> None:
+        self._client = client
+        self._data = data
+        self._task_id = task_id
+        self.id: str = str(data["id"])
+
+    @property
+    def state(self) -> str:
+        if self._client.scheme == "udp" and self._data.get("state") not in FINAL:
+            found = self._client._udp().peek(self._task_id)
+            if found is not None:
+                self._data = self._client._udp_job(self.id, found)
+        return str(self._data.get("state", "pending"))
+
+    def refresh(self) -> str:
+        """Read the job's state anew."""
+        self._data = self._client._fetch(self, 0.0)
+        return self.state
+
+    def result(self, timeout: float | None = None) -> bytes:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._data.get("state") not in FINAL:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} did not end within {timeout:g} s")
+            self._data = self._client._fetch(self, _remaining(deadline))
+        return self._client._result(self, self._data)
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self._data.get('state')}>"
+
+
+class Client:
+    """Blocking client; one may be shared by threads."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+        self.scheme, host, port = _split(url)
+        self.timeout = timeout
+        self._http: httpx.Client | None = None
+        self._udp_backend: UdpBackend | None = None
+        if self.scheme == "http":
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            self._http = httpx.Client(
+                base_url=f"http://{host}:{port}", headers=headers, timeout=MAX_WAIT + timeout
+            )
+        else:
+            self._udp_backend = UdpBackend(host, port)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+        if self._udp_backend is not None:
+            self._udp_backend.close()
+
+    def submit(
+        self, payload: bytes | str = b"", *, name: str | None = None, id: str | None = None
+    ) -> Job:
+        data = _payload(payload)
+        if self._http is not None:
+            resp = self._http.post("/job/", json=_body(data, name, id))
+            return Job(self, _check(resp))
+        if id is not None:
+            raise ValueError("udp:// picks each job's task_id itself: id is not accepted")
+        udp = self._udp()
+        task_id = next(udp.task_ids)
+        params: dict[str, Any] = {"task_id": task_id, **_body(data, None, None)}
+        try:
+            udp.request("add_task", params, time.monotonic() + self.timeout)
+        except UdpError as exc:
+            raise ControllerError(exc.code, exc.message) from None
+        return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
+
+    def get(self, id: str) -> Job:
+        return Job(self, _check(self._need_http().get(f"/job/{quote(id, safe='')}/")))
+
+    def cancel(self, id: str) -> Job:
+        resp = self._need_http().put(f"/job/{quote(id, safe='')}/", json={"state": "canceled"})
+        if resp.status_code == 409:  # it ended already: its final state is the answer
+            return self.get(id)
+        return Job(self, _check(resp))
+
+    # ------------------------------------------------------------ for Job
+
+    def _need_http(self) -> httpx.Client:
+        if self._http is None:
+            raise ValueError("get and cancel need http:// (the UDP door has no such request)")
+        return self._http
+
+    def _udp(self) -> UdpBackend:
+        assert self._udp_backend is not None
+        return self._udp_backend
+
+    def _udp_job(self, job_id: str, params: dict[str, Any]) -> dict[str, Any]:
+        state = _UDP_STATES.get(str(params.get("status")), "pending")
+        return {"id": job_id, "state": state, "error": params.get("error", ""), "udp": params}
+
+    def _fetch(self, job: Job, wait: float) -> dict[str, Any]:
+        if self._http is not None:
+            params = {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else {}
+            return _check(self._http.get(f"/job/{quote(job.id, safe='')}/", params=params))
+        udp = self._udp()
+        if wait <= 0:
+            found = udp.peek(job._task_id)
+            if found is None:
+                found = udp.request("get_task", {"task_id": job._task_id}, time.monotonic() + 5)
+            return self._udp_job(job.id, found)
+        params_out = udp.outcome(job._task_id, time.monotonic() + wait)
+        return self._udp_job(job.id, params_out)
+
+    def _result(self, job: Job, data: dict[str, Any]) -> bytes:
+        if self._http is not None or data.get("state") != "finished":
+            return _outcome(data)
+        deadline = time.monotonic() + self.timeout
+        return self._udp().result_bytes(job._task_id, data["udp"], deadline)
+
+
+# ---------------------------------------------------------------- async (asyncio or trio)
+
+
+class AsyncJob:
+    """A submitted job (async); `state` is the latest state seen, `refresh()` reads it anew."""
+
+    def __init__(self, client: AsyncClient, data: dict[str, Any], sync: Job | None = None) -> None:
+        self._client = client
+        self._data = data
+        self._sync = sync  # udp:// jobs run on the blocking backend, in a thread
+        self.id: str = str(data["id"])
+
+    @property
+    def state(self) -> str:
+        if self._sync is not None:
+            return self._sync.state
+        return str(self._data.get("state", "pending"))
+
+    async def refresh(self) -> str:
+        if self._sync is not None:
+            return await anyio.to_thread.run_sync(self._sync.refresh)
+        self._data = await self._client._get_json(self.id, 0.0)
+        return self.state
+
+    async def result(self, timeout: float | None = None) -> bytes:
+        if self._sync is not None:
+            return await anyio.to_thread.run_sync(self._sync.result, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._data.get("state") not in FINAL:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} did not end within {timeout:g} s")
+            self._data = await self._client._get_json(self.id, _remaining(deadline))
+        return _outcome(self._data)
+
+    def __repr__(self) -> str:
+        return f"<AsyncJob {self.id} {self.state}>"
+
+
+class AsyncClient:
+    """The same as `Client`, with coroutines; runs under asyncio and trio alike."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+        self.scheme, host, port = _split(url)
+        self._http: httpx.AsyncClient | None = None
+        self._sync: Client | None = None
+        if self.scheme == "http":
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            self._http = httpx.AsyncClient(
+                base_url=f"http://{host}:{port}", headers=headers, timeout=MAX_WAIT + timeout
+            )
+        else:
+            self._sync = Client(url, token=token, timeout=timeout)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+        if self._sync is not None:
+            await anyio.to_thread.run_sync(self._sync.close)
+
+    async def submit(
+        self, payload: bytes | str = b"", *, name: str | None = None, id: str | None = None
+    ) -> AsyncJob:
+        if self._sync is not None:
+            sync_client = self._sync
+            job = await anyio.to_thread.run_sync(
+                lambda: sync_client.submit(payload, name=name, id=id)
+            )
+            return AsyncJob(self, {"id": job.id}, job)
+        assert self._http is not None
+        resp = await self._http.post("/job/", json=_body(_payload(payload), name, id))
+        return AsyncJob(self, _check(resp))
+
+    async def get(self, id: str) -> AsyncJob:
+        return AsyncJob(self, await self._get_json(id, 0.0))
+
+    async def cancel(self, id: str) -> AsyncJob:
+        http = self._need_http()
+        resp = await http.put(f"/job/{quote(id, safe='')}/", json={"state": "canceled"})
+        if resp.status_code == 409:
+            return await self.get(id)
+        return AsyncJob(self, _check(resp))
+
+    def _need_http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise ValueError("get and cancel need http:// (the UDP door has no such request)")
+        return self._http
+
+    async def _get_json(self, job_id: str, wait: float) -> dict[str, Any]:
+        params = {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else {}
+        resp = await self._need_http().get(f"/job/{quote(job_id, safe='')}/", params=params)
+        return _check(resp)
