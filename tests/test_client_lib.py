@@ -83,7 +83,7 @@ def test_get_unknown_id_and_refused_requests(live):
             client.submit("x", id="not/allowed")
         assert info.value.status == 400
         with pytest.raises(TypeError):
-            client.submit(12345)  # type: ignore[arg-type]
+            client.submit(12345)
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         Client("ftp://127.0.0.1:1")
 
