@@ -8,7 +8,15 @@ import platform
 import time
 from pathlib import Path
 
-from bench import controller_bench, e2e_bench, failure_bench, floor, plots, worker_bench
+from bench import (
+    controller_bench,
+    e2e_bench,
+    failure_bench,
+    floor,
+    http_bench,
+    plots,
+    worker_bench,
+)
 
 HERE = Path(__file__).parent
 
@@ -25,6 +33,7 @@ def main() -> None:
     results["worker"] = worker_bench.main()
     results["end_to_end"] = e2e_bench.main()
     results["floor"] = floor.main()
+    results["http"] = http_bench.main()
     results["journal"] = e2e_bench.journal_main()
     print("end to end against worker count:")
     scaling = e2e_bench.scaling()
