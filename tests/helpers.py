@@ -325,5 +325,10 @@ def live_controller(tmp: Path, *args: str, **settings: Any) -> Iterator[LiveCont
         assert proc.poll() is None, "the controller did not start"
         yield LiveController(url, udp_port, proc)
     finally:
+        # SIGTERM first, as systemd would: its local workers drain and leave with it (a
+        # SIGKILL would leave them holding the stderr pipe until their drain timeout).
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
         stderr = reap(proc)
         assert b"Traceback" not in stderr, stderr.decode(errors="replace")

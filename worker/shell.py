@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import random
 import select
 import signal
 import socket
@@ -37,6 +38,8 @@ EXIT_RESTART = 75  # EX_TEMPFAIL: the supervisor starts us again
 # so that a worker waiting for a long-gone controller still notices it within seconds.
 REGISTER_BACKOFF_START = 0.05
 REGISTER_BACKOFF_MAX = 5.0
+# Each wait is drawn from delay x (1 +- this), so that a crowd of workers spreads out.
+REGISTER_JITTER = 0.5
 # The controller dials one connection at a time per worker, plus an occasional GET_STATUS.
 CONTROL_BACKLOG = 64
 
@@ -209,7 +212,10 @@ class WorkerShell:
                     else resp.error,
                     delay,
                 )
-            with trio.move_on_after(delay):
+            # Jitter: workers started together (a restart of all units) do not retry in step.
+            with trio.move_on_after(
+                delay * random.uniform(1 - REGISTER_JITTER, 1 + REGISTER_JITTER)
+            ):
                 await self._pulse_now.wait()
             self._pulse_now = trio.Event()
             delay = min(delay * 2, REGISTER_BACKOFF_MAX)

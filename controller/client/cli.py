@@ -10,6 +10,7 @@ import argparse
 import base64
 import json
 import os
+import signal
 import socket as stdsocket
 import sys
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import trio
 
+from controller import datagram as dg
 from controller.cli import add_common_flags
 from controller.client.engine import (
     EXIT_FAILED,
@@ -27,7 +29,7 @@ from controller.client.engine import (
     Outcome,
     UdpSession,
 )
-from controller.client.output import Progress, format_status, summary
+from controller.client.output import Progress, format_status, outcome_json, summary
 
 
 class UsageError(Exception):
@@ -72,14 +74,50 @@ def _task_id(text: str, what: str) -> int:
     return int(text)
 
 
+# How long each address of a name with several (localhost: ::1 and 127.0.0.1) is tried.
+PROBE_TIMEOUT = 0.3
+
+
 def resolve(server: tuple[str, int]) -> tuple[int, tuple[str, int]]:
-    """Resolve the server once, so that sending never does a name lookup."""
+    """Resolve the server once, so that sending never does a name lookup. When the name has
+    several addresses, the first that answers is used: `localhost` works whichever family
+    it resolves to first and whichever the controller listens on."""
     try:
         infos = stdsocket.getaddrinfo(server[0], server[1], type=stdsocket.SOCK_DGRAM)
     except OSError as exc:
         raise UsageError(f"--server {server[0]}:{server[1]}: {exc}") from None
-    family, _, _, _, sockaddr = infos[0]
-    return family, (str(sockaddr[0]), int(sockaddr[1]))
+    candidates = list(
+        dict.fromkeys((family, (str(addr[0]), int(addr[1]))) for family, _, _, _, addr in infos)
+    )
+    if len(candidates) > 1:
+        for family, address in candidates:
+            if _answers(family, address):
+                return family, address
+    return candidates[0]
+
+
+def _answers(family: int, address: tuple[str, int]) -> bool:
+    """Does a controller answer on `address`? A get_task for a job nobody has: even its
+    error acknowledgement says yes (padded, so that the answer is not withheld)."""
+    probe = dg.request("get_task", {"task_id": 1, "pad": "x" * 120}, 1)
+    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
+        sock.settimeout(PROBE_TIMEOUT)
+        try:
+            sock.sendto(probe, address)
+            sock.recv(dg.MAX_DATAGRAM)
+        except OSError:  # refused (ICMP), unreachable, or silent: not there
+            return False
+    return True
+
+
+def local_address(family: int, server: tuple[str, int], port: int) -> tuple[str, int]:
+    """The address the controller sees us at (a UDP job's id is built from it)."""
+    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(server)
+            return str(probe.getsockname()[0]), port
+        except OSError:
+            return "?", port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--payload", metavar="TEXT", help="the job's input as text")
     group.add_argument(
         "--payload-file", metavar="FILE", help="the job's input, read from FILE as bytes"
+    )
+    add.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON line per job as it ends (id, task_id, status, result or error)",
     )
     add.add_argument(
         "--window",
@@ -164,21 +207,47 @@ async def run_add(args: argparse.Namespace, ids: list[int], payload: dict[str, A
     family, server = resolve(args.server)
     with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
         sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
+        host, port = local_address(family, server, sock.getsockname()[1])
         client = UdpSession(sock, server, args.timeout)
         outcomes: list[Outcome] = []
-        progress = Progress(len(ids)) if len(ids) > 1 else None
+        progress = Progress(len(ids)) if len(ids) > 1 and not args.json else None
         started = time.monotonic()
+        interrupted = False
 
         def done(outcome: Outcome) -> None:
             outcomes.append(outcome)
             if progress is not None:
                 progress.step(outcome.status == "success")
+            if args.json:
+                print(outcome_json(outcome, f"udp-{host}-{port}-{outcome.task_id}"), flush=True)
+
+        async def on_ctrl_c(scope: trio.CancelScope) -> None:
+            nonlocal interrupted
+            with trio.open_signal_receiver(signal.SIGINT) as signals:
+                async for _ in signals:
+                    interrupted = True
+                    scope.cancel()
+                    return
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.receive)
+            nursery.start_soon(on_ctrl_c, nursery.cancel_scope)
             await client.run_many(ids, payload, min(args.window, len(ids)), done)
             nursery.cancel_scope.cancel()
-    if progress is None:
+    if progress is not None:
+        progress.finish()
+    if interrupted:
+        print(
+            f"udp-client: interrupted after {len(outcomes)} of {len(ids)} tasks",
+            file=sys.stderr,
+        )
+        if outcomes and not args.json:
+            elapsed = time.monotonic() - started
+            print(summary(outcomes, client.duplicates, elapsed), file=sys.stderr)
+        return 130
+    if args.json:
+        return max(o.exit_code for o in outcomes)
+    if progress is None and len(outcomes) == 1:
         [outcome] = outcomes
         if outcome.status == "success":
             sys.stdout.buffer.write(outcome.result)

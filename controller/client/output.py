@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -9,6 +10,7 @@ import time
 from typing import Any
 
 from controller.client.engine import Outcome
+from controller.datagram import put_bytes
 
 
 class Progress:
@@ -22,6 +24,7 @@ class Progress:
         self.tty = stream.isatty()
         self.start = time.monotonic()
         self._last = 0.0
+        self._finished = False
 
     def step(self, ok: bool) -> None:
         self.done += 1
@@ -37,15 +40,16 @@ class Progress:
             width = 30
             filled = width * self.done // self.total
             bar = "#" * filled + "-" * (width - filled)
+            # \x1b[K clears what a longer earlier line left at the end.
             print(
                 f"\r[{bar}] {self.done}/{self.total} {rate:,.0f}/s "
-                f"ETA {eta:,.0f}s failed {self.failed}",
+                f"ETA {eta:,.0f}s failed {self.failed}\x1b[K",
                 end="",
                 file=self.stream,
                 flush=True,
             )
             if self.done == self.total:
-                print(file=self.stream)
+                self.finish()
         else:
             print(
                 f"progress: {self.done}/{self.total} done, {rate:,.0f}/s, "
@@ -53,6 +57,22 @@ class Progress:
                 file=self.stream,
                 flush=True,
             )
+
+    def finish(self) -> None:
+        """End the progress line (on a terminal), so that what follows starts on its own."""
+        if self.tty and not self._finished:
+            self._finished = True
+            print(file=self.stream, flush=True)
+
+
+def outcome_json(outcome: Outcome, job_id: str) -> str:
+    """One JSON line for one job: id, task_id, status, and result (or result_b64) or error."""
+    line: dict[str, Any] = {"id": job_id, "task_id": outcome.task_id, "status": outcome.status}
+    if outcome.status == "success":
+        put_bytes(line, "result", outcome.result)
+    else:
+        line["error"] = outcome.error
+    return json.dumps(line, ensure_ascii=False)
 
 
 def summary(outcomes: list[Outcome], duplicates: int, elapsed: float) -> str:
