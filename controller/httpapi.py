@@ -13,6 +13,7 @@ import base64
 import binascii
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -221,9 +222,16 @@ def _put_bytes(out: dict[str, Any], name: str, data: bytes) -> None:
         out[f"{name}_b64"] = base64.b64encode(data).decode()
 
 
-def job_json(job: Job, wall_offset: float) -> dict[str, Any]:
-    """The job object of the API (`wall_offset` turns the trio clock into wall-clock time)."""
+def job_json(
+    job: Job, wall_offset: float, names: Mapping[int, str] | None = None
+) -> dict[str, Any]:
+    """The job object of the API (`wall_offset` turns the trio clock into wall-clock time;
+    `names`: pollers' names by worker number; others show their number as text)."""
     state = job.state
+    holder = job.worker
+    worker = None
+    if holder:
+        worker = (names or {}).get(holder) or str(holder)
     out: dict[str, Any] = {
         "id": job.id,
         "task_id": job.task_id,
@@ -233,7 +241,7 @@ def job_json(job: Job, wall_offset: float) -> dict[str, Any]:
         "added_at": rfc3339(job.added_at + wall_offset),
         "updated_at": rfc3339(max(job.updated_at, job.added_at) + wall_offset),
         "attempts": job.task.attempts if job.task is not None else job.attempts,
-        "worker": job.worker,
+        "worker": worker,
         "info_url": job.info_url,
         "download_url": job.download_url,
         "log": list(job.log),

@@ -90,7 +90,7 @@ class Job:
     error: str = ""
     failed_post: bool = False
     log: list[str] = field(default_factory=list)
-    ran_on: str = ""  # the worker that held it last (kept once it ended)
+    ran_on: int = 0  # the worker that held it last (kept once it ended)
     task: Task | None = None  # the scheduler's record while the job is live
     final: JobState | None = None  # set once the job ended
     expires_at: float = 0.0  # 0: kept until its outcome is delivered
@@ -112,13 +112,13 @@ class Job:
         return _UDP_WORDS[state]
 
     @property
-    def worker(self) -> str | None:
-        """Who holds it from `requested` on (a local worker's id as text), else who held it
-        last; None when no worker ever had it."""
+    def worker(self) -> int:
+        """The worker that holds it from `requested` on, else the one that held it last
+        (0: no worker ever had it)."""
         task = self.task
         if task is not None and task.worker_id:
-            return str(task.worker_id)
-        return self.ran_on or None
+            return task.worker_id
+        return self.ran_on
 
 
 class JobBook:
@@ -170,7 +170,7 @@ class JobBook:
         if task is not None:
             job.attempts = task.attempts
             if task.worker_id:
-                job.ran_on = str(task.worker_id)
+                job.ran_on = task.worker_id
         job.final = state
         job.task = None
         job.result = result

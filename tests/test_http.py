@@ -62,7 +62,7 @@ async def http_controller(
     if store is not None:
         store.load()
     shell, desk, udp = assemble(config, store)
-    web = HttpDoor(config, desk, shell.core)
+    web = HttpDoor(config, desk, shell)
     web.bind()
     udp_port = udp.bind()[1]
     executions: collections.Counter[bytes] = collections.Counter()
@@ -409,3 +409,48 @@ def test_http_address_in_use_is_a_clear_startup_error(tmp_path):
         )
     assert proc.returncode == 2
     assert f"http_address 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_pollers_take_jobs_with_ping_and_report_with_put(sockdir):
+    async with (
+        http_controller(sockdir, workers=0, claim_timeout=30, lease_timeout=30) as ctl,
+        client(ctl.url) as http,
+    ):
+        empty = await http.get("/ping/", params={"worker": "p1", "wait": 0.1})
+        assert empty.status_code == 204 and ctl.shell.core.workers == {}
+        await http.post("/job/", json={"id": "pj", "payload": "in"})
+        job = (await http.get("/ping/", params={"worker": "p1", "wait": 5})).json()
+        assert job["id"] == "pj" and job["state"] == "requested" and job["worker"] == "p1"
+        wrong = await http.put("/job/pj/", json={"state": "working", "worker": "p2"})
+        assert wrong.status_code == 409
+        working = await http.put("/job/pj/", json={"state": "working", "worker": "p1", "log": "1"})
+        assert working.json()["state"] == "working" and working.json()["log"] == ["1"]
+        done = await http.put("/job/pj/", json={"state": "finished", "worker": "p1", "result": "o"})
+        assert done.json()["state"] == "finished" and done.json()["result"] == "o"
+        late = await http.put("/job/pj/", json={"state": "finished", "worker": "p1", "result": "o"})
+        assert late.status_code == 409
+
+
+async def test_a_waiting_ping_gets_a_job_submitted_later(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        got: list[dict[str, Any]] = []
+
+        async def poll() -> None:
+            got.append((await http.get("/ping/", params={"worker": "w", "wait": 30})).json())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll)
+            await wait_until(lambda: "w" in ctl.web._pings)
+            with trio.fail_after(5):
+                await http.post("/job/", json={"id": "later"})
+        assert got[0]["id"] == "later" and got[0]["state"] == "requested"
+
+
+async def test_a_canceled_pollers_job_gets_409_at_its_next_put(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "c"})
+        await http.get("/ping/", params={"worker": "p", "wait": 5})
+        await http.put("/job/c/", json={"state": "working", "worker": "p"})
+        assert (await http.put("/job/c/", json={"state": "canceled"})).json()["state"] == "canceled"
+        lease = await http.put("/job/c/", json={"state": "working", "worker": "p"})
+        assert lease.status_code == 409

@@ -20,6 +20,7 @@ from controller.core.model import (
     Worker,
     WorkerExited,
 )
+from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
 from controller.core.scheduler import Counters, Scheduler
 
@@ -32,6 +33,8 @@ class Core:
         timeout_task_placement: float = 30.0,
         task_timeout: float = 0.0,
         first_worker_id: int = 1,
+        claim_timeout: float = 300.0,
+        lease_timeout: float = 30.0,
     ) -> None:
         self.scheduler = Scheduler(
             max_retries=max_retries,
@@ -40,6 +43,7 @@ class Core:
         )
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
+        self.pollers = Pollers(self.scheduler, claim_timeout, lease_timeout)
         # The shells' hot paths call these directly: no dispatch on the event's type,
         # no extra frame (`handle` does the same for any event).
         self.pulse = self.local.pulse

@@ -52,6 +52,8 @@ def describe_error(code: int) -> str:
 class LocalWorkers:
     """The local worker kind: registration, pulses, dial results, deaths."""
 
+    label = "local"
+
     def __init__(self, scheduler: Scheduler, recovery: Recovery, first_worker_id: int = 1) -> None:
         self.scheduler = scheduler
         self.recovery = recovery

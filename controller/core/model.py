@@ -162,6 +162,8 @@ class Task:
 class WorkerKind(Protocol):
     """How the scheduler reaches one kind of worker (local today; calculators, pollers)."""
 
+    label: str  # what status views call this kind
+
     def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
         """Hand `task` to `worker`; the answer comes back as accepted, refused or lost."""
 
@@ -286,4 +288,12 @@ class TaskFinished:
     age: float = 0.0  # seconds since it was submitted (or recovered)
 
 
-Action = Reply | Dial | WatchPid | TaskProgress | TaskFinished
+@dataclass(frozen=True, slots=True)
+class HandOut:
+    """Answer poller `name`'s waiting /ping/ with the job of task `ref` (see pollers.py)."""
+
+    name: str
+    ref: int
+
+
+Action = Reply | Dial | WatchPid | TaskProgress | TaskFinished | HandOut

@@ -30,6 +30,7 @@ from controller.core import (
     Core,
     Dial,
     DialDone,
+    HandOut,
     PulseReceived,
     Reply,
     TaskFinished,
@@ -120,8 +121,12 @@ class CoreShell:
             max_retries=config.max_retries,
             timeout_task_placement=config.timeout_task_placement,
             task_timeout=config.task_timeout,
+            claim_timeout=config.claim_timeout,
+            lease_timeout=config.lease_timeout,
         )
         self.on_finished = on_finished or (lambda finished: None)
+        # Where a job for a poller goes (the HTTP door answers its waiting /ping/).
+        self.on_hand_out: Callable[[HandOut], None] | None = None
         self.on_progress = on_progress
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
@@ -168,9 +173,13 @@ class CoreShell:
 
     def submit(self, task_id: int, payload: bytes, owner: object = None) -> Task:
         """The internal API: queue a task now; returns its record. Must run inside `serve`."""
-        task, actions = self.core.submit(task_id, payload, owner, trio.current_time())
+        task, actions = self.queue(task_id, payload, owner)
         self.execute(actions)
         return task
+
+    def queue(self, task_id: int, payload: bytes, owner: object) -> tuple[Task, list[Action]]:
+        """Queue a task; the caller records it, then carries out the actions (`execute`)."""
+        return self.core.submit(task_id, payload, owner, trio.current_time())
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""
@@ -194,6 +203,11 @@ class CoreShell:
                     self.metrics.task_started(action)
                 if self.on_progress is not None:
                     self.on_progress(action)
+            elif isinstance(action, HandOut):
+                if self.on_hand_out is not None:
+                    self.on_hand_out(action)
+                else:  # no HTTP door: nobody to hand it to
+                    self.execute(self.core.pollers.undeliverable(action.name, trio.current_time()))
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
         self._timer.poke()

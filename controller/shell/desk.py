@@ -58,7 +58,9 @@ class Door(Protocol):
 class Scheduling(Protocol):
     """What the desk needs of the scheduler's shell."""
 
-    def submit(self, task_id: int, payload: bytes, owner: object = None) -> Task: ...
+    def queue(self, task_id: int, payload: bytes, owner: object) -> tuple[Task, list[Any]]: ...
+
+    def execute(self, actions: list[Any]) -> None: ...
 
 
 class JobDesk:
@@ -123,9 +125,10 @@ class JobDesk:
         now: float,
         **details: str,
     ) -> Job:
-        """Record a new job (journal first) and queue it; `details`: name, info_url,
-        download_url."""
-        task = self.scheduling.submit(task_id, payload, job_id)
+        """Record a new job and queue it; `details`: name, info_url, download_url. The job is
+        in the book and staged for the journal before the scheduler's actions run (one of
+        them may hand it out at once)."""
+        task, actions = self.scheduling.queue(task_id, payload, job_id)
         job = Job(job_id, task.ref, task_id, door, key, payload, added_at=now, updated_at=now)
         for name, value in details.items():
             setattr(job, name, value)
@@ -133,6 +136,7 @@ class JobDesk:
         self.book.add(job)
         if self.journal is not None:
             self.journal.job_added(job)
+        self.scheduling.execute(actions)
         return job
 
     def delivered(self, job_id: str, now: float) -> None:

@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,11 @@ from starlette.routing import Route
 
 from controller import httpapi
 from controller.config import Config
+from controller.core import HandOut
 from controller.frontdoor import address_allowed
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
-from controller.shell.core_shell import StartupError
+from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.openapi import OPENAPI
 from controller.shell.statuspage import render_status_page
@@ -127,20 +129,30 @@ class Gate:
         return False
 
 
+@dataclass(eq=False)
+class PingWaiter:
+    """A poller's /ping/ waiting for a job."""
+
+    event: trio.Event = field(default_factory=trio.Event)
+    job: Job | None = None
+
+
 class HttpDoor:
     """The HTTP door's shell: the app, its listening socket, and the long-poll waiters."""
 
-    def __init__(self, config: Config, desk: JobDesk, core: Any) -> None:
+    def __init__(self, config: Config, desk: JobDesk, shell: CoreShell) -> None:
         assert config.http_address is not None
         self.config = config
         self.desk = desk
-        self.core = core
+        self.core = core = shell.core
+        shell.on_hand_out = self.hand_out
         self.book = desk.book
         self.max_payload = config.max_extra_size
         self.max_body = httpapi.max_body(config.max_extra_size)
         self.started_at = 0.0
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
         self._ended: dict[str, trio.Event] = {}
+        self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
         tokens = read_tokens(config.http_token_file) if config.http_token_file else None
         routes = []
@@ -162,6 +174,7 @@ class HttpDoor:
         app.router.redirect_slashes = False
         self.gate = Gate(app, config.allowed_clients, tokens)
         desk.on_finished = self.job_ended
+        self.pollers = core.pollers
 
     # ------------------------------------------------------------ serving
 
@@ -207,9 +220,23 @@ class HttpDoor:
         hc.bind = [f"{host}:{address.port}"]
         hc.keep_alive_timeout = IDLE_TIMEOUT
         hc.accesslog = None
-        hc.errorlog = log
+        server_log = logging.getLogger("controller.http.server")
+        server_log.setLevel(logging.WARNING)  # its "Running on ..." repeats our own line
+        hc.errorlog = server_log
         hc.backlog = 1024
         return hc
+
+    def hand_out(self, action: HandOut) -> None:
+        """The scheduler placed a job on a poller: answer its waiting /ping/ with it."""
+        now = trio.current_time()
+        waiter = self._pings.pop(action.name, None)
+        job = self.book.by_ref(action.ref)
+        if waiter is None or job is None:
+            self.desk.execute(self.pollers.undeliverable(action.name, now))
+            return
+        waiter.job = job
+        waiter.event.set()
+        self.pollers.handed(action.name, now)
 
     def job_ended(self, job: Job) -> None:
         """The desk's hook: a job ended (or was deleted): wake its long-polls."""
@@ -247,8 +274,10 @@ class HttpDoor:
                 query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT, whole=True
             )
             offset = self.book.wall_offset
+            names = self.pollers.names
             listing = {
-                job.id: httpapi.job_json(job, offset) for job in self.book.latest(int(limit), state)
+                job.id: httpapi.job_json(job, offset, names)
+                for job in self.book.latest(int(limit), state)
             }
             return json_response(listing)
         except ApiError as exc:
@@ -312,10 +341,20 @@ class HttpDoor:
             self.desk.cancel(job, trio.current_time())
         elif update.state is not None:
             # working / finished / failed come from the poller that holds the job.
-            who = f" ({update.worker})" if update.worker else ""
-            raise ApiError(
-                409, f"no poller{who} holds this job: it cannot be set {update.state.value}"
-            )
+            name = update.worker
+            if not name or not self.pollers.holds(name, job.ref):
+                who = f" ({name})" if name else ""
+                raise ApiError(
+                    409, f"no poller{who} holds this job: it cannot be set {update.state.value}"
+                )
+            now = trio.current_time()
+            if update.state is JobState.WORKING:
+                actions = self.pollers.working(name, job.ref, now)
+            elif update.state is JobState.FINISHED:
+                actions = self.pollers.finished(name, job.ref, update.result or b"", now)
+            else:
+                actions = self.pollers.failed(name, job.ref, update.error or "", now)
+            self.desk.execute(actions)
         if update.log is not None:
             job.log.append(update.log)
             job.updated_at = trio.current_time()
@@ -333,10 +372,24 @@ class HttpDoor:
             )
         except ApiError as exc:
             return self._refuse(exc)
-        # Pollers as a worker kind are not built yet: no job is handed out this way.
-        with trio.move_on_after(wait):
-            await trio.sleep_forever()
-        return Response(status_code=204)
+        waiter = PingWaiter()
+        earlier = self._pings.get(worker)
+        if earlier is not None:
+            earlier.event.set()  # one request per poller: the older one answers 204
+        self._pings[worker] = waiter
+        self.desk.execute(self.pollers.ping(worker, trio.current_time()))
+        try:
+            if waiter.job is None:
+                with trio.move_on_after(wait):
+                    await waiter.event.wait()
+        finally:
+            if self._pings.get(worker) is waiter:
+                del self._pings[worker]
+                if waiter.job is None:  # nothing came: the poller is idle no more
+                    self.desk.execute(self.pollers.gave_up(worker, trio.current_time()))
+        if waiter.job is None:
+            return Response(status_code=204)
+        return self._job_response(waiter.job, 200)
 
     async def openapi(self, request: Request) -> Response:
         return json_response(OPENAPI)
@@ -370,7 +423,9 @@ class HttpDoor:
         return b"".join(chunks)
 
     def _job_response(self, job: Job, status: int) -> Response:
-        return json_response(httpapi.job_json(job, self.book.wall_offset), status)
+        return json_response(
+            httpapi.job_json(job, self.book.wall_offset, self.pollers.names), status
+        )
 
     def _refuse(self, exc: ApiError) -> Response:
         self.counters["errors"] += 1

@@ -163,7 +163,7 @@ async def run_controller(
     door.bind()
     web = None
     if config.http_address is not None:
-        web = HttpDoor(config, desk, shell.core)
+        web = HttpDoor(config, desk, shell)
         web.bind()
     http = None
     if metrics is not None and config.metrics_address is not None:

@@ -1,0 +1,174 @@
+"""Pollers: workers that ask the HTTP door for work (`GET /ping/`). Pure.
+
+A poller exists for the scheduler while it waits in `/ping/` or holds a job.
+`ping` makes it an idle worker (its number is kept per name, so that "prefer a
+worker the job has not failed on" works for pollers too); when the scheduler
+places a job on it, the kind emits `HandOut` and the shell answers the waiting
+request with that job (now `requested`). The poller confirms with
+`PUT state=working` (accepted; then the same PUT renews its lease), and ends
+with `finished` or `failed`. A job not confirmed within `claim_timeout`, or
+whose poller is silent for `lease_timeout`, is placed again (one attempt
+used). A ping that ends with no job (`gave_up`) removes the idle poller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from controller.core.model import Action, HandOut, Task, Worker, WorkerEvent, WorkerState
+from controller.core.scheduler import Scheduler
+
+log = logging.getLogger("controller.core")
+
+# Poller numbers live apart from local workers' (which the journal reserves in blocks).
+FIRST_POLLER_ID = 1 << 40
+
+
+class Pollers:
+    """The poller worker kind."""
+
+    label = "poller"
+
+    def __init__(self, scheduler: Scheduler, claim_timeout: float, lease_timeout: float) -> None:
+        self.scheduler = scheduler
+        self.claim_timeout = claim_timeout
+        self.lease_timeout = lease_timeout
+        self._ids: dict[str, int] = {}
+        self._next_id = itertools.count(FIRST_POLLER_ID)
+        self._by_name: dict[str, Worker] = {}
+        self.names: dict[int, str] = {}
+
+    # ------------------------------------------------------------ the scheduler's side
+
+    def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        """The shell answers the poller's waiting request, then calls `handed` (or
+        `undeliverable` if that request is gone)."""
+        actions.append(HandOut(self.names[worker.worker_id], task.ref))
+
+    def take_back(self, worker: Worker, actions: list[Action]) -> None:
+        """Nothing to send: the poller learns it at its next PUT (409)."""
+
+    # ------------------------------------------------------------ the HTTP door's side
+
+    def ping(self, name: str, now: float) -> list[Action]:
+        """Poller `name` asks for work: it is an idle worker until it gets a job or gives up.
+        (A poller already known stays as it is: idle, or holding its job.)"""
+        sched = self.scheduler
+        if self._live(name) is not None:
+            return []
+        wid = self._ids.get(name)
+        if wid is None:
+            wid = self._ids[name] = next(self._next_id)
+            self.names[wid] = name
+        worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+        worker.last_pulse = now
+        self._by_name[name] = worker
+        sched.add_worker(worker)
+        sched.ready(worker)
+        actions: list[Action] = []
+        sched.dispatch(actions)
+        return actions
+
+    def gave_up(self, name: str, now: float) -> list[Action]:
+        """Its /ping/ ended without a job (the wait ran out, or the client left)."""
+        worker = self._live(name)
+        actions: list[Action] = []
+        if worker is not None and worker.state is WorkerState.IDLE:
+            self.scheduler.lost(worker, now, actions, cause="shutdown")
+        return actions
+
+    def handed(self, name: str, now: float) -> None:
+        """The job went out in the /ping/ answer: it must be confirmed within claim_timeout."""
+        worker = self._live(name)
+        if worker is not None and worker.state is WorkerState.ASSIGNING:
+            worker.deadline = now + self.claim_timeout
+            self.scheduler.at(worker.deadline, self._deadline_due, worker)
+
+    def undeliverable(self, name: str, now: float) -> list[Action]:
+        """The poller's request was gone: the job goes back to the head of the queue (no
+        attempt used) and the poller is forgotten until it asks again."""
+        worker = self._live(name)
+        actions: list[Action] = []
+        if worker is not None:
+            if worker.state is WorkerState.ASSIGNING:
+                self.scheduler.refused(worker, now, actions)
+            self.scheduler.lost(worker, now, actions, cause="shutdown")
+            self.scheduler.dispatch(actions)
+        return actions
+
+    def holds(self, name: str, ref: int) -> bool:
+        worker = self._live(name)
+        return worker is not None and worker.task is not None and worker.task.ref == ref
+
+    def working(self, name: str, ref: int, now: float) -> list[Action]:
+        """`PUT state=working`: the first confirms the job, the next ones renew the lease."""
+        worker = self._held(name, ref)
+        actions: list[Action] = []
+        worker.last_pulse = now
+        if worker.state is WorkerState.ASSIGNING:
+            self.scheduler.accepted(worker, now, actions)
+        worker.deadline = now + self.lease_timeout
+        self.scheduler.at(worker.deadline, self._deadline_due, worker)
+        return actions
+
+    def finished(self, name: str, ref: int, result: bytes, now: float) -> list[Action]:
+        worker = self._held(name, ref)
+        actions: list[Action] = []
+        if worker.state is WorkerState.ASSIGNING:  # finished without a working first
+            self.scheduler.accepted(worker, now, actions)
+        worker.advance(WorkerEvent.FETCH)
+        self.scheduler.finished(worker, result, now, actions)
+        self.scheduler.lost(worker, now, actions, cause="shutdown")  # it pings again for more
+        self.scheduler.dispatch(actions)
+        return actions
+
+    def failed(self, name: str, ref: int, error: str, now: float) -> list[Action]:
+        worker = self._held(name, ref)
+        actions: list[Action] = []
+        if worker.state is WorkerState.ASSIGNING:
+            self.scheduler.accepted(worker, now, actions)
+        worker.advance(WorkerEvent.FETCH)
+        self.scheduler.failed(worker, error or f"poller {name} reported failure", now, actions)
+        self.scheduler.lost(worker, now, actions, cause="shutdown")
+        self.scheduler.dispatch(actions)
+        return actions
+
+    # ------------------------------------------------------------ helpers
+
+    def _live(self, name: str) -> Worker | None:
+        worker = self._by_name.get(name)
+        if worker is None or self.scheduler.workers.get(worker.worker_id) is not worker:
+            return None
+        return worker
+
+    def _held(self, name: str, ref: int) -> Worker:
+        worker = self._live(name)
+        assert worker is not None and worker.task is not None and worker.task.ref == ref, (
+            "check holds() first"
+        )
+        return worker
+
+    def _deadline_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
+        assert isinstance(obj, Worker)
+        worker = obj
+        sched = self.scheduler
+        if sched.workers.get(worker.worker_id) is not worker or worker.deadline != when:
+            return
+        task = worker.task
+        name = self.names[worker.worker_id]
+        if worker.state is WorkerState.ASSIGNING and task is not None:
+            log.warning(
+                "poller %s did not confirm job %d in time; placing it again", name, task.ref
+            )
+            task.attempts += 1  # it may have started it: one attempt used
+            task.failed_on.add(worker.worker_id)
+            task.last_error = f"poller {name} did not confirm within claim_timeout"
+            worker.task = None
+            sched.lost(worker, now, actions, cause="claim timeout")
+            sched.retry(task, now, actions)
+        elif worker.state is WorkerState.BUSY:
+            log.warning("poller %s silent for lease_timeout; placing its job again", name)
+            if task is not None:
+                task.last_error = f"poller {name} silent for lease_timeout"
+            sched.lost(worker, now, actions, cause="lease timeout")

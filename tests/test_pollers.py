@@ -1,0 +1,102 @@
+"""Pollers (workers that ask GET /ping/): the pure kind's deadlines, and the HTTP door."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller.core import Core, HandOut, TaskFinished, TaskState
+
+CLAIM, LEASE = 10.0, 5.0
+
+
+def core() -> Core:
+    return Core(claim_timeout=CLAIM, lease_timeout=LEASE, max_retries=1)
+
+
+def hand_outs(actions):
+    return [a for a in actions if isinstance(a, HandOut)]
+
+
+def finished(actions):
+    return [a for a in actions if isinstance(a, TaskFinished)]
+
+
+def test_a_waiting_poller_gets_the_next_job_and_finishes_it():
+    c = core()
+    assert c.pollers.ping("p1", 0.0) == []  # nothing pending: it waits
+    task, actions = c.submit(9, b"in", "job-9", 1.0)
+    assert hand_outs(actions) == [HandOut("p1", task.ref)]
+    c.pollers.handed("p1", 1.0)
+    assert c.pollers.holds("p1", task.ref) and not c.pollers.holds("p2", task.ref)
+    c.pollers.working("p1", task.ref, 2.0)
+    [done] = finished(c.pollers.finished("p1", task.ref, b"out", 3.0))
+    assert done.state is TaskState.SUCCESS and done.result == b"out"
+    assert not c.pollers.holds("p1", task.ref) and c.workers == {}  # it pings again for more
+
+
+def test_unconfirmed_job_returns_after_claim_timeout_with_an_attempt_used():
+    c = core()
+    c.pollers.ping("p1", 0.0)
+    task, _ = c.submit(9, b"", "j", 0.0)
+    c.pollers.handed("p1", 1.0)
+    assert c.expire(1.0 + CLAIM - 0.001) == []
+    c.expire(1.0 + CLAIM)
+    assert task.state is TaskState.QUEUED and task.attempts == 1
+    assert c.counters.worker_losses == {"claim timeout": 1}
+    c.pollers.ping("p2", 20.0)  # another poller takes it (p1 failed it: p2 is preferred)
+    assert c.pollers.holds("p2", task.ref)
+
+
+def test_silent_poller_loses_its_job_after_lease_timeout_and_renewals_keep_it():
+    c = core()
+    c.pollers.ping("p1", 0.0)
+    task, _ = c.submit(9, b"", "j", 0.0)
+    c.pollers.handed("p1", 0.0)
+    c.pollers.working("p1", task.ref, 1.0)
+    c.pollers.working("p1", task.ref, 5.0)  # the lease renewed at 5: due at 10, not 6
+    assert c.expire(9.999) == []
+    assert c.task_state(task.ref) is TaskState.RUNNING
+    c.expire(10.0)
+    assert c.task_state(task.ref) is TaskState.QUEUED and task.attempts == 1
+    assert c.counters.worker_losses == {"lease timeout": 1}
+
+
+def test_a_job_handed_to_a_request_that_is_gone_goes_back_without_an_attempt():
+    c = core()
+    c.pollers.ping("p1", 0.0)
+    task, _ = c.submit(9, b"", "j", 0.0)
+    c.pollers.undeliverable("p1", 0.1)
+    assert task.state is TaskState.QUEUED and task.attempts == 0 and c.workers == {}
+
+
+def test_failed_report_retries_elsewhere_then_fails_with_the_pollers_error():
+    c = core()
+    c.pollers.ping("p1", 0.0)
+    task, _ = c.submit(9, b"", "j", 0.0)
+    c.pollers.handed("p1", 0.0)
+    c.pollers.failed("p1", task.ref, "disk on fire", 1.0)
+    assert task.state is TaskState.QUEUED
+    c.pollers.ping("p1", 2.0)
+    c.pollers.handed("p1", 2.0)
+    [done] = finished(c.pollers.failed("p1", task.ref, "disk on fire", 3.0))
+    assert done.state is TaskState.ERROR and "disk on fire" in done.error
+
+
+def test_cancel_takes_the_job_from_its_poller():
+    c = core()
+    c.pollers.ping("p1", 0.0)
+    task, _ = c.submit(9, b"", "j", 0.0)
+    c.pollers.handed("p1", 0.0)
+    actions: list[object] = []
+    assert c.scheduler.cancel(task.ref, 1.0, actions)
+    assert not c.pollers.holds("p1", task.ref)
+
+
+def test_gave_up_removes_an_idle_poller_only():
+    c = core()
+    c.pollers.ping("p1", 0.0)
+    assert len(c.workers) == 1
+    c.pollers.gave_up("p1", 20.0)
+    assert c.workers == {}
+    with pytest.raises(AssertionError):
+        c.pollers.working("p1", 1, 21.0)  # holds() must be checked first
