@@ -27,6 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller import datagram as dg
+from controller.calclink import (
+    CalculatorLink,
+    Completed,
+    Heartbeat,
+    PerformAcked,
+    PerformUnacked,
+)
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobBook, JobState, udp_job_id
 from controller.transmissions import Address, Repeats, Seen
@@ -62,7 +69,8 @@ class Delivered:
     job_id: str
 
 
-DoorAction = Send | Submit | Delivered
+DoorAction = Send | Submit | Delivered | Heartbeat | Completed | PerformAcked | PerformUnacked
+CALCULATOR_METHODS = frozenset({"heartbeat", "completed_task"})
 
 
 @dataclass
@@ -89,6 +97,7 @@ class FrontDoor:
         notify_retries: int = 8,
         max_payload: int = 16 * 1024 * 1024,
         first_txid: int = 1,
+        calculators: CalculatorLink | None = None,
     ) -> None:
         """`refusal()`: why new jobs must be refused now ("" when welcome)."""
         self.book = book
@@ -99,7 +108,11 @@ class FrontDoor:
         self.stats = FrontDoorStats()
         self.seen = Seen()
         self.repeats = Repeats(notify_retries, first_txid)
+        # Calculators' traffic (heartbeat, completed_task, acks of perform_task); None: no
+        # calculator is listened to.
+        self.calculators = calculators
         self._allowed_cache: dict[str, bool] = {}
+        self._calculator_cache: dict[str, bool] = {}
         self._last_log = -LOG_INTERVAL
         self._dropped_since_log = 0
 
@@ -108,9 +121,13 @@ class FrontDoor:
     def datagram(self, data: bytes, addr: Address, now: float) -> list[DoorAction]:
         """Handle one datagram from `addr`."""
         self.stats.received += 1
-        if not self._is_allowed(addr[0]):
+        host = addr[0]
+        client = self._is_allowed(host)
+        link = self.calculators
+        calculator = link is not None and self._is_calculator(host)
+        if not client and not calculator:
             self.stats.not_allowed += 1
-            self._note_drop(now, f"packet from {addr[0]} outside allowed_clients")
+            self._note_drop(now, f"packet from {host} outside allowed_clients")
             return []
         try:
             packet = dg.parse_packet(data)
@@ -121,8 +138,22 @@ class FrontDoor:
         ptype = packet.get("packet_type")
         txid = dg.int_field(packet.get("transmission_id"))
         if ptype == dg.IS_ACK:
-            job_id = self.repeats.acked(txid, addr) if txid is not None else None
-            return [Delivered(job_id)] if job_id is not None else []
+            if txid is None:
+                return []
+            job_id = self.repeats.acked(txid, addr) if client else None
+            if job_id is not None:
+                return [Delivered(job_id)]
+            if calculator and link is not None:
+                acked = link.acked(txid, addr, refused="error" in packet)
+                return [acked] if acked is not None else []
+            return []
+        from_calculator = packet.get("method") in CALCULATOR_METHODS
+        if not (calculator if from_calculator else client):
+            # A calculator's method from outside allowed_calculators, or a client's from
+            # outside allowed_clients: dropped, counted, never answered.
+            self.stats.not_allowed += 1
+            self._note_drop(now, f"{str(packet.get('method'))[:40]} from {host} not allowed")
+            return []
         if txid is not None and ptype == dg.WANT_ACK:
             seen = self.seen.get(addr, txid)
             if seen is not None:
@@ -158,6 +189,9 @@ class FrontDoor:
         params = packet.get("params", {})
         if not isinstance(params, dict):
             raise BadPacket("bad_params", "params must be an object")
+        if method in CALCULATOR_METHODS:
+            assert self.calculators is not None
+            return self.calculators.request(str(method), params, addr), None
         if method == "add_task":
             return self._add_task(params, addr, now), None
         if method == "get_task":
@@ -250,6 +284,10 @@ class FrontDoor:
         """Repeat due notifications; give up on those out of repeats; forget old requests."""
         again, gave_up = self.repeats.due(now)
         out: list[DoorAction] = []
+        if self.calculators is not None:
+            performs, unacked = self.calculators.expire(now)
+            out.extend(Send(data, address) for data, address in performs)
+            out.extend(unacked)
         for pending in again:
             job = self.book.get(pending.job_id)
             if job is None:  # forgotten meanwhile (its retention ran out)
@@ -263,7 +301,15 @@ class FrontDoor:
 
     def next_deadline(self) -> float:
         """When `expire` next has work: a repeat, or a request to forget."""
-        return min(self.repeats.next_deadline(), self.seen.next_deadline())
+        first = min(self.repeats.next_deadline(), self.seen.next_deadline())
+        if self.calculators is not None:
+            first = min(first, self.calculators.next_deadline())
+        return first
+
+    def perform(self, address: Address, ref: int, task_id: int, payload: bytes, now: float) -> Send:
+        """The first perform_task for a job placed on the calculator at `address`."""
+        assert self.calculators is not None
+        return Send(self.calculators.perform(address, ref, task_id, payload, now), address)
 
     def forget(self, job: Job) -> None:
         """The book forgot `job`: nothing more to send for it."""
@@ -293,6 +339,16 @@ class FrontDoor:
             if len(self._allowed_cache) > 10_000:
                 self._allowed_cache.clear()
             self._allowed_cache[host] = allowed
+        return allowed
+
+    def _is_calculator(self, host: str) -> bool:
+        assert self.calculators is not None
+        allowed = self._calculator_cache.get(host)
+        if allowed is None:
+            allowed = address_allowed(host, self.calculators.networks)
+            if len(self._calculator_cache) > 10_000:
+                self._calculator_cache.clear()
+            self._calculator_cache[host] = allowed
         return allowed
 
     def _note_drop(self, now: float, what: str) -> None:

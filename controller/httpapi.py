@@ -13,7 +13,7 @@ import base64
 import binascii
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -222,16 +222,12 @@ def _put_bytes(out: dict[str, Any], name: str, data: bytes) -> None:
         out[f"{name}_b64"] = base64.b64encode(data).decode()
 
 
-def job_json(
-    job: Job, wall_offset: float, names: Mapping[int, str] | None = None
-) -> dict[str, Any]:
+def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) -> dict[str, Any]:
     """The job object of the API (`wall_offset` turns the trio clock into wall-clock time;
-    `names`: pollers' names by worker number; others show their number as text)."""
+    `name_of` names a worker by its number: a poller's name, a calculator's host:port)."""
     state = job.state
     holder = job.worker
-    worker = None
-    if holder:
-        worker = (names or {}).get(holder) or str(holder)
+    worker = name_of(holder) if holder else None
     out: dict[str, Any] = {
         "id": job.id,
         "task_id": job.task_id,

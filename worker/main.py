@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -12,8 +13,12 @@ import trio
 from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
+from worker.calculator import Calculator
+from worker.poller import Poller
 from worker.runner import SetupError, build_runner
 from worker.shell import WorkerShell
+
+log = logging.getLogger("worker")
 
 
 def _positive(text: str) -> float:
@@ -26,16 +31,27 @@ def _positive(text: str) -> float:
     return value
 
 
+def _address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="worker",
         description=(
-            "Register with the controller on SOCKET_DIR/main.sock, pulse, and run one task at a "
-            "time. Without --exec or --handler the built-in echo handler returns the payload."
+            "Run the controller's jobs, one at a time. A local worker registers on "
+            "SOCKET_DIR/main.sock; with --udp it is a calculator on another host (heartbeats and "
+            "jobs over UDP), with --hub a poller (it asks the HTTP job API for work). Without "
+            "--exec or --handler the built-in echo handler returns the payload."
         ),
         epilog=(
             "Examples: worker --socket-dir ./.run --handler mypkg.jobs:run | "
-            "worker --exec ./job.sh --fast (--exec takes the rest of the line)"
+            "worker --udp ctl.example:5555 --exec ./job.sh | "
+            "worker --hub http://ctl.example:8080 --token-file /etc/controller/token "
+            "--exec ./job.sh (--exec takes the rest of the line)"
         ),
     )
     parser.add_argument(
@@ -43,8 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="controller JSON config (socket_dir, dial_timeout, max_extra_size)",
     )
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--socket-dir", metavar="DIR", help="directory of main.sock (default: /run/controller)"
+    )
+    where.add_argument(
+        "--udp",
+        metavar="HOST:PORT",
+        type=_address,
+        help="be a calculator: heartbeats and jobs over UDP to the controller's client port",
+    )
+    where.add_argument(
+        "--hub",
+        metavar="URL",
+        help="be a poller: ask the controller's HTTP API (http://HOST:PORT) for jobs",
+    )
+    parser.add_argument(
+        "--token-file", metavar="FILE", help="with --hub: a file whose first line is the token"
+    )
+    parser.add_argument(
+        "--name", metavar="NAME", help="with --hub: the poller's name (default: HOST-PID)"
     )
     parser.add_argument(
         "--pulse",
@@ -103,6 +137,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SetupError, AffinityError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
+    if args.udp is not None:
+        calculator = Calculator(
+            args.udp, runner, pulse_period=args.pulse, drain_timeout=args.drain_timeout
+        )
+        log.info("calculator for %s:%d", *args.udp)
+        return trio.run(calculator.run)
+    if args.hub is not None:
+        try:
+            poller = Poller(
+                args.hub,
+                runner,
+                name=args.name,
+                token_file=args.token_file,
+                pulse_period=args.pulse,
+                drain_timeout=args.drain_timeout,
+            )
+        except SetupError as exc:
+            print(f"worker: {exc}", file=sys.stderr)
+            return 2
+        log.info("poller %s for %s", poller.name, args.hub)
+        return trio.run(poller.run)
     shell = WorkerShell(
         config.socket_dir,
         runner,

@@ -99,12 +99,14 @@ def format_status(report: dict[str, Any]) -> str:
     lines = [f"workers: {report.get('workers_total', len(workers))}"]
     if workers:
         lines.append(
-            f"  {'id':>6} {'pid':>8}  {'state':<9} {'task':>8} {'last pulse':>11} {'done':>8}"
+            f"  {'worker':<22} {'kind':<10} {'pid':>8}  {'state':<9} {'task':>8}"
+            f" {'last pulse':>11} {'done':>8}"
         )
         for w in workers:
+            name = str(w.get("name", w["id"]))
             lines.append(
-                f"  {w['id']:>6} {w['pid'] or '-':>8}  {w['state']:<9} {w['task']:>8}"
-                f" {w['last_pulse_s']:>9.1f} s {w['done']:>8}"
+                f"  {name:<22} {w.get('kind', 'local'):<10} {w['pid'] or '-':>8}  "
+                f"{w['state']:<9} {w['task']:>8} {w['last_pulse_s']:>9.1f} s {w['done']:>8}"
             )
     tasks = report.get("tasks", {})
     lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in tasks.items()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+from controller.core.calculators import Calculators
 from controller.core.local import LocalWorkers
 from controller.core.model import (
     Action,
@@ -35,6 +36,7 @@ class Core:
         first_worker_id: int = 1,
         claim_timeout: float = 300.0,
         lease_timeout: float = 30.0,
+        calculator_timeout: float = 5.0,
     ) -> None:
         self.scheduler = Scheduler(
             max_retries=max_retries,
@@ -44,6 +46,7 @@ class Core:
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
         self.pollers = Pollers(self.scheduler, claim_timeout, lease_timeout)
+        self.calculators = Calculators(self.scheduler, calculator_timeout)
         # The shells' hot paths call these directly: no dispatch on the event's type,
         # no extra frame (`handle` does the same for any event).
         self.pulse = self.local.pulse
@@ -82,6 +85,15 @@ class Core:
     @property
     def next_worker_id(self) -> int:
         return self.local.next_worker_id
+
+    def worker_name(self, worker_id: int) -> str:
+        """How status views name a worker: a poller's name, a calculator's host:port, a local
+        worker's number."""
+        return (
+            self.pollers.names.get(worker_id)
+            or self.calculators.names.get(worker_id)
+            or str(worker_id)
+        )
 
     def task_state(self, ref: int) -> TaskState | None:
         return self.scheduler.task_state(ref)
@@ -129,6 +141,8 @@ class Core:
         workers = [
             {
                 "id": w.worker_id,
+                "kind": w.kind.label,
+                "name": self.worker_name(w.worker_id),
                 "pid": w.pid,
                 "state": w.state.value,
                 "task": w.task.task_id if w.task is not None else 0,

@@ -296,4 +296,14 @@ class HandOut:
     ref: int
 
 
-Action = Reply | Dial | WatchPid | TaskProgress | TaskFinished | HandOut
+@dataclass(frozen=True, slots=True)
+class PerformTask:
+    """Send `perform_task` to the calculator at `address` (see calculators.py)."""
+
+    address: tuple[str, int]
+    ref: int
+    task_id: int
+    payload: bytes
+
+
+Action = Reply | Dial | WatchPid | TaskProgress | TaskFinished | HandOut | PerformTask

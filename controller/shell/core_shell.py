@@ -31,6 +31,7 @@ from controller.core import (
     Dial,
     DialDone,
     HandOut,
+    PerformTask,
     PulseReceived,
     Reply,
     TaskFinished,
@@ -123,7 +124,10 @@ class CoreShell:
             task_timeout=config.task_timeout,
             claim_timeout=config.claim_timeout,
             lease_timeout=config.lease_timeout,
+            calculator_timeout=config.calculator_timeout,
         )
+        # Where a job for a calculator goes (the UDP door sends perform_task).
+        self.on_perform: Callable[[PerformTask], None] | None = None
         self.on_finished = on_finished or (lambda finished: None)
         # Where a job for a poller goes (the HTTP door answers its waiting /ping/).
         self.on_hand_out: Callable[[HandOut], None] | None = None
@@ -208,6 +212,9 @@ class CoreShell:
                     self.on_hand_out(action)
                 else:  # no HTTP door: nobody to hand it to
                     self.execute(self.core.pollers.undeliverable(action.name, trio.current_time()))
+            elif isinstance(action, PerformTask):
+                if self.on_perform is not None:
+                    self.on_perform(action)
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
         self._timer.poke()

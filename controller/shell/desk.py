@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 import trio
 
-from controller.core import Task, TaskFinished, TaskProgress, TaskState
-from controller.frontdoor import DoorAction, Send, Submit
+from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
+from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
+from controller.frontdoor import Delivered, DoorAction, Send, Submit
 from controller.jobs import Job, JobBook, JobState
 from controller.journal import Journal, Recovered
 from controller.shell.durability import WriteAhead
@@ -78,7 +79,7 @@ class JobDesk:
         self.on_finished = on_finished
         self.doors: dict[str, Door] = {}
         self.execute: Callable[[list[Any]], None] = lambda actions: None  # the core shell's
-        self.core: Any = None  # the scheduler's face, for cancel
+        self.core: Core | None = None  # the scheduler's face (cancel, calculators)
         self._picked = itertools.count(FIRST_PICKED_TASK_ID)
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
 
@@ -106,14 +107,32 @@ class JobDesk:
                     sends.append(action)
             elif isinstance(action, Submit):
                 self.submit(action.job_id, "udp", action.addr, action.task_id, action.payload, now)
-            else:
+            elif isinstance(action, Delivered):
                 self.delivered(action.job_id, now)
+            else:
+                self.execute(self._calculator(action, now))
         if sends:
             self.write_ahead.after_commit(door.transmit, sends)
 
     def pick_task_id(self) -> int:
         """A wire number for a job whose door gives none."""
         return next(self._picked)
+
+    def _calculator(
+        self, action: Heartbeat | Completed | PerformAcked | PerformUnacked, now: float
+    ) -> list[Any]:
+        """What a calculator said, for the calculator worker kind."""
+        assert self.core is not None
+        kind = self.core.calculators
+        if isinstance(action, Heartbeat):
+            return kind.heartbeat(action.address, action.ready, now)
+        if isinstance(action, Completed):
+            return kind.completed(
+                action.address, action.task_id, action.ok, action.output, action.error, now
+            )
+        if isinstance(action, PerformAcked) and not action.refused:
+            return kind.acknowledged(action.address, action.ref, now)
+        return kind.unacknowledged(action.address, action.ref, now)
 
     def submit(
         self,
@@ -153,6 +172,7 @@ class JobDesk:
         if job.state.final:
             return False
         actions: list[Any] = []
+        assert self.core is not None
         if self.core.scheduler.cancel(job.ref, now, actions):
             self.execute(actions)  # its TaskFinished comes back through `finished`
         return True

@@ -274,9 +274,9 @@ class HttpDoor:
                 query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT, whole=True
             )
             offset = self.book.wall_offset
-            names = self.pollers.names
+            name_of = self.core.worker_name
             listing = {
-                job.id: httpapi.job_json(job, offset, names)
+                job.id: httpapi.job_json(job, offset, name_of)
                 for job in self.book.latest(int(limit), state)
             }
             return json_response(listing)
@@ -424,7 +424,7 @@ class HttpDoor:
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(
-            httpapi.job_json(job, self.book.wall_offset, self.pollers.names), status
+            httpapi.job_json(job, self.book.wall_offset, self.core.worker_name), status
         )
 
     def _refuse(self, exc: ApiError) -> Response:

@@ -44,13 +44,12 @@ def render_status_page(
     e = html.escape
     counters = core.counters
     workers = core.workers
-    names = core.pollers.names
     rows = []
     for worker in itertools.islice(workers.values(), MAX_WORKERS_SHOWN):
         task = worker.task
         held = e(str(task.owner)) if task is not None else "-"
         rows.append(
-            f"<tr><td class=num>{e(names.get(worker.worker_id, str(worker.worker_id)))}</td>"
+            f"<tr><td class=num>{e(core.worker_name(worker.worker_id))}</td>"
             f"<td>{e(worker.kind.label)}</td>"
             f"<td>{e(worker.state.value)}</td><td>{held}</td>"
             f"<td class=num>{_age(now - worker.last_pulse)} ago</td>"

@@ -1,0 +1,156 @@
+"""The controller's half of the calculator protocol, on the UDP door's port. Pure.
+
+In: `heartbeat` (type 0, `params.status` ready or busy) and `completed_task`
+(type 1, acknowledged by the door on every copy, acted on once by the core),
+from `allowed_calculators` only. Out: `perform_task` (type 1), sent again at
+doubling intervals until the calculator acknowledges it or `dial_timeout` has
+passed since the first send (then `PerformUnacked`: the core tries another
+worker). The door routes every acknowledgement it does not recognise as a
+client's to `acked`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from controller import datagram as dg
+from controller.datagram import BadPacket
+from controller.deadlines import Deadlines
+
+Address = tuple[str, int]
+
+# First repeat of an unacknowledged perform_task (then doubling, within dial_timeout).
+PERFORM_FIRST_REPEAT = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    address: Address
+    ready: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    address: Address
+    task_id: int
+    ok: bool
+    output: bytes
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class PerformAcked:
+    address: Address
+    ref: int
+    refused: bool  # acknowledged with an error (e.g. busy): it does not have the job
+
+
+@dataclass(frozen=True, slots=True)
+class PerformUnacked:
+    address: Address
+    ref: int
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    address: Address
+    ref: int
+    txid: int
+    data: bytes
+    give_up_at: float
+    next_at: float
+    interval: float
+
+
+class CalculatorLink:
+    def __init__(
+        self,
+        allowed: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
+        *,
+        dial_timeout: float,
+        max_result: int,
+        first_txid: int = 1,
+    ) -> None:
+        self.networks = tuple(allowed)
+        self.dial_timeout = dial_timeout
+        self.max_result = max_result
+        self._txid = itertools.count(first_txid)
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: Deadlines[_Pending] = Deadlines()
+        self.next_deadline = self._deadlines.next
+
+    # ------------------------------------------------------------ in
+
+    def request(self, method: str, params: dict[str, Any], address: Address) -> list[Any]:
+        """A calculator's `heartbeat` or `completed_task`: what the core should hear."""
+        if method == "heartbeat":
+            status = params.get("status")
+            if status not in ("ready", "busy"):
+                raise BadPacket("bad_status", "params.status must be ready or busy")
+            return [Heartbeat(address, status == "ready")]
+        task_id = dg.int_field(params.get("task_id"))
+        if task_id is None or task_id < 1:
+            raise BadPacket("bad_task_id", "params.task_id must be an integer >= 1")
+        status = params.get("status")
+        if status == "success":
+            output = dg.bytes_param(params, "result", self.max_result)
+            return [Completed(address, task_id, True, output, "")]
+        if status == "error":
+            error = params.get("error", "")
+            if not isinstance(error, str):
+                raise BadPacket("bad_error", "params.error must be text")
+            return [Completed(address, task_id, False, b"", error)]
+        raise BadPacket("bad_status", "params.status must be success or error")
+
+    def acked(self, txid: int, address: Address, refused: bool) -> PerformAcked | None:
+        """An acknowledgement the door did not recognise: is it one of our perform_tasks?"""
+        pending = self._pending.get(txid)
+        if pending is None or pending.address != address:
+            return None
+        del self._pending[txid]
+        return PerformAcked(address, pending.ref, refused)
+
+    # ------------------------------------------------------------ out
+
+    def perform(
+        self, address: Address, ref: int, task_id: int, payload: bytes, now: float
+    ) -> bytes:
+        """The first `perform_task` datagram for this job (repeats come from `expire`)."""
+        params: dict[str, Any] = {"task_id": task_id}
+        dg.put_bytes(params, "payload", payload)
+        txid = next(self._txid)
+        data = dg.request("perform_task", params, txid)
+        pending = _Pending(
+            address,
+            ref,
+            txid,
+            data,
+            give_up_at=now + self.dial_timeout,
+            next_at=now + PERFORM_FIRST_REPEAT,
+            interval=PERFORM_FIRST_REPEAT,
+        )
+        self._pending[txid] = pending
+        self._deadlines.push(pending.next_at, pending)
+        return data
+
+    def expire(self, now: float) -> tuple[list[tuple[bytes, Address]], list[PerformUnacked]]:
+        """(perform_tasks to send again, those whose dial_timeout ran out)."""
+        again: list[tuple[bytes, Address]] = []
+        gave_up: list[PerformUnacked] = []
+        while (due := self._deadlines.pop_due(now)) is not None:
+            when, pending = due
+            if self._pending.get(pending.txid) is not pending or pending.next_at != when:
+                continue
+            if now >= pending.give_up_at:
+                del self._pending[pending.txid]
+                gave_up.append(PerformUnacked(pending.address, pending.ref))
+                continue
+            again.append((pending.data, pending.address))
+            pending.interval *= 2
+            pending.next_at = min(now + pending.interval, pending.give_up_at)
+            self._deadlines.push(pending.next_at, pending)
+        return again, gave_up

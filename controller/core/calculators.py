@@ -1,0 +1,158 @@
+"""Calculators: workers that speak the UDP door's datagrams (`worker --udp`). Pure.
+
+A calculator registers (and stays alive) by `heartbeat`, keyed by its
+(host, port); `ready` makes it an idle worker, `busy` keeps it out of the way.
+A job placed on it goes out as `perform_task` (the `PerformTask` action; the
+UDP door sends and repeats it). Its acknowledgement means the calculator has
+the job (accepted); no acknowledgement within `dial_timeout` means it is
+unavailable until its next `ready` heartbeat, and the job goes elsewhere
+without using an attempt. Its `completed_task` ends the job, once: a report
+for a job it does not hold is acknowledged by the door and ignored here. A
+calculator silent for `calculator_timeout` is dead: its job is placed again
+(one attempt used).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from controller.core.model import (
+    Action,
+    PerformTask,
+    Task,
+    Worker,
+    WorkerEvent,
+    WorkerState,
+)
+from controller.core.scheduler import Scheduler
+
+log = logging.getLogger("controller.core")
+
+Address = tuple[str, int]
+
+# Calculator numbers live apart from local workers' and pollers'.
+FIRST_CALCULATOR_ID = 1 << 41
+
+
+class Calculators:
+    """The calculator worker kind."""
+
+    label = "calculator"
+
+    def __init__(self, scheduler: Scheduler, timeout: float) -> None:
+        self.scheduler = scheduler
+        self.timeout = timeout
+        self._ids: dict[Address, int] = {}
+        self._next_id = itertools.count(FIRST_CALCULATOR_ID)
+        self._by_addr: dict[Address, Worker] = {}
+        self.addresses: dict[int, Address] = {}
+        self.names: dict[int, str] = {}
+        self.ignored_reports = 0
+
+    # ------------------------------------------------------------ the scheduler's side
+
+    def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        address = self.addresses[worker.worker_id]
+        actions.append(PerformTask(address, task.ref, task.task_id, task.payload))
+
+    def take_back(self, worker: Worker, actions: list[Action]) -> None:
+        """Nothing to send: a later report for the job is acknowledged and dropped."""
+
+    # ------------------------------------------------------------ the UDP door's side
+
+    def heartbeat(self, address: Address, ready: bool, now: float) -> list[Action]:
+        sched = self.scheduler
+        worker = self._live(address)
+        if worker is None:
+            wid = self._ids.get(address)
+            if wid is None:
+                wid = self._ids[address] = next(self._next_id)
+                self.addresses[wid] = address
+                host = f"[{address[0]}]" if ":" in address[0] else address[0]
+                self.names[wid] = f"{host}:{address[1]}"
+            worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+            self._by_addr[address] = worker
+            sched.add_worker(worker)
+            log.info("calculator %s registered", self.names[wid])
+        worker.last_pulse = now
+        worker.deadline = now + self.timeout
+        if not worker.armed:
+            worker.armed = True
+            sched.at(worker.deadline, self._deadline_due, worker)
+        actions: list[Action] = []
+        if ready and worker.state in (WorkerState.STARTING, WorkerState.UNSURE):
+            sched.ready(worker)
+            sched.dispatch(actions)
+        return actions
+
+    def acknowledged(self, address: Address, ref: int, now: float) -> list[Action]:
+        """It acknowledged `perform_task`: it has the job."""
+        worker = self._holding(address, ref)
+        actions: list[Action] = []
+        if worker is not None and worker.state is WorkerState.ASSIGNING:
+            self.scheduler.accepted(worker, now, actions)
+        return actions
+
+    def unacknowledged(self, address: Address, ref: int, now: float) -> list[Action]:
+        """No acknowledgement within dial_timeout: unavailable until its next `ready`; the job
+        goes to another worker without using an attempt."""
+        worker = self._holding(address, ref)
+        actions: list[Action] = []
+        if worker is not None and worker.state is WorkerState.ASSIGNING:
+            log.warning(
+                "calculator %s did not acknowledge perform_task; trying another worker",
+                self.names[worker.worker_id],
+            )
+            self.scheduler.refused(worker, now, actions)
+            self.scheduler.dispatch(actions)
+        return actions
+
+    def completed(
+        self, address: Address, task_id: int, ok: bool, output: bytes, error: str, now: float
+    ) -> list[Action]:
+        """Its `completed_task`; ignored (and counted) unless it holds that job."""
+        worker = self._live(address)
+        task = worker.task if worker is not None else None
+        if worker is None or task is None or task.task_id != task_id:
+            self.ignored_reports += 1
+            return []
+        sched = self.scheduler
+        actions: list[Action] = []
+        if worker.state is WorkerState.ASSIGNING:  # the acknowledgement was lost
+            sched.accepted(worker, now, actions)
+        worker.advance(WorkerEvent.FETCH)
+        if ok:
+            sched.finished(worker, output, now, actions)
+        else:
+            sched.failed(worker, error or "the calculator reported an error", now, actions)
+        sched.dispatch(actions)
+        return actions
+
+    # ------------------------------------------------------------ helpers
+
+    def _live(self, address: Address) -> Worker | None:
+        worker = self._by_addr.get(address)
+        if worker is None or self.scheduler.workers.get(worker.worker_id) is not worker:
+            return None
+        return worker
+
+    def _holding(self, address: Address, ref: int) -> Worker | None:
+        worker = self._live(address)
+        if worker is None or worker.task is None or worker.task.ref != ref:
+            return None
+        return worker
+
+    def _deadline_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
+        assert isinstance(obj, Worker)
+        worker = obj
+        worker.armed = False
+        if self.scheduler.workers.get(worker.worker_id) is not worker:
+            return
+        if worker.deadline > now:
+            worker.armed = True
+            self.scheduler.at(worker.deadline, self._deadline_due, worker)
+            return
+        name = self.names[worker.worker_id]
+        log.warning("calculator %s silent for calculator_timeout; dropping it", name)
+        self.scheduler.lost(worker, now, actions, cause="calculator silent")

@@ -1,0 +1,174 @@
+"""`worker --udp HOST:PORT`: a calculator, a worker that speaks the UDP door's datagrams.
+
+It sends `heartbeat` every `--pulse` seconds (`busy` while it runs a job,
+`ready` otherwise, and one `ready` at once when a job ends), takes
+`perform_task` (acknowledging every copy, running one job at a time), and
+reports with `completed_task`, repeated until the controller acknowledges
+it. A controller that restarts simply hears the next heartbeat. A result
+too large for one datagram is reported as an error. SIGTERM/SIGINT: finish
+the running job and its report (bounded by --drain-timeout), then exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import signal
+import socket
+import time
+from typing import Any
+
+import trio
+
+from controller import datagram as dg
+from worker.runner import Runner, TaskFailed
+
+log = logging.getLogger("worker.calculator")
+
+# completed_task is repeated at doubling intervals from this until acknowledged.
+REPORT_FIRST_REPEAT = 0.1
+REPORT_MAX_REPEAT = 2.0
+
+
+class Calculator:
+    def __init__(
+        self,
+        server: tuple[str, int],
+        runner: Runner,
+        *,
+        pulse_period: float = 1.0,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        infos = socket.getaddrinfo(server[0], server[1], type=socket.SOCK_DGRAM)
+        family, _, _, _, address = infos[0]
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.sock.connect(address)  # only the controller's datagrams come in
+        self.runner = runner
+        self.pulse_period = pulse_period
+        self.drain_timeout = drain_timeout
+        self._txid = itertools.count(int(time.time() * 1000))
+        self._running: int | None = None  # task_id of the job being run
+        self._report: tuple[int, bytes] | None = None  # (txid, datagram) not yet acknowledged
+        self._reported = 0  # task_id of the last report
+        self._report_acked = trio.Event()
+        self._beat_now = trio.Event()
+        self._idle = trio.Event()  # set when a job's report is acknowledged
+        self._draining = False
+        self.jobs_done = 0
+
+    async def run(self) -> int:
+        with self.sock:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeats)
+                nursery.start_soon(self._signals, nursery.cancel_scope)
+                await self._receive(nursery)
+        return 0
+
+    # ------------------------------------------------------------ out
+
+    def _send(self, data: bytes) -> None:
+        with contextlib.suppress(OSError):  # refused while the controller restarts: lost
+            self.sock.send(data)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            status = "busy" if self._running is not None or self._report else "ready"
+            self._send(dg.request("heartbeat", {"status": status}))
+            with trio.move_on_after(self.pulse_period):
+                await self._beat_now.wait()
+            self._beat_now = trio.Event()
+
+    async def _signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self._draining:
+                    scope.cancel()
+                    return
+                log.info("%s: finishing the current job, then leaving", signal.Signals(signum).name)
+                self._draining = True
+                if self._running is not None or self._report is not None:
+                    with trio.move_on_after(self.drain_timeout):
+                        await self._idle.wait()
+                scope.cancel()
+                return
+
+    # ------------------------------------------------------------ in
+
+    async def _receive(self, nursery: trio.Nursery) -> None:
+        while True:
+            await trio.lowlevel.wait_readable(self.sock)
+            while True:
+                try:
+                    data = self.sock.recv(dg.MAX_DATAGRAM)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    continue  # an ICMP error for an earlier send
+                self._datagram(data, nursery)
+
+    def _datagram(self, data: bytes, nursery: trio.Nursery) -> None:
+        try:
+            packet = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(packet, dict):
+            return
+        txid = packet.get("transmission_id")
+        if packet.get("packet_type") == dg.IS_ACK:
+            if self._report is not None and txid == self._report[0]:
+                self._report = None
+                self._report_acked.set()
+                self._idle.set()
+                self._beat_now.set()  # ready at once
+            return
+        if packet.get("method") != "perform_task" or not isinstance(txid, int):
+            return
+        params = packet.get("params")
+        task_id = params.get("task_id") if isinstance(params, dict) else None
+        if not isinstance(task_id, int) or not isinstance(params, dict):
+            return
+        if self._running == task_id or (self._report is not None and self._reported == task_id):
+            self._send(dg.ack(txid))  # a repeat of the job it runs or has just reported
+            return
+        if self._draining or self._running is not None or self._report is not None:
+            # Busy with another job (or leaving): the controller places it elsewhere.
+            self._send(dg.error_ack(txid, "busy", "running another job", dg.MAX_DATAGRAM) or b"")
+            return
+        self._send(dg.ack(txid))
+        payload = dg.read_bytes(params, "payload") or b""
+        self._running = task_id
+        self._idle = trio.Event()
+        nursery.start_soon(self._run, task_id, payload)
+
+    async def _run(self, task_id: int, payload: bytes) -> None:
+        params: dict[str, Any] = {"task_id": task_id}
+        try:
+            result = await self.runner(task_id, payload)
+            params["status"] = "success"
+            dg.put_bytes(params, "result", result)
+        except TaskFailed as exc:
+            params["status"] = "error"
+            params["error"] = str(exc)[-4000:]
+        except Exception as exc:  # a bug in a runner must not kill the calculator
+            log.exception("job %d: runner crashed", task_id)
+            params = {"task_id": task_id, "status": "error", "error": f"worker error: {exc}"}
+        data = dg.request("completed_task", params, next(self._txid))
+        if len(data) > dg.MAX_INLINE_RESULT:
+            error = f"result of {len(data)} bytes encoded is too large for one datagram"
+            params = {"task_id": task_id, "status": "error", "error": error}
+            data = dg.request("completed_task", params, next(self._txid))
+        txid = json.loads(data)["transmission_id"]
+        self._report = (txid, data)
+        self._reported = task_id
+        self._report_acked = trio.Event()
+        self._running = None
+        self.jobs_done += 1
+        interval = REPORT_FIRST_REPEAT
+        while self._report is not None and self._report[0] == txid:
+            self._send(data)
+            with trio.move_on_after(interval):
+                await self._report_acked.wait()
+            interval = min(interval * 2, REPORT_MAX_REPEAT)

@@ -1,0 +1,189 @@
+"""`worker --hub http://HOST:PORT`: a poller, a worker that asks the HTTP job API for work.
+
+Loop: `GET /ping/?worker=NAME&wait=20`; with a job, `PUT state=working` to
+confirm it, run it, repeat that PUT every `--pulse` seconds while it runs (the
+lease), and end with `PUT state=finished` (result) or `state=failed` (error).
+A 409 on the lease means the job was canceled or taken back: the job is
+stopped at once and the poller asks for the next. While the controller is
+unreachable it retries with capped backoff, logging once per outage.
+SIGTERM/SIGINT: finish the running job and report it (bounded by
+--drain-timeout), then exit 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from worker.runner import Runner, SetupError, TaskFailed
+
+log = logging.getLogger("worker.poller")
+
+# How long one /ping/ waits on the server for a job.
+PING_WAIT = 20.0
+# Backoff while the controller cannot be reached.
+RETRY_FIRST = 0.2
+RETRY_MAX = 5.0
+
+
+def read_token(path: str) -> str:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SetupError(f"--token-file {path}: {exc}") from None
+    if not lines:
+        raise SetupError(f"--token-file {path}: it holds no token")
+    return lines[0]
+
+
+class Poller:
+    def __init__(
+        self,
+        hub: str,
+        runner: Runner,
+        *,
+        name: str | None = None,
+        token_file: str | None = None,
+        pulse_period: float = 1.0,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        if not hub.startswith("http://"):
+            raise SetupError(f"--hub must be an http://HOST:PORT URL, got {hub!r}")
+        self.hub = hub.rstrip("/")
+        self.runner = runner
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        headers = {"Authorization": f"Bearer {read_token(token_file)}"} if token_file else {}
+        self._headers = headers
+        self.pulse_period = pulse_period
+        self.drain_timeout = drain_timeout
+        self.jobs_done = 0
+        self._draining = False
+        self._reachable = True
+        self._idle_scope = trio.CancelScope()  # the /ping/ in flight, if any
+
+    async def run(self) -> int:
+        async with (
+            httpx.AsyncClient(
+                base_url=self.hub, headers=self._headers, timeout=PING_WAIT + 30
+            ) as http,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(self._signals, nursery.cancel_scope)
+            await self._loop(http)
+            nursery.cancel_scope.cancel()
+        return 0
+
+    async def _signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self._draining:
+                    scope.cancel()
+                    return
+                log.info("%s: finishing the current job, then leaving", signal.Signals(signum).name)
+                self._draining = True
+                self._idle_scope.cancel()  # an open /ping/ need not wait
+                await trio.sleep(self.drain_timeout)
+                scope.cancel()
+                return
+
+    async def _loop(self, http: httpx.AsyncClient) -> None:
+        delay = RETRY_FIRST
+        while not self._draining:
+            job = None
+            with trio.CancelScope() as self._idle_scope:
+                job = await self._ping(http)
+                if job is None and not self._reachable:
+                    delay = min(delay * 2, RETRY_MAX)
+                    await trio.sleep(delay)
+            if job is not None:
+                delay = RETRY_FIRST
+                await self._work(http, job)
+
+    async def _ping(self, http: httpx.AsyncClient) -> dict[str, Any] | None:
+        try:
+            resp = await http.get("/ping/", params={"worker": self.name, "wait": PING_WAIT})
+        except httpx.HTTPError as exc:
+            self._unreachable(str(exc) or type(exc).__name__)
+            return None
+        self._back()
+        if resp.status_code == 204:
+            return None
+        if resp.status_code != 200:
+            self._unreachable(f"/ping/ answered {resp.status_code}: {resp.text[:200]}")
+            return None
+        job: dict[str, Any] = resp.json()
+        return job
+
+    async def _work(self, http: httpx.AsyncClient, job: dict[str, Any]) -> None:
+        job_id, task_id = job["id"], int(job["task_id"])
+        path = f"/job/{job_id}/"
+        if not await self._put(http, path, {"state": "working"}):
+            return  # taken back before it started
+        payload = (
+            base64.b64decode(job["payload_b64"])
+            if "payload_b64" in job
+            else str(job.get("payload", "")).encode("utf-8")
+        )
+        outcome: dict[str, Any] = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._lease, http, path, nursery.cancel_scope)
+            try:
+                result = await self.runner(task_id, payload)
+                outcome = {"state": "finished"}
+                try:
+                    outcome["result"] = result.decode("utf-8")
+                except UnicodeDecodeError:
+                    outcome["result_b64"] = base64.b64encode(result).decode()
+            except TaskFailed as exc:
+                outcome = {"state": "failed", "error": str(exc)[-4000:]}
+            except Exception as exc:  # a bug in a runner must not kill the poller
+                log.exception("job %s: runner crashed", job_id)
+                outcome = {"state": "failed", "error": f"worker error: {exc}"}
+            nursery.cancel_scope.cancel()
+        if outcome:
+            await self._report(http, path, outcome)
+
+    async def _lease(self, http: httpx.AsyncClient, path: str, job_scope: trio.CancelScope) -> None:
+        while True:
+            await trio.sleep(self.pulse_period)
+            if not await self._put(http, path, {"state": "working"}):
+                log.warning("%s was canceled or taken back: stopping it", path)
+                job_scope.cancel()
+                return
+
+    async def _put(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> bool:
+        """False when the controller says this poller no longer holds the job (409/404)."""
+        body = {**body, "worker": self.name}
+        while True:
+            try:
+                resp = await http.put(path, json=body)
+            except httpx.HTTPError as exc:
+                self._unreachable(str(exc) or type(exc).__name__)
+                await trio.sleep(RETRY_FIRST)
+                continue
+            self._back()
+            if resp.status_code in (404, 409):
+                return False
+            return resp.status_code < 400
+
+    async def _report(self, http: httpx.AsyncClient, path: str, outcome: dict[str, Any]) -> None:
+        if await self._put(http, path, outcome):
+            self.jobs_done += 1
+
+    def _unreachable(self, why: str) -> None:
+        if self._reachable:
+            log.warning("controller at %s unreachable: %s (retrying)", self.hub, why)
+        self._reachable = False
+
+    def _back(self) -> None:
+        if not self._reachable:
+            log.info("controller at %s reachable again", self.hub)
+        self._reachable = True
