@@ -50,6 +50,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 # A connection that sends no request for this long is closed (also the keep-alive idle time).
 IDLE_TIMEOUT = 5.0
+# How much of a body over the limit is read and dropped before the 413 goes out.
+DRAIN_LIMIT = 4 * 1024 * 1024
 
 
 def read_tokens(path: Path) -> frozenset[str]:
@@ -411,15 +413,22 @@ class HttpDoor:
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            raise ApiError(413, f"the body is over {self.max_body} bytes")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         chunks = []
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > self.max_body:
-                raise ApiError(413, f"the body is over {self.max_body} bytes")
+                too_big = True
+            if too_big:
+                # Read (and drop) a bounded amount more, so that the client, still sending,
+                # gets to read its 413; past that the connection is simply closed.
+                if size > self.max_body + DRAIN_LIMIT:
+                    break
+                continue
             chunks.append(chunk)
+        if too_big:
+            raise ApiError(413, f"the body is over {self.max_body} bytes")
         return b"".join(chunks)
 
     def _job_response(self, job: Job, status: int) -> Response:
