@@ -1,0 +1,157 @@
+"""Calculators: the pure worker kind, and their datagrams at the UDP door."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+from controller.calclink import (
+    CalculatorLink,
+    Completed,
+    Heartbeat,
+    PerformAcked,
+    PerformUnacked,
+)
+from controller.core import Core, PerformTask, TaskFinished, TaskState
+from controller.frontdoor import FrontDoor, Send
+from controller.jobs import JobBook
+
+CALC = ("127.0.0.9", 7000)
+TIMEOUT = 5.0
+
+
+def core() -> Core:
+    return Core(calculator_timeout=TIMEOUT, max_retries=1)
+
+
+def performs(actions):
+    return [a for a in actions if isinstance(a, PerformTask)]
+
+
+def finished(actions):
+    return [a for a in actions if isinstance(a, TaskFinished)]
+
+
+def test_ready_heartbeat_registers_and_gets_a_job_which_it_completes_once():
+    c = core()
+    assert c.calculators.heartbeat(CALC, True, 0.0) == []
+    task, actions = c.submit(5, b"in", "j", 0.1)
+    assert performs(actions) == [PerformTask(CALC, task.ref, 5, b"in")]
+    c.calculators.acknowledged(CALC, task.ref, 0.2)
+    assert c.task_state(task.ref) is TaskState.RUNNING and task.attempts == 1
+    [done] = finished(c.calculators.completed(CALC, 5, True, b"out", "", 0.3))
+    assert done.state is TaskState.SUCCESS and done.result == b"out"
+    assert c.calculators.completed(CALC, 5, True, b"out", "", 0.4) == []  # a copy: ignored
+    assert c.calculators.ignored_reports == 1
+    assert c.worker_name(next(iter(c.workers))) == "127.0.0.9:7000"
+
+
+def test_busy_heartbeat_registers_but_gets_no_job():
+    c = core()
+    c.calculators.heartbeat(CALC, False, 0.0)
+    _, actions = c.submit(5, b"", "j", 0.1)
+    assert performs(actions) == [] and len(c.workers) == 1
+
+
+def test_unacknowledged_perform_task_goes_elsewhere_without_an_attempt():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    other = ("127.0.0.9", 7001)
+    task, _ = c.submit(5, b"", "j", 0.0)
+    c.calculators.heartbeat(other, True, 0.1)
+    actions = c.calculators.unacknowledged(CALC, task.ref, 2.0)
+    assert performs(actions) == [PerformTask(other, task.ref, 5, b"")]
+    assert task.attempts == 0
+    # CALC is unavailable until its next ready heartbeat, then usable again.
+    task2, actions = c.submit(6, b"", "j2", 2.1)
+    assert performs(actions) == []
+    assert performs(c.calculators.heartbeat(CALC, True, 2.2)) == [
+        PerformTask(CALC, task2.ref, 6, b"")
+    ]
+
+
+def test_silent_calculator_dies_after_calculator_timeout_with_an_attempt_used():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    task, _ = c.submit(5, b"", "j", 0.0)
+    c.calculators.acknowledged(CALC, task.ref, 0.1)
+    c.calculators.heartbeat(CALC, False, 3.0)  # still alive: due at 8
+    assert c.expire(7.999) == []
+    c.expire(8.0)
+    assert c.task_state(task.ref) is TaskState.QUEUED and task.attempts == 1
+    assert c.counters.worker_losses == {"calculator silent": 1}
+    # A report that comes after it was declared dead is ignored.
+    assert c.calculators.completed(CALC, 5, True, b"late", "", 8.1) == []
+
+
+def test_error_report_fails_the_attempt_with_its_message():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    task, _ = c.submit(5, b"", "j", 0.0)
+    actions = c.calculators.completed(CALC, 5, False, b"", "bad input", 0.1)  # ack was lost
+    assert task.attempts == 1 and task.last_error == "bad input"
+    # Placed again: on the same calculator, the only one there is.
+    assert performs(actions) == [PerformTask(CALC, task.ref, 5, b"")]
+
+
+# ---------------------------------------------------------------- the door
+
+
+def door() -> FrontDoor:
+    link = CalculatorLink([ipaddress.ip_network("127.0.0.9/32")], dial_timeout=2.0, max_result=1000)
+    return FrontDoor(
+        JobBook(), allowed_clients=[ipaddress.ip_network("127.0.0.1/32")], calculators=link
+    )
+
+
+def datagram(method: str, txid: int | None = None, **params) -> bytes:
+    packet = {"method": method, "params": params, "packet_type": 0 if txid is None else 1}
+    if txid is not None:
+        packet["transmission_id"] = txid
+    return json.dumps(packet).encode()
+
+
+def test_heartbeat_from_outside_allowed_calculators_is_dropped_counted_never_answered():
+    fd = door()
+    assert fd.datagram(datagram("heartbeat", status="ready"), ("127.0.0.1", 9), 0.0) == []
+    assert fd.datagram(datagram("completed_task", 1, task_id=1, status="success"), ("10.0.0.1", 9), 0.0) == []  # fmt: skip
+    assert fd.stats.not_allowed == 2
+    # and a calculator's address may not use the client methods
+    assert fd.datagram(datagram("add_task", 2, task_id=1), CALC, 0.0) == []
+    assert fd.stats.not_allowed == 3
+    assert fd.datagram(datagram("heartbeat", status="ready"), CALC, 0.0) == [Heartbeat(CALC, True)]
+
+
+def test_completed_task_acknowledged_every_copy_reported_once():
+    fd = door()
+    data = datagram("completed_task", 77, task_id=5, status="success", result="r")
+    first = fd.datagram(data, CALC, 0.0)
+    assert Completed(CALC, 5, True, b"r", "") in first
+    [ack] = [a for a in first if isinstance(a, Send)]
+    again = fd.datagram(data, CALC, 0.1)
+    assert again == [Send(ack.data, CALC)]  # the same acknowledgement, nothing else
+    bad = fd.datagram(datagram("completed_task", 78, task_id=5, status="maybe", pad="x" * 60), CALC, 0.2)  # fmt: skip
+    assert json.loads(bad[0].data)["error"]["code"] == "bad_status"
+
+
+def test_perform_task_repeated_until_acknowledged_or_dial_timeout():
+    fd = door()
+    send = fd.perform(CALC, 1, 5, b"p", 0.0)
+    packet = json.loads(send.data)
+    assert packet["method"] == "perform_task" and packet["params"] == {"task_id": 5, "payload": "p"}
+    resent = [a for a in fd.expire(0.05) if isinstance(a, Send)]
+    assert [json.loads(s.data) for s in resent] == [packet]
+    ack = json.dumps(
+        {"method": "ack", "packet_type": 2, "transmission_id": packet["transmission_id"]}
+    )
+    assert fd.datagram(ack.encode(), CALC, 0.1) == [PerformAcked(CALC, 1, False)]
+    assert [a for a in fd.expire(10.0) if isinstance(a, (Send, PerformUnacked))] == []
+    # another one, never acknowledged
+    fd.perform(CALC, 2, 6, b"", 20.0)
+    out = []
+    t = 20.0
+    while t <= 22.5:
+        out += fd.expire(t)
+        t += 0.05
+    assert out[-1] == PerformUnacked(CALC, 2)
+    assert sum(isinstance(a, PerformUnacked) for a in out) == 1
