@@ -18,6 +18,7 @@ import logging
 import signal
 import socket
 import time
+from collections import OrderedDict
 from typing import Any
 
 import trio
@@ -27,6 +28,8 @@ from worker.runner import Runner, TaskFailed
 
 log = logging.getLogger("worker.calculator")
 
+# How many recent transmission ids and successful reports the calculator remembers.
+MEMORY = 10_000
 # completed_task is repeated at doubling intervals from this until acknowledged.
 REPORT_FIRST_REPEAT = 0.1
 REPORT_MAX_REPEAT = 2.0
@@ -53,6 +56,10 @@ class Calculator:
         self._running: int | None = None  # task_id of the job being run
         self._report: tuple[int, bytes] | None = None  # (txid, datagram) not yet acknowledged
         self._reported = 0  # task_id of the last report
+        # Recent perform_task transmission ids (copies are acknowledged, not acted on), and
+        # the reports of recent successes (a job asked for again is reported, not rerun).
+        self._seen: OrderedDict[int, bytes] = OrderedDict()
+        self._succeeded: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._report_acked = trio.Event()
         self._beat_now = trio.Event()
         self._idle = trio.Event()  # set when a job's report is acknowledged
@@ -130,18 +137,35 @@ class Calculator:
         task_id = params.get("task_id") if isinstance(params, dict) else None
         if not isinstance(task_id, int) or not isinstance(params, dict):
             return
+        answer = self._seen.get(txid)
+        if answer is not None:
+            self._send(answer)  # a copy (repeated, duplicated or late): the same answer
+            return
         if self._running == task_id or (self._report is not None and self._reported == task_id):
-            self._send(dg.ack(txid))  # a repeat of the job it runs or has just reported
+            self._answer(txid, dg.ack(txid))  # the controller asks again for the job it has
             return
         if self._draining or self._running is not None or self._report is not None:
             # Busy with another job (or leaving): the controller places it elsewhere.
-            self._send(dg.error_ack(txid, "busy", "running another job", dg.MAX_DATAGRAM) or b"")
+            busy = dg.error_ack(txid, "busy", "running another job", dg.MAX_DATAGRAM)
+            self._answer(txid, busy or b"")
             return
-        self._send(dg.ack(txid))
+        self._answer(txid, dg.ack(txid))
+        done = self._succeeded.get(task_id)
+        if done is not None:
+            # It ran this job and the controller lost the report: tell it again, do not rerun.
+            nursery.start_soon(self._report_again, task_id, done)
+            return
         payload = dg.read_bytes(params, "payload") or b""
         self._running = task_id
         self._idle = trio.Event()
         nursery.start_soon(self._run, task_id, payload)
+
+    def _answer(self, txid: int, answer: bytes) -> None:
+        """Answer a perform_task, and every later copy of it the same way."""
+        self._seen[txid] = answer
+        if len(self._seen) > MEMORY:
+            self._seen.popitem(last=False)
+        self._send(answer)
 
     async def _run(self, task_id: int, payload: bytes) -> None:
         params: dict[str, Any] = {"task_id": task_id}
@@ -159,13 +183,26 @@ class Calculator:
         if len(data) > dg.MAX_INLINE_RESULT:
             error = f"result of {len(data)} bytes encoded is too large for one datagram"
             params = {"task_id": task_id, "status": "error", "error": error}
-            data = dg.request("completed_task", params, next(self._txid))
-        txid = json.loads(data)["transmission_id"]
+        elif params["status"] == "success":
+            self._succeeded[task_id] = params
+            if len(self._succeeded) > MEMORY:
+                self._succeeded.popitem(last=False)
+        self.jobs_done += 1
+        await self._send_report(task_id, params)
+
+    async def _report_again(self, task_id: int, params: dict[str, Any]) -> None:
+        self._running = task_id
+        self._idle = trio.Event()
+        await self._send_report(task_id, params)
+
+    async def _send_report(self, task_id: int, params: dict[str, Any]) -> None:
+        """completed_task, repeated until acknowledged."""
+        txid = next(self._txid)
+        data = dg.request("completed_task", params, txid)
         self._report = (txid, data)
         self._reported = task_id
         self._report_acked = trio.Event()
         self._running = None
-        self.jobs_done += 1
         interval = REPORT_FIRST_REPEAT
         while self._report is not None and self._report[0] == txid:
             self._send(data)

@@ -131,6 +131,11 @@ class Job:
                 self._data = self._client._udp_job(self.id, found)
         return str(self._data.get("state", "pending"))
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """The job object as last seen (over http://: every field of the API's job)."""
+        return dict(self._data)
+
     def refresh(self) -> str:
         """Read the job's state anew."""
         self._data = self._client._fetch(self, 0.0)

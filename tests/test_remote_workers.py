@@ -1,0 +1,172 @@
+"""Calculators (worker --udp) and pollers (worker --hub) as real processes on loopback."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import random
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from controller.client import Client
+from tests.helpers import live_controller, lossy_router, reap, wait_for_condition
+
+
+def remote_worker(*args: str, execlog: Path | None = None) -> subprocess.Popen[bytes]:
+    job = ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; cat'] if execlog else []
+    cmd = [sys.executable, "-m", "worker", "--log-level", "WARNING", *args, *job]
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE)
+
+
+def health(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{url}/health/", timeout=5) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def executions(execlog: Path) -> collections.Counter[str]:
+    return (
+        collections.Counter(execlog.read_text().split())
+        if execlog.exists()
+        else collections.Counter()
+    )
+
+
+def test_three_kinds_side_by_side_every_job_once(tmp_path: Path) -> None:
+    execlog = tmp_path / "ran"
+    with live_controller(
+        tmp_path,
+        "--workers",
+        "1",
+        "--",
+        *["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; cat'],
+    ) as ctl:
+        calc = remote_worker(
+            "--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.2", execlog=execlog
+        )
+        poll = remote_worker("--hub", ctl.url, "--name", "p1", "--pulse", "0.5", execlog=execlog)
+        try:
+            wait_for_condition(lambda: health(ctl.url)["workers"] == 3, 20)
+            with Client(ctl.url) as client:
+                jobs = [client.submit(f"job{n}") for n in range(60)]
+                results = [job.result(timeout=60) for job in jobs]
+                listing = json.loads(
+                    urllib.request.urlopen(f"{ctl.url}/job/?limit=1000", timeout=5).read()
+                )
+        finally:
+            reap(calc)
+            reap(poll)
+    assert results == [f"job{n}".encode() for n in range(60)]
+    holders = {job["worker"] for job in listing.values()}
+    assert "p1" in holders and any(h and h.startswith("127.0.0.1:") for h in holders)
+    assert "1" in holders  # the local worker
+    assert all(count == 1 for count in executions(execlog).values())  # no failure: once each
+    assert len(executions(execlog)) == 60
+
+
+def test_calculator_behind_a_lossy_link_runs_every_job_once(tmp_path: Path) -> None:
+    execlog = tmp_path / "ran"
+
+    async def main(ctl: Any) -> list[bytes]:
+        rng = random.Random(20261126)
+        async with trio.open_nursery() as nursery:
+            router = await nursery.start(
+                functools.partial(
+                    lossy_router, rng, ("127.0.0.1", ctl.udp_port), drop=0.3, dup=0.1, reorder=0.2
+                )
+            )
+            calc = remote_worker(
+                "--udp", f"127.0.0.1:{router[1]}", "--pulse", "0.2", execlog=execlog
+            )
+            try:
+                with trio.fail_after(60):
+                    while health(ctl.url)["workers"] < 1:
+                        await trio.sleep(0.05)
+                with Client(ctl.url) as client:
+                    jobs = [client.submit(f"lossy{n}") for n in range(40)]
+                    out = [await trio.to_thread.run_sync(job.result, 90) for job in jobs]
+            finally:
+                reap(calc)
+            nursery.cancel_scope.cancel()
+        return out
+
+    # A calculator 30% of whose datagrams are lost is silent now and then: a generous
+    # calculator_timeout and dial_timeout keep it alive; no job may run twice meanwhile.
+    with live_controller(tmp_path, calculator_timeout=10, dial_timeout=3.0) as ctl:
+        results = trio.run(main, ctl)
+    assert results == [f"lossy{n}".encode() for n in range(40)]
+    counts = executions(execlog)
+    assert len(counts) == 40 and max(counts.values()) == 1
+
+
+def test_killed_calculator_its_job_placed_elsewhere_after_calculator_timeout(
+    tmp_path: Path,
+) -> None:
+    execlog = tmp_path / "ran"
+    slow = ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; sleep 60']
+    with live_controller(tmp_path, calculator_timeout=1.5) as ctl:
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker",
+            "--udp",
+            f"127.0.0.1:{ctl.udp_port}",
+            "--pulse",
+            "0.2",
+            *slow,
+        ]
+        victim = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        wait_for_condition(lambda: health(ctl.url)["workers"] == 1, 20)
+        with Client(ctl.url) as client:
+            job = client.submit("x", id="calc-victim")
+            wait_for_condition(lambda: client.get("calc-victim").state == "working", 20)
+            victim.send_signal(signal.SIGKILL)
+            reap(victim)
+            rescuer = remote_worker(
+                "--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.2", execlog=execlog
+            )
+            try:
+                assert job.result(timeout=30) == b"x"
+            finally:
+                reap(rescuer)
+            assert client.get("calc-victim").info["attempts"] == 2
+
+
+def test_killed_poller_its_job_placed_again_after_lease_timeout(tmp_path: Path) -> None:
+    with live_controller(tmp_path, lease_timeout=1.5) as ctl:
+        victim = remote_worker("--hub", ctl.url, "--name", "victim", "--exec", "sleep", "60")
+        with Client(ctl.url) as client:
+            job = client.submit("y", id="poll-victim")
+            wait_for_condition(lambda: client.get("poll-victim").state == "working", 20)
+            victim.send_signal(signal.SIGKILL)
+            reap(victim)
+            rescuer = remote_worker("--hub", ctl.url, "--name", "rescuer")
+            try:
+                assert job.result(timeout=30) == b"y"
+            finally:
+                reap(rescuer)
+            done = client.get("poll-victim")
+            assert done.info["worker"] == "rescuer" and done.info["attempts"] == 2
+
+
+def test_a_canceled_job_stops_on_its_poller(tmp_path: Path) -> None:
+    with live_controller(tmp_path) as ctl:
+        poller = remote_worker(
+            "--hub", ctl.url, "--name", "p", "--pulse", "0.2", "--exec", "sleep", "60"
+        )
+        try:
+            with Client(ctl.url) as client:
+                client.submit("z", id="stop-me")
+                wait_for_condition(lambda: client.get("stop-me").state == "working", 20)
+                assert client.cancel("stop-me").state == "canceled"
+                # The poller sees 409 at its next lease PUT, stops the job, asks again.
+                client.submit("after", id="next-one")
+                wait_for_condition(lambda: client.get("next-one").state == "working", 20)
+        finally:
+            reap(poller)
