@@ -257,3 +257,27 @@ def test_version_1_journal_is_upgraded_in_place(tmp_path):
     ]
     assert rows[1].payload == b"a" and rows[1].added_at == 100.0
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+
+
+async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
+    """HTTP jobs get wire numbers the controller picks; after a restart they must not repeat
+    a recovered live job's number."""
+    from controller.config import Config
+    from controller.shell.main import assemble
+
+    path = tmp_path / "j.sqlite3"
+    first = Journal.open(path)
+    first.load()
+    _, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), first)
+    job = Job("http-1", 1, desk.pick_task_id(), "http", None, b"")
+    first.job_added(job)
+    commit(first)
+    first.close()
+    again = Journal.open(path)
+    recovered = again.load()
+    shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), again)
+    import trio
+
+    desk.recover(recovered, shell.core, trio.current_time())
+    assert desk.pick_task_id() == job.task_id + 1
+    again.close()

@@ -344,6 +344,8 @@ def test_metrics_scrape_parses(tmp_path, sockdir):
         assert samples[("controller_task_seconds_count", ())] == 5.0
         assert samples[("controller_placement_seconds_count", ())] == 5.0
         assert samples[("controller_queue_depth", ())] == 0.0
+        assert samples[("controller_workers_by_kind", (("kind", "local"),))] == 1.0
+        assert samples[("controller_workers_by_kind", (("kind", "calculator"),))] == 0.0
     finally:
         proc.terminate()
         proc.wait(timeout=15)

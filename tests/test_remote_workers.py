@@ -170,3 +170,64 @@ def test_a_canceled_job_stops_on_its_poller(tmp_path: Path) -> None:
                 wait_for_condition(lambda: client.get("next-one").state == "working", 20)
         finally:
             reap(poller)
+
+
+def test_controller_killed_while_remote_workers_hold_jobs_loses_nothing(tmp_path: Path) -> None:
+    execlog = tmp_path / "ran"
+    slow = ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; sleep 1; cat']
+    with live_controller(tmp_path) as first:
+        url, udp_port = first.url, first.udp_port
+        calc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker",
+                "--udp",
+                f"127.0.0.1:{udp_port}",
+                "--pulse",
+                "0.2",
+                *slow,
+            ],
+            stderr=subprocess.PIPE,
+        )
+        poll = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--hub", url, "--name", "p", "--pulse", "0.2", *slow],
+            stderr=subprocess.PIPE,
+        )
+        try:
+            wait_for_condition(lambda: health(url)["workers"] == 2, 20)
+            with Client(url) as client:
+                ids = [client.submit(f"held{n}", id=f"held-{n}").id for n in range(6)]
+                wait_for_condition(
+                    lambda: sum(client.get(i).state == "working" for i in ids) == 2, 20
+                )
+            first.proc.kill()  # SIGKILL while both remote workers hold a job
+            first.proc.wait()
+            config = tmp_path / "controller.json"
+            from tests.helpers import controller_argv
+
+            second = subprocess.Popen(
+                controller_argv(config, log_level="WARNING"), stderr=subprocess.PIPE
+            )
+            try:
+                wait_for_condition(lambda: _answers(url), 20)
+                with Client(url) as client:
+                    results = [client.get(i).result(timeout=60) for i in ids]
+            finally:
+                reap(second)
+        finally:
+            reap(calc)
+            reap(poll)
+    assert results == [f"held{n}".encode() for n in range(6)]
+    assert (
+        set(executions(execlog)) >= {str(4294967296 + n) for n in range(6)}
+        or len(executions(execlog)) >= 6
+    )
+
+
+def _answers(url: str) -> bool:
+    try:
+        health(url)
+        return True
+    except OSError:
+        return False

@@ -239,6 +239,9 @@ class JobDesk:
         self.book.wall_offset = wall - now
         core.continue_numbering(recovered.first_worker_id, recovered.next_ref)
         counts: dict[str, int] = {}
+        picked = [row.task_id for row in recovered.jobs if row.door != "udp"]
+        if picked:  # numbers the controller picks stay unique among live jobs after a restart
+            self._picked = itertools.count(max(FIRST_PICKED_TASK_ID, max(picked) + 1))
         for row in recovered.jobs:
             counts[row.state] = counts.get(row.state, 0) + 1
             key: object = (row.host, row.port) if row.door == "udp" else None

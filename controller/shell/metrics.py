@@ -32,6 +32,12 @@ class Metrics:
         self.running = Gauge("controller_tasks_running", "Tasks on a worker", registry=r)
         self.workers = Gauge("controller_workers", "Live workers", registry=r)
         self.idle = Gauge("controller_workers_idle", "Idle workers", registry=r)
+        self.by_kind = Gauge(
+            "controller_workers_by_kind",
+            "Live workers of each kind (local, calculator, poller)",
+            ["kind"],
+            registry=r,
+        )
         self.retries = Counter(
             "controller_retries", "Tasks placed again after a failure", registry=r
         )
@@ -70,6 +76,11 @@ class Metrics:
         self.running.set(len(core.tasks) - core.queued)
         self.workers.set(len(core.workers))
         self.idle.set(core.idle_workers)
+        kinds = {"local": 0, "calculator": 0, "poller": 0}
+        for worker in core.workers.values():  # once a second: a scan is fine
+            kinds[worker.kind.label] = kinds.get(worker.kind.label, 0) + 1
+        for kind, count in kinds.items():
+            self.by_kind.labels(kind).set(count)
         self._advance(self.retries, "retries", core.counters.retries)
         for cause, total in core.counters.worker_losses.items():
             self._advance(self.losses.labels(cause), f"loss:{cause}", total)
