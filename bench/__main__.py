@@ -15,6 +15,7 @@ from bench import (
     floor,
     http_bench,
     plots,
+    remote_bench,
     worker_bench,
 )
 
@@ -34,6 +35,7 @@ def main() -> None:
     results["end_to_end"] = e2e_bench.main()
     results["floor"] = floor.main()
     results["http"] = http_bench.main()
+    results["remote"] = remote_bench.main()
     results["journal"] = e2e_bench.journal_main()
     print("end to end against worker count:")
     scaling = e2e_bench.scaling()

@@ -144,7 +144,13 @@ class Calculator:
         if self._running == task_id or (self._report is not None and self._reported == task_id):
             self._answer(txid, dg.ack(txid))  # the controller asks again for the job it has
             return
-        if self._draining or self._running is not None or self._report is not None:
+        if self._report is not None and self._running is None:
+            # The controller places a new job here only once it has our report: this
+            # perform_task is as good as the acknowledgement (which may still be on its way).
+            self._report = None
+            self._report_acked.set()
+            self._idle.set()
+        if self._draining or self._running is not None:
             # Busy with another job (or leaving): the controller places it elsewhere.
             busy = dg.error_ack(txid, "busy", "running another job", dg.MAX_DATAGRAM)
             self._answer(txid, busy or b"")

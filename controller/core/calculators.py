@@ -100,8 +100,9 @@ class Calculators:
         worker = self._holding(address, ref)
         actions: list[Action] = []
         if worker is not None and worker.state is WorkerState.ASSIGNING:
-            log.warning(
-                "calculator %s did not acknowledge perform_task; trying another worker",
+            log.info(
+                "calculator %s did not take its job (no acknowledgement, or busy); "
+                "trying another worker",
                 self.names[worker.worker_id],
             )
             self.scheduler.refused(worker, now, actions)
