@@ -57,6 +57,16 @@ def parse_packet(data: bytes) -> dict[str, Any]:
     return obj
 
 
+def decode(data: bytes) -> dict[str, Any] | None:
+    """A datagram from a controller or a worker we talk to: its object, or None when it is
+    not a JSON object (dropped, like a lost one: the repeats deal with it)."""
+    try:
+        packet = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return packet if isinstance(packet, dict) else None
+
+
 def int_field(value: Any) -> int | None:
     """`value` if it is a JSON integer (not a bool), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from controller.client import Client
@@ -231,3 +232,36 @@ def _answers(url: str) -> bool:
         return True
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("kind", ["calculator", "poller"])
+def test_sigterm_finishes_and_reports_the_running_job_then_exits_0(
+    tmp_path: Path, kind: str
+) -> None:
+    with live_controller(tmp_path) as ctl:
+        where = (
+            ["--udp", f"127.0.0.1:{ctl.udp_port}"] if kind == "calculator" else ["--hub", ctl.url]
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker",
+            *where,
+            "--pulse",
+            "0.2",
+            "--exec",
+            "sh",
+            "-c",
+            "sleep 1; cat",
+        ]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        try:
+            wait_for_condition(lambda: health(ctl.url)["workers"] == 1, 20)
+            with Client(ctl.url) as client:
+                job = client.submit("drained", id="drain-me")
+                wait_for_condition(lambda: client.get("drain-me").state == "working", 20)
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=20) == 0
+                assert job.result(timeout=5) == b"drained"
+        finally:
+            reap(proc)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
-import signal
 import socket
 import time
 from collections import OrderedDict
@@ -24,6 +22,7 @@ from typing import Any
 import trio
 
 from controller import datagram as dg
+from worker.leaving import leave_on_signals
 from worker.runner import Runner, TaskFailed
 
 log = logging.getLogger("worker.calculator")
@@ -89,18 +88,12 @@ class Calculator:
             self._beat_now = trio.Event()
 
     async def _signals(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                if self._draining:
-                    scope.cancel()
-                    return
-                log.info("%s: finishing the current job, then leaving", signal.Signals(signum).name)
-                self._draining = True
-                if self._running is not None or self._report is not None:
-                    with trio.move_on_after(self.drain_timeout):
-                        await self._idle.wait()
-                scope.cancel()
-                return
+        await leave_on_signals(scope, self._drain, self.drain_timeout)
+
+    async def _drain(self) -> None:
+        self._draining = True
+        if self._running is not None or self._report is not None:
+            await self._idle.wait()
 
     # ------------------------------------------------------------ in
 
@@ -117,11 +110,8 @@ class Calculator:
                 self._datagram(data, nursery)
 
     def _datagram(self, data: bytes, nursery: trio.Nursery) -> None:
-        try:
-            packet = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(packet, dict):
+        packet = dg.decode(data)
+        if packet is None:
             return
         txid = packet.get("transmission_id")
         if packet.get("packet_type") == dg.IS_ACK:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import trio
 
+from worker.leaving import leave_on_signals
 from worker.runner import Runner, SetupError, TaskFailed
 
 log = logging.getLogger("worker.poller")
@@ -82,17 +82,12 @@ class Poller:
         return 0
 
     async def _signals(self, scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                if self._draining:
-                    scope.cancel()
-                    return
-                log.info("%s: finishing the current job, then leaving", signal.Signals(signum).name)
-                self._draining = True
-                self._idle_scope.cancel()  # an open /ping/ need not wait
-                await trio.sleep(self.drain_timeout)
-                scope.cancel()
-                return
+        await leave_on_signals(scope, self._drain, self.drain_timeout)
+
+    async def _drain(self) -> None:
+        self._draining = True
+        self._idle_scope.cancel()  # an open /ping/ need not wait
+        await trio.sleep_forever()  # run() ends when the loop has reported the running job
 
     async def _loop(self, http: httpx.AsyncClient) -> None:
         delay = RETRY_FIRST

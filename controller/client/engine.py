@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import socket as stdsocket
 import time
 from collections.abc import Callable, Iterable
@@ -89,11 +88,8 @@ class UdpSession:
             burst += 1
             if burst % RECEIVE_BURST == 0:
                 await trio.lowlevel.checkpoint()  # let the waiting tasks run
-            try:
-                packet = json.loads(data)
-            except ValueError:
-                continue
-            if not isinstance(packet, dict):
+            packet = dg.decode(data)
+            if packet is None:
                 continue
             if packet.get("packet_type") == dg.IS_ACK:
                 waiter = self._acks.get(packet.get("transmission_id"))  # type: ignore[arg-type]

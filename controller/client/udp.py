@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import socket
 import threading
 import time
@@ -142,11 +141,8 @@ class UdpBackend:
                 if self._closed:
                     return
                 continue
-            try:
-                packet = json.loads(data)
-            except ValueError:
-                continue
-            if not isinstance(packet, dict):
+            packet = dg.decode(data)
+            if packet is None:
                 continue
             txid = packet.get("transmission_id")
             if packet.get("packet_type") == dg.IS_ACK and isinstance(txid, int):
