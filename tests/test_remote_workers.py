@@ -265,3 +265,18 @@ def test_sigterm_finishes_and_reports_the_running_job_then_exits_0(
                 assert job.result(timeout=5) == b"drained"
         finally:
             reap(proc)
+
+
+def test_pollers_lease_puts_carry_what_the_job_writes_to_stderr(tmp_path: Path) -> None:
+    with live_controller(tmp_path) as ctl:
+        script = "echo first >&2; sleep 0.6; echo second >&2; sleep 0.6; cat"
+        poller = remote_worker("--hub", ctl.url, "--name", "talker", "--pulse", "0.2",
+                               "--exec", "sh", "-c", script)  # fmt: skip
+        try:
+            with Client(ctl.url) as client:
+                job = client.submit("quiet result", id="talky")
+                assert job.result(timeout=20) == b"quiet result"
+                log = "".join(client.get("talky").info["log"])
+        finally:
+            reap(poller)
+    assert "first" in log and "second" in log

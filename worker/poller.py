@@ -23,12 +23,14 @@ import httpx
 import trio
 
 from worker.leaving import leave_on_signals
-from worker.runner import Runner, SetupError, TaskFailed
+from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
 
 log = logging.getLogger("worker.poller")
 
 # How long one /ping/ waits on the server for a job.
 PING_WAIT = 20.0
+# Most text of stderr one lease PUT carries (the rest of a burst is dropped, the end kept).
+MAX_LOG = 64 * 1024
 # Backoff while the controller cannot be reached.
 RETRY_FIRST = 0.2
 RETRY_MAX = 5.0
@@ -128,8 +130,10 @@ class Poller:
             else str(job.get("payload", "")).encode("utf-8")
         )
         outcome: dict[str, Any] = {}
+        stderr: list[bytes] = []
+        STDERR_LINES.set(stderr)  # this task's context: the runner appends what it writes
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._lease, http, path, nursery.cancel_scope)
+            nursery.start_soon(self._lease, http, path, stderr, nursery.cancel_scope)
             try:
                 result = await self.runner(task_id, payload)
                 outcome = {"state": "finished"}
@@ -146,10 +150,21 @@ class Poller:
         if outcome:
             await self._report(http, path, outcome)
 
-    async def _lease(self, http: httpx.AsyncClient, path: str, job_scope: trio.CancelScope) -> None:
+    async def _lease(
+        self,
+        http: httpx.AsyncClient,
+        path: str,
+        stderr: list[bytes],
+        job_scope: trio.CancelScope,
+    ) -> None:
+        """Renew the lease every pulse, carrying what the job wrote to stderr since the last."""
         while True:
             await trio.sleep(self.pulse_period)
-            if not await self._put(http, path, {"state": "working"}):
+            body: dict[str, Any] = {"state": "working"}
+            if stderr:
+                body["log"] = b"".join(stderr).decode("utf-8", "replace")[-MAX_LOG:]
+                stderr.clear()
+            if not await self._put(http, path, body):
                 log.warning("%s was canceled or taken back: stopping it", path)
                 job_scope.cancel()
                 return

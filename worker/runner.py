@@ -9,6 +9,7 @@ killed together with its whole process group.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import inspect
 import os
@@ -103,6 +104,13 @@ def handler_runner(func: Callable[[bytes], Any], max_output: int) -> Runner:
     return run
 
 
+# A list that a caller who wants the command's stderr as it comes (the poller, for its lease
+# PUTs) sets for the task that runs the job; chunks are appended as they arrive.
+STDERR_LINES: contextvars.ContextVar[list[bytes] | None] = contextvars.ContextVar(
+    "STDERR_LINES", default=None
+)
+
+
 def exec_runner(argv: list[str], max_output: int) -> Runner:
     """One process per task: payload on stdin, TASK_ID in the environment, stdout is the result."""
     if not argv:
@@ -153,10 +161,14 @@ async def run_command(argv: list[str], task_id: int, payload: bytes, max_output:
                 _kill_group(proc.pid)
                 return
 
+    lines = STDERR_LINES.get()
+
     async def collect_stderr() -> None:
         assert proc.stderr is not None
         while chunk := await proc.stderr.receive_some(READ_CHUNK):
             stderr.extend(chunk)
+            if lines is not None:
+                lines.append(bytes(chunk))
             if len(stderr) > 2 * STDERR_TAIL:
                 del stderr[:-STDERR_TAIL]
 
