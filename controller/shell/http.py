@@ -11,13 +11,9 @@ a thousand of them cost no CPU while they wait.
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -33,102 +29,21 @@ from starlette.routing import Route
 from controller import httpapi
 from controller.config import Config
 from controller.core import HandOut
-from controller.frontdoor import address_allowed
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
+from controller.shell.http_access import Gate, error_response, json_response, read_tokens
 from controller.shell.openapi import OPENAPI
 from controller.shell.statuspage import render_status_page
 
 log = logging.getLogger("controller.http")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 # A connection that sends no request for this long is closed (also the keep-alive idle time).
 IDLE_TIMEOUT = 5.0
 # How much of a body over the limit is read and dropped before the 413 goes out.
 DRAIN_LIMIT = 4 * 1024 * 1024
-
-
-def read_tokens(path: Path) -> frozenset[str]:
-    """One bearer token a line (blank lines and #-comments ignored); StartupError if unusable."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise StartupError(f"http_token_file {path}: {reason}") from None
-    tokens = frozenset(
-        line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")
-    )
-    if not tokens:
-        raise StartupError(f"http_token_file {path}: no token in it (one a line)")
-    return tokens
-
-
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(httpapi.dumps(body), status_code=status, media_type="application/json")
-
-
-def error_response(status: int, message: str) -> Response:
-    return json_response({"code": status, "message": message}, status)
-
-
-class Gate:
-    """ASGI middleware: `allowed_clients` on every path (403), then bearer tokens on every
-    path but /health/ (401)."""
-
-    def __init__(
-        self,
-        app: Callable[[Scope, Receive, Send], Awaitable[None]],
-        networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
-        tokens: frozenset[str] | None,
-    ) -> None:
-        self.app = app
-        self.networks = tuple(networks)
-        self.tokens = tokens
-        self.refused = 0
-        self._allowed: dict[str, bool] = {}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        client = scope.get("client")
-        host = client[0] if client else ""
-        allowed = self._allowed.get(host)
-        if allowed is None:
-            allowed = address_allowed(host, self.networks)
-            if len(self._allowed) > 10_000:
-                self._allowed.clear()
-            self._allowed[host] = allowed
-        if not allowed:
-            self.refused += 1
-            refusal = error_response(403, "this address is not in allowed_clients")
-            await refusal(scope, receive, send)
-            return
-        needs_token = self.tokens is not None and scope["path"].rstrip("/") != "/health"
-        if needs_token and not self._token_ok(scope):
-            self.refused += 1
-            refusal = error_response(401, "a valid 'Authorization: Bearer <token>' is needed")
-            refusal.headers["WWW-Authenticate"] = "Bearer"
-            await refusal(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _token_ok(self, scope: Scope) -> bool:
-        assert self.tokens is not None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer":
-                    return False
-                token = token.strip()
-                return any(hmac.compare_digest(token, known) for known in self.tokens)
-        return False
 
 
 @dataclass(eq=False)
