@@ -155,3 +155,12 @@ def test_perform_task_repeated_until_acknowledged_or_dial_timeout():
         t += 0.05
     assert out[-1] == PerformUnacked(CALC, 2)
     assert sum(isinstance(a, PerformUnacked) for a in out) == 1
+
+
+def test_a_calculator_reports_a_job_it_held_before_a_restart_and_keeps_it():
+    c = core()
+    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0)
+    c.calculators.heartbeat(CALC, False, 0.5)  # busy: still running it
+    [done] = finished(c.calculators.completed(CALC, 9, True, b"kept", "", 1.0))
+    assert done.state is TaskState.SUCCESS and done.result == b"kept"
+    assert c.expire(10.0) == []  # nothing left to place again after the grace

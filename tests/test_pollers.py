@@ -100,3 +100,14 @@ def test_gave_up_removes_an_idle_poller_only():
     assert c.workers == {}
     with pytest.raises(AssertionError):
         c.pollers.working("p1", 1, 21.0)  # holds() must be checked first
+
+
+def test_a_poller_keeps_a_job_it_held_before_a_restart():
+    c = core()
+    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0)
+    assert c.pollers.adopt("p1", 9, 0.5)
+    assert c.pollers.holds("p1", 1)
+    c.pollers.working("p1", 1, 0.6)
+    [done] = finished(c.pollers.finished("p1", 1, b"kept", 1.0))
+    assert done.result == b"kept"
+    assert not c.pollers.adopt("p2", 42, 1.1) and c.workers == {}  # nothing to adopt

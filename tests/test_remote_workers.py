@@ -208,7 +208,7 @@ def test_controller_killed_while_remote_workers_hold_jobs_loses_nothing(tmp_path
             from tests.helpers import controller_argv
 
             second = subprocess.Popen(
-                controller_argv(config, log_level="WARNING"), stderr=subprocess.PIPE
+                controller_argv(config, log_level="WARNING"), stderr=subprocess.DEVNULL
             )
             try:
                 wait_for_condition(lambda: _answers(url), 20)
@@ -220,10 +220,11 @@ def test_controller_killed_while_remote_workers_hold_jobs_loses_nothing(tmp_path
             reap(calc)
             reap(poll)
     assert results == [f"held{n}".encode() for n in range(6)]
-    assert (
-        set(executions(execlog)) >= {str(4294967296 + n) for n in range(6)}
-        or len(executions(execlog)) >= 6
-    )
+    counts = executions(execlog)
+    assert len(counts) == 6  # every job ran
+    # The two held at the kill are claimed back by the workers that hold them (no second run),
+    # unless their reports miss the 3 s recovery grace on a slow machine.
+    assert sum(counts.values()) <= 6 + 2, counts
 
 
 def _answers(url: str) -> bool:

@@ -25,6 +25,7 @@ from controller.core.model import (
     WorkerEvent,
     WorkerState,
 )
+from controller.core.recovery import Recovery
 from controller.core.scheduler import Scheduler
 
 log = logging.getLogger("controller.core")
@@ -40,8 +41,9 @@ class Calculators:
 
     label = "calculator"
 
-    def __init__(self, scheduler: Scheduler, timeout: float) -> None:
+    def __init__(self, scheduler: Scheduler, recovery: Recovery, timeout: float) -> None:
         self.scheduler = scheduler
+        self.recovery = recovery
         self.timeout = timeout
         self._ids: dict[Address, int] = {}
         self._next_id = itertools.count(FIRST_CALCULATOR_ID)
@@ -115,11 +117,20 @@ class Calculators:
         """Its `completed_task`; ignored (and counted) unless it holds that job."""
         worker = self._live(address)
         task = worker.task if worker is not None else None
+        actions: list[Action] = []
+        held_before_restart = (
+            worker is not None
+            and task is None
+            and worker.state is not WorkerState.ASSIGNING
+            and self.recovery.claim(worker, task_id, now, actions)
+        )
+        if held_before_restart:  # a job it held before the controller restarted: its to report
+            assert worker is not None
+            task = worker.task
         if worker is None or task is None or task.task_id != task_id:
             self.ignored_reports += 1
             return []
         sched = self.scheduler
-        actions: list[Action] = []
         if worker.state is WorkerState.ASSIGNING:  # the acknowledgement was lost
             sched.accepted(worker, now, actions)
         worker.advance(WorkerEvent.FETCH)

@@ -45,8 +45,8 @@ class Core:
         )
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
-        self.pollers = Pollers(self.scheduler, claim_timeout, lease_timeout)
-        self.calculators = Calculators(self.scheduler, calculator_timeout)
+        self.pollers = Pollers(self.scheduler, self.recovery, claim_timeout, lease_timeout)
+        self.calculators = Calculators(self.scheduler, self.recovery, calculator_timeout)
         # The shells' hot paths call these directly: no dispatch on the event's type,
         # no extra frame (`handle` does the same for any event).
         self.pulse = self.local.pulse

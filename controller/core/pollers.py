@@ -17,6 +17,7 @@ import itertools
 import logging
 
 from controller.core.model import Action, HandOut, Task, Worker, WorkerEvent, WorkerState
+from controller.core.recovery import Recovery
 from controller.core.scheduler import Scheduler
 
 log = logging.getLogger("controller.core")
@@ -30,8 +31,11 @@ class Pollers:
 
     label = "poller"
 
-    def __init__(self, scheduler: Scheduler, claim_timeout: float, lease_timeout: float) -> None:
+    def __init__(
+        self, scheduler: Scheduler, recovery: Recovery, claim_timeout: float, lease_timeout: float
+    ) -> None:
         self.scheduler = scheduler
+        self.recovery = recovery
         self.claim_timeout = claim_timeout
         self.lease_timeout = lease_timeout
         self._ids: dict[str, int] = {}
@@ -57,6 +61,27 @@ class Pollers:
         sched = self.scheduler
         if self._live(name) is not None:
             return []
+        worker = self._new(name, now)
+        sched.ready(worker)
+        actions: list[Action] = []
+        sched.dispatch(actions)
+        return actions
+
+    def adopt(self, name: str, task_id: int, now: float) -> bool:
+        """Poller `name` reports on a job it held before the controller restarted: it keeps
+        it (no second run) if that job is waiting to be claimed."""
+        if self._live(name) is not None:
+            return False
+        worker = self._new(name, now)
+        actions: list[Action] = []
+        if self.recovery.claim(worker, task_id, now, actions):
+            worker.deadline = now + self.lease_timeout
+            self.scheduler.at(worker.deadline, self._deadline_due, worker)
+            return True
+        self.scheduler.lost(worker, now, actions, cause="shutdown")
+        return False
+
+    def _new(self, name: str, now: float) -> Worker:
         wid = self._ids.get(name)
         if wid is None:
             wid = self._ids[name] = next(self._next_id)
@@ -64,11 +89,8 @@ class Pollers:
         worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
         worker.last_pulse = now
         self._by_name[name] = worker
-        sched.add_worker(worker)
-        sched.ready(worker)
-        actions: list[Action] = []
-        sched.dispatch(actions)
-        return actions
+        self.scheduler.add_worker(worker)
+        return worker
 
     def gave_up(self, name: str, now: float) -> list[Action]:
         """Its /ping/ ended without a job (the wait ran out, or the client left)."""

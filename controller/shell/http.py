@@ -259,12 +259,14 @@ class HttpDoor:
         elif update.state is not None:
             # working / finished / failed come from the poller that holds the job.
             name = update.worker
+            now = trio.current_time()
+            if name and job.task is not None and not self.pollers.holds(name, job.ref):
+                self.pollers.adopt(name, job.task_id, now)  # held before a restart?
             if not name or not self.pollers.holds(name, job.ref):
                 who = f" ({name})" if name else ""
                 raise ApiError(
                     409, f"no poller{who} holds this job: it cannot be set {update.state.value}"
                 )
-            now = trio.current_time()
             if update.state is JobState.WORKING:
                 actions = self.pollers.working(name, job.ref, now)
             elif update.state is JobState.FINISHED:
