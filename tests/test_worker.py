@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import trio
@@ -303,3 +305,28 @@ async def test_exit_with_parent_drains_when_the_parent_is_killed(sockdir, nurser
     finally:
         parent.kill()
         parent.wait()
+
+
+async def test_cancelled_exec_job_kills_its_whole_process_group(tmp_path):
+    """RESTART, task_timeout and a drain past its deadline cancel the job: the command and
+    anything it started are killed and reaped, not left behind."""
+    pids = tmp_path / "pids"
+    script = f"sleep 30 & echo $$ $! > {pids}; wait"
+    with trio.move_on_after(10) as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_command, ["sh", "-c", script], 1, b"", MiB)
+            while not pids.exists() or not pids.read_text().strip():
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert not scope.cancelled_caught  # the job ended when cancelled, not at the guard
+    shell_pid, sleep_pid = (int(p) for p in pids.read_text().split())
+    with pytest.raises(ProcessLookupError):
+        os.kill(shell_pid, 0)  # killed and reaped by the worker
+    # The orphaned sleep is killed with the group; init reaps it (a zombie until then).
+    stat = Path(f"/proc/{sleep_pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+async def test_exec_job_feeds_a_large_payload_and_reads_a_large_result():
+    data = bytes(range(256)) * 20_000  # 5 MB both ways: more than any pipe buffer
+    assert await run_command(["cat"], 1, data, 16 * MiB) == data

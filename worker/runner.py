@@ -15,11 +15,12 @@ import inspect
 import os
 import shutil
 import signal
-import subprocess
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+
+from worker.spawn import spawn_and_wait
 
 Runner = Callable[[int, bytes], Awaitable[bytes]]
 
@@ -118,83 +119,46 @@ def exec_runner(argv: list[str], max_output: int) -> Runner:
     if shutil.which(argv[0]) is None:
         raise SetupError(f"--exec: command not found or not executable: {argv[0]}")
 
+    program = shutil.which(argv[0]) or argv[0]  # looked up once, not per job
+
     async def run(task_id: int, payload: bytes) -> bytes:
-        return await run_command(argv, task_id, payload, max_output)
+        return await run_command(argv, task_id, payload, max_output, program)
 
     return run
 
 
-async def run_command(argv: list[str], task_id: int, payload: bytes, max_output: int) -> bytes:
+async def run_command(
+    argv: list[str], task_id: int, payload: bytes, max_output: int, program: str | None = None
+) -> bytes:
+    """Run one `--exec` job (`program`: argv[0]'s path, looked up here when not given)."""
     env = dict(os.environ, TASK_ID=str(task_id))
+    if program is None:
+        program = shutil.which(argv[0]) or argv[0]
+    lines = STDERR_LINES.get()
     try:
-        proc = await trio.lowlevel.open_process(
+        done = await spawn_and_wait(
+            program,
             argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # its own process group, so RESTART can kill it all
+            env,
+            payload,
+            max_output=max_output,
+            stderr_keep=STDERR_TAIL,
+            read_chunk=READ_CHUNK,
+            on_stderr=lines.append if lines is not None else None,
         )
     except OSError as exc:
-        raise TaskFailed(f"cannot run {argv[0]}: {exc.strerror}") from None
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    stdout = bytearray()
-    stderr = bytearray()
-    too_big = False
-
-    async def feed() -> None:
-        assert proc.stdin is not None
-        try:
-            await proc.stdin.send_all(payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the command did not read all its input: its business
-        finally:
-            await proc.stdin.aclose()
-
-    async def collect_stdout() -> None:
-        nonlocal too_big
-        assert proc.stdout is not None
-        while chunk := await proc.stdout.receive_some(READ_CHUNK):
-            stdout.extend(chunk)
-            if len(stdout) > max_output:
-                too_big = True
-                _kill_group(proc.pid)
-                return
-
-    lines = STDERR_LINES.get()
-
-    async def collect_stderr() -> None:
-        assert proc.stderr is not None
-        while chunk := await proc.stderr.receive_some(READ_CHUNK):
-            stderr.extend(chunk)
-            if lines is not None:
-                lines.append(bytes(chunk))
-            if len(stderr) > 2 * STDERR_TAIL:
-                del stderr[:-STDERR_TAIL]
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(feed)
-            nursery.start_soon(collect_stdout)
-            nursery.start_soon(collect_stderr)
-        code = await proc.wait()
-    finally:
-        if proc.returncode is None:
-            _kill_group(proc.pid)
-            with trio.CancelScope(shield=True):
-                await proc.wait()
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            await pipe.aclose()
-    if too_big:
+        raise TaskFailed(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    if done.too_big:
         raise TaskFailed(f"output exceeded max_extra_size ({max_output} bytes); command killed")
+    code = done.code
     if code != 0:
         if code < 0:
             how = f"killed by {signal.Signals(-code).name}"
         else:
             how = f"exited with status {code}"
-        tail = bytes(stderr[-STDERR_TAIL:]).decode("utf-8", "replace").strip()
+        tail = bytes(done.stderr[-STDERR_TAIL:]).decode("utf-8", "replace").strip()
         raise TaskFailed(f"{argv[0]} {how}" + (f": {tail}" if tail else ""))
-    return bytes(stdout)
+    return bytes(done.stdout)
 
 
 def _kill_group(pid: int) -> None:
