@@ -97,7 +97,7 @@ class CalculatorLink:
             raise BadPacket("bad_task_id", "params.task_id must be an integer >= 1")
         status = params.get("status")
         if status == "success":
-            output = dg.bytes_param(params, "result", self.max_result)
+            output = dg.bytes_param(params, "result", self.max_result) or b""
             return [Completed(address, task_id, True, output, "")]
         if status == "error":
             error = params.get("error", "")

@@ -106,11 +106,14 @@ def error_ack(txid: int, code: str, message: str, limit: int) -> bytes | None:
     return None
 
 
-def bytes_param(params: dict[str, Any], name: str, limit: int) -> bytes:
-    """`params[name]` (text) or `params[name + "_b64"]` (base64) as bytes; b"" when neither.
+def bytes_param(
+    params: dict[str, Any], name: str, limit: int, where: str = "params."
+) -> bytes | None:
+    """`params[name]` (text) or `params[name + "_b64"]` (base64) as bytes; None when neither.
+    The one reader of such fields, for the UDP door, calculators and the HTTP door.
 
     BadPacket(`bad_<name>` or `<name>_too_large`) for wrong types, bad base64,
-    both given, or more than `limit` bytes.
+    both given, or more than `limit` bytes (`where` prefixes field names in messages).
     """
     text = params.get(name)
     b64 = params.get(f"{name}_b64")
@@ -118,19 +121,22 @@ def bytes_param(params: dict[str, Any], name: str, limit: int) -> bytes:
         raise BadPacket(f"bad_{name}", f"give {name} or {name}_b64, not both")
     if text is not None:
         if not isinstance(text, str):
-            raise BadPacket(f"bad_{name}", f"params.{name} must be text")
-        data = text.encode("utf-8")
+            raise BadPacket(f"bad_{name}", f"{where}{name} must be text")
+        # surrogatepass: a lone surrogate is legal in JSON text; it becomes bytes, not a crash.
+        data = text.encode("utf-8", "surrogatepass")
     elif b64 is not None:
         if not isinstance(b64, str):
-            raise BadPacket(f"bad_{name}", f"params.{name}_b64 must be base64 text")
+            raise BadPacket(f"bad_{name}", f"{where}{name}_b64 must be base64 text")
         try:
             data = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
-            raise BadPacket(f"bad_{name}", f"params.{name}_b64 is not valid base64") from None
+            raise BadPacket(f"bad_{name}", f"{where}{name}_b64 is not valid base64") from None
     else:
-        data = b""
+        return None
     if len(data) > limit:
-        raise BadPacket(f"{name}_too_large", f"{name} of {len(data)} bytes over {limit}")
+        raise BadPacket(
+            f"{name}_too_large", f"{name} of {len(data)} bytes is over max_extra_size {limit}"
+        )
     return data
 
 

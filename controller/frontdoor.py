@@ -221,7 +221,7 @@ class FrontDoor:
 
     def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[DoorAction]:
         task_id = self._task_id(params)
-        payload = dg.bytes_param(params, "payload", self.max_payload)
+        payload = dg.bytes_param(params, "payload", self.max_payload) or b""
         job_id = udp_job_id(addr[0], addr[1], task_id)
         job = self.book.get(job_id)
         if job is not None:

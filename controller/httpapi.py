@@ -9,8 +9,6 @@ status and the message of the error object `{"code": status, "message": ...}`.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import uuid
 from collections.abc import Callable
@@ -18,6 +16,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from controller import datagram as dg
+from controller.datagram import BadPacket
 from controller.jobs import Job, JobState
 
 # ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
@@ -108,27 +108,11 @@ def _text(data: dict[str, Any], name: str, limit: int = MAX_TEXT) -> str | None:
 
 
 def _bytes(data: dict[str, Any], name: str, max_size: int) -> bytes | None:
-    text = data.get(name)
-    b64 = data.get(f"{name}_b64")
-    if text is not None and b64 is not None:
-        raise ApiError(400, f"give {name} or {name}_b64, not both")
-    if text is not None:
-        if not isinstance(text, str):
-            raise ApiError(400, f"{name} must be text (or use {name}_b64 for bytes)")
-        # surrogatepass: a lone surrogate (legal in JSON text) stays bytes, not an error.
-        value = text.encode("utf-8", "surrogatepass")
-    elif b64 is not None:
-        if not isinstance(b64, str):
-            raise ApiError(400, f"{name}_b64 must be base64 text")
-        try:
-            value = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, f"{name}_b64 is not valid base64") from None
-    else:
-        return None
-    if len(value) > max_size:
-        raise ApiError(413, f"{name} of {len(value)} bytes is over max_extra_size {max_size}")
-    return value
+    """`name` or `name_b64` (the datagram format's reader), with the API's statuses."""
+    try:
+        return dg.bytes_param(data, name, max_size, where="")
+    except BadPacket as exc:
+        raise ApiError(413 if exc.code.endswith("_too_large") else 400, exc.message) from None
 
 
 def parse_new_job(body: bytes, max_payload: int) -> NewJob:
@@ -215,13 +199,6 @@ def dumps(body: Any) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode("ascii")
 
 
-def _put_bytes(out: dict[str, Any], name: str, data: bytes) -> None:
-    try:
-        out[name] = data.decode("utf-8")
-    except UnicodeDecodeError:
-        out[f"{name}_b64"] = base64.b64encode(data).decode()
-
-
 def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) -> dict[str, Any]:
     """The job object of the API (`wall_offset` turns the trio clock into wall-clock time;
     `name_of` names a worker by its number: a poller's name, a calculator's host:port)."""
@@ -246,7 +223,7 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
     }
     if state is JobState.DELETED:
         return out
-    _put_bytes(out, "payload", job.payload)
+    dg.put_bytes(out, "payload", job.payload)
     if state is JobState.FINISHED:
-        _put_bytes(out, "result", job.result)
+        dg.put_bytes(out, "result", job.result)
     return out

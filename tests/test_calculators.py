@@ -164,3 +164,11 @@ def test_a_calculator_reports_a_job_it_held_before_a_restart_and_keeps_it():
     [done] = finished(c.calculators.completed(CALC, 9, True, b"kept", "", 1.0))
     assert done.state is TaskState.SUCCESS and done.result == b"kept"
     assert c.expire(10.0) == []  # nothing left to place again after the grace
+
+
+def test_garbage_from_a_calculator_is_dropped_and_counted():
+    fd = door()
+    for data in (b"\x00\xffgarbage", b"[1, 2]", b'{"method": "heartbeat", "packet_type": 0}'):
+        assert fd.datagram(data, CALC, 0.0) == []
+    assert fd.stats.unparseable == 2 and fd.stats.refused == 1  # the last: no status
+    assert fd.datagram(datagram("heartbeat", status="ready"), CALC, 0.1) == [Heartbeat(CALC, True)]

@@ -415,3 +415,11 @@ def test_error_ack_always_carries_code_and_message_shortened_to_fit():
         assert ack["error"]["code"] == "unknown_method"
         assert len(json.dumps(ack, separators=(",", ":"))) <= len(data)
         fd = door()[0]  # a fresh door: the same transmission id would get the same answer
+
+
+def test_lone_surrogate_in_a_text_payload_is_taken_as_bytes_not_a_crash():
+    fd, sched = door()
+    data = b'{"method":"add_task","packet_type":1,"transmission_id":1,"params":{"task_id":5,"payload":"\\ud800x"}}'
+    [(ack, _)] = sent(fd.datagram(data, CLIENT, 0.0))
+    assert "error" not in ack
+    assert sched.submitted == [(5, "\ud800x".encode("utf-8", "surrogatepass"), CLIENT)]

@@ -12,7 +12,6 @@ SIGTERM/SIGINT: finish the running job and report it (bounded by
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import socket
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 import trio
 
+from controller import datagram as dg
 from worker.leaving import leave_on_signals
 from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
 
@@ -124,11 +124,7 @@ class Poller:
         path = f"/job/{job_id}/"
         if not await self._put(http, path, {"state": "working"}):
             return  # taken back before it started
-        payload = (
-            base64.b64decode(job["payload_b64"])
-            if "payload_b64" in job
-            else str(job.get("payload", "")).encode("utf-8")
-        )
+        payload = dg.read_bytes(job, "payload") or b""
         outcome: dict[str, Any] = {}
         stderr: list[bytes] = []
         STDERR_LINES.set(stderr)  # this task's context: the runner appends what it writes
@@ -137,10 +133,7 @@ class Poller:
             try:
                 result = await self.runner(task_id, payload)
                 outcome = {"state": "finished"}
-                try:
-                    outcome["result"] = result.decode("utf-8")
-                except UnicodeDecodeError:
-                    outcome["result_b64"] = base64.b64encode(result).decode()
+                dg.put_bytes(outcome, "result", result)
             except TaskFailed as exc:
                 outcome = {"state": "failed", "error": str(exc)[-4000:]}
             except Exception as exc:  # a bug in a runner must not kill the poller

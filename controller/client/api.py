@@ -15,7 +15,6 @@ why; a canceled or deleted job too) or the builtin `TimeoutError`.
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -23,6 +22,7 @@ from urllib.parse import quote, urlsplit
 import anyio
 import httpx
 
+from controller import datagram as dg
 from controller.client.udp import UdpBackend, UdpError
 
 FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
@@ -67,10 +67,7 @@ def _payload(payload: bytes | str) -> bytes:
 
 def _body(payload: bytes, name: str | None, job_id: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {}
-    try:
-        body["payload"] = payload.decode("utf-8")
-    except UnicodeDecodeError:
-        body["payload_b64"] = base64.b64encode(payload).decode()
+    dg.put_bytes(body, "payload", payload)
     if name is not None:
         body["name"] = name
     if job_id is not None:
@@ -82,9 +79,7 @@ def _outcome(data: dict[str, Any]) -> bytes:
     """The result of an ended job object, or JobFailed."""
     state = data.get("state", "")
     if state == "finished":
-        if "result_b64" in data:
-            return base64.b64decode(data["result_b64"])
-        return str(data.get("result", "")).encode("utf-8")
+        return dg.read_bytes(data, "result") or b""
     raise JobFailed(str(data.get("id")), str(state), str(data.get("error", "")))
 
 
