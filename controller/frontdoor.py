@@ -111,7 +111,7 @@ class FrontDoor:
         # Calculators' traffic (heartbeat, completed_task, acks of perform_task); None: no
         # calculator is listened to.
         self.calculators = calculators
-        self._allowed_cache: dict[str, bool] = {}
+        self._client_cache: dict[str, bool] = {}
         self._calculator_cache: dict[str, bool] = {}
         self._last_log = -LOG_INTERVAL
         self._dropped_since_log = 0
@@ -122,9 +122,11 @@ class FrontDoor:
         """Handle one datagram from `addr`."""
         self.stats.received += 1
         host = addr[0]
-        client = self._is_allowed(host)
+        client = cached_allowed(host, self.allowed_clients, self._client_cache)
         link = self.calculators
-        calculator = link is not None and self._is_calculator(host)
+        calculator = link is not None and cached_allowed(
+            host, link.networks, self._calculator_cache
+        )
         if not client and not calculator:
             self.stats.not_allowed += 1
             self._note_drop(now, f"packet from {host} outside allowed_clients")
@@ -332,25 +334,6 @@ class FrontDoor:
 
     # ------------------------------------------------------------ helpers
 
-    def _is_allowed(self, host: str) -> bool:
-        allowed = self._allowed_cache.get(host)
-        if allowed is None:
-            allowed = address_allowed(host, self.allowed_clients)
-            if len(self._allowed_cache) > 10_000:
-                self._allowed_cache.clear()
-            self._allowed_cache[host] = allowed
-        return allowed
-
-    def _is_calculator(self, host: str) -> bool:
-        assert self.calculators is not None
-        allowed = self._calculator_cache.get(host)
-        if allowed is None:
-            allowed = address_allowed(host, self.calculators.networks)
-            if len(self._calculator_cache) > 10_000:
-                self._calculator_cache.clear()
-            self._calculator_cache[host] = allowed
-        return allowed
-
     def _note_drop(self, now: float, what: str) -> None:
         self._dropped_since_log += 1
         if now - self._last_log >= LOG_INTERVAL:
@@ -359,6 +342,21 @@ class FrontDoor:
             log.warning("%s%s", what, more)
             self._last_log = now
             self._dropped_since_log = 0
+
+
+def cached_allowed(
+    host: str,
+    networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
+    cache: dict[str, bool],
+) -> bool:
+    """`address_allowed`, remembered per host (a flood of sources cannot grow it unbounded)."""
+    allowed = cache.get(host)
+    if allowed is None:
+        allowed = address_allowed(host, networks)
+        if len(cache) > 10_000:
+            cache.clear()
+        cache[host] = allowed
+    return allowed
 
 
 def address_allowed(

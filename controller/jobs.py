@@ -228,7 +228,3 @@ class JobBook:
             self._by_ref.pop(job.ref, None)
             gone.append(job)
         return gone
-
-    def wall(self, now: float) -> float:
-        """A trio-clock time as wall-clock seconds."""
-        return now + self.wall_offset

@@ -275,9 +275,9 @@ async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
     first.close()
     again = Journal.open(path)
     recovered = again.load()
-    shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), again)
+    _, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), again)
     import trio
 
-    desk.recover(recovered, shell.core, trio.current_time())
+    desk.recover(recovered, trio.current_time())
     assert desk.pick_task_id() == job.task_id + 1
     again.close()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import trio
 
-from controller.client import Client
+from controller.client import Client, JobFailed
 from tests.helpers import live_controller, lossy_router, reap, wait_for_condition
 
 
@@ -281,3 +281,18 @@ def test_pollers_lease_puts_carry_what_the_job_writes_to_stderr(tmp_path: Path) 
         finally:
             reap(poller)
     assert "first" in log and "second" in log
+
+
+def test_a_result_too_large_for_a_datagram_is_reported_as_an_error(tmp_path: Path) -> None:
+    with live_controller(tmp_path, max_retries=0) as ctl:
+        big = ["--exec", "sh", "-c", "head -c 70000 /dev/zero"]  # 70 kB: over 60,000 encoded
+        calc = remote_worker("--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.2", *big)
+        try:
+            wait_for_condition(lambda: health(ctl.url)["workers"] == 1, 20)
+            with Client(ctl.url) as client:
+                job = client.submit("x")
+                with pytest.raises(JobFailed) as info:
+                    job.result(timeout=20)
+        finally:
+            reap(calc)
+    assert "too large for one datagram" in info.value.error

@@ -63,7 +63,6 @@ class Calculator:
         self._beat_now = trio.Event()
         self._idle = trio.Event()  # set when a job's report is acknowledged
         self._draining = False
-        self.jobs_done = 0
 
     async def run(self) -> int:
         with self.sock:
@@ -175,26 +174,33 @@ class Calculator:
         except Exception as exc:  # a bug in a runner must not kill the calculator
             log.exception("job %d: runner crashed", task_id)
             params = {"task_id": task_id, "status": "error", "error": f"worker error: {exc}"}
-        data = dg.request("completed_task", params, next(self._txid))
-        if len(data) > dg.MAX_INLINE_RESULT:
-            error = f"result of {len(data)} bytes encoded is too large for one datagram"
-            params = {"task_id": task_id, "status": "error", "error": error}
-        elif params["status"] == "success":
+        params, txid, data = self._completion(task_id, params)
+        if params["status"] == "success":
             self._succeeded[task_id] = params
             if len(self._succeeded) > MEMORY:
                 self._succeeded.popitem(last=False)
-        self.jobs_done += 1
-        await self._send_report(task_id, params)
+        await self._send_report(task_id, txid, data)
 
     async def _report_again(self, task_id: int, params: dict[str, Any]) -> None:
         self._running = task_id
         self._idle = trio.Event()
-        await self._send_report(task_id, params)
+        _, txid, data = self._completion(task_id, params)
+        await self._send_report(task_id, txid, data)
 
-    async def _send_report(self, task_id: int, params: dict[str, Any]) -> None:
-        """completed_task, repeated until acknowledged."""
+    def _completion(
+        self, task_id: int, params: dict[str, Any]
+    ) -> tuple[dict[str, Any], int, bytes]:
+        """The completed_task datagram (an error report when the result cannot fit one)."""
         txid = next(self._txid)
         data = dg.request("completed_task", params, txid)
+        if len(data) > dg.MAX_INLINE_RESULT:
+            error = f"result of {len(data)} bytes encoded is too large for one datagram"
+            params = {"task_id": task_id, "status": "error", "error": error}
+            data = dg.request("completed_task", params, txid)
+        return params, txid, data
+
+    async def _send_report(self, task_id: int, txid: int, data: bytes) -> None:
+        """completed_task, repeated until acknowledged."""
         self._report = (txid, data)
         self._reported = task_id
         self._report_acked = trio.Event()

@@ -66,7 +66,6 @@ class Poller:
         self._headers = headers
         self.pulse_period = pulse_period
         self.drain_timeout = drain_timeout
-        self.jobs_done = 0
         self._draining = False
         self._reachable = True
         self._idle_scope = trio.CancelScope()  # the /ping/ in flight, if any
@@ -141,7 +140,7 @@ class Poller:
                 outcome = {"state": "failed", "error": f"worker error: {exc}"}
             nursery.cancel_scope.cancel()
         if outcome:
-            await self._report(http, path, outcome)
+            await self._put(http, path, outcome)  # the report; a 409 means it was taken back
 
     async def _lease(
         self,
@@ -176,10 +175,6 @@ class Poller:
             if resp.status_code in (404, 409):
                 return False
             return resp.status_code < 400
-
-    async def _report(self, http: httpx.AsyncClient, path: str, outcome: dict[str, Any]) -> None:
-        if await self._put(http, path, outcome):
-            self.jobs_done += 1
 
     def _unreachable(self, why: str) -> None:
         if self._reachable:

@@ -206,7 +206,7 @@ class Scheduler:
         if task is None:
             return False
         if task.state is TaskState.QUEUED:
-            self._queued -= 1  # its deque entry is skipped lazily
+            self.unqueue(task)
         worker = self.workers.get(task.worker_id) if task.worker_id else None
         task.advance(TaskEvent.CANCEL)
         task.worker_id = 0

@@ -57,7 +57,9 @@ class Door(Protocol):
 
 
 class Scheduling(Protocol):
-    """What the desk needs of the scheduler's shell."""
+    """What the desk needs of the scheduler's shell (controller/shell/core_shell.py)."""
+
+    core: Core
 
     def queue(self, task_id: int, payload: bytes, owner: object) -> tuple[Task, list[Any]]: ...
 
@@ -78,8 +80,6 @@ class JobDesk:
         self.write_ahead = WriteAhead(journal)
         self.on_finished = on_finished
         self.doors: dict[str, Door] = {}
-        self.execute: Callable[[list[Any]], None] = lambda actions: None  # the core shell's
-        self.core: Core | None = None  # the scheduler's face (cancel, calculators)
         self._picked = itertools.count(FIRST_PICKED_TASK_ID)
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
 
@@ -110,7 +110,7 @@ class JobDesk:
             elif isinstance(action, Delivered):
                 self.delivered(action.job_id, now)
             else:
-                self.execute(self._calculator(action, now))
+                self.scheduling.execute(self._calculator(action, now))
         if sends:
             self.write_ahead.after_commit(door.transmit, sends)
 
@@ -122,8 +122,7 @@ class JobDesk:
         self, action: Heartbeat | Completed | PerformAcked | PerformUnacked, now: float
     ) -> list[Any]:
         """What a calculator said, for the calculator worker kind."""
-        assert self.core is not None
-        kind = self.core.calculators
+        kind = self.scheduling.core.calculators
         if isinstance(action, Heartbeat):
             return kind.heartbeat(action.address, action.ready, now)
         if isinstance(action, Completed):
@@ -172,9 +171,8 @@ class JobDesk:
         if job.state.final:
             return False
         actions: list[Any] = []
-        assert self.core is not None
-        if self.core.scheduler.cancel(job.ref, now, actions):
-            self.execute(actions)  # its TaskFinished comes back through `finished`
+        if self.scheduling.core.scheduler.cancel(job.ref, now, actions):
+            self.scheduling.execute(actions)  # its TaskFinished comes back through `finished`
         return True
 
     def delete(self, job: Job, now: float) -> None:
@@ -231,11 +229,12 @@ class JobDesk:
 
     # ------------------------------------------------------------ recovery
 
-    def recover(self, recovered: Recovered, core: Any, now: float) -> None:
+    def recover(self, recovered: Recovered, now: float) -> None:
         """Put the journal's jobs back: pending ones in the queue, working ones up for
         adoption by their re-registering worker, ended ones in the book (with outcomes
         not yet delivered told again)."""
         wall = time.time()
+        core = self.scheduling.core
         self.book.wall_offset = wall - now
         core.continue_numbering(recovered.first_worker_id, recovered.next_ref)
         counts: dict[str, int] = {}

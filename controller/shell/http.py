@@ -62,6 +62,7 @@ class HttpDoor:
         self.config = config
         self.desk = desk
         self.core = core = shell.core
+        self.execute = shell.execute
         shell.on_hand_out = self.hand_out
         self.book = desk.book
         self.max_payload = config.max_extra_size
@@ -149,7 +150,7 @@ class HttpDoor:
         waiter = self._pings.pop(action.name, None)
         job = self.book.by_ref(action.ref)
         if waiter is None or job is None:
-            self.desk.execute(self.pollers.undeliverable(action.name, now))
+            self.execute(self.pollers.undeliverable(action.name, now))
             return
         waiter.job = job
         waiter.event.set()
@@ -273,7 +274,7 @@ class HttpDoor:
                 actions = self.pollers.finished(name, job.ref, update.result or b"", now)
             else:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
-            self.desk.execute(actions)
+            self.execute(actions)
         if update.log is not None:
             job.log.append(update.log)
             job.updated_at = trio.current_time()
@@ -296,7 +297,7 @@ class HttpDoor:
         if earlier is not None:
             earlier.event.set()  # one request per poller: the older one answers 204
         self._pings[worker] = waiter
-        self.desk.execute(self.pollers.ping(worker, trio.current_time()))
+        self.execute(self.pollers.ping(worker, trio.current_time()))
         try:
             if waiter.job is None:
                 with trio.move_on_after(wait):
@@ -305,7 +306,7 @@ class HttpDoor:
             if self._pings.get(worker) is waiter:
                 del self._pings[worker]
                 if waiter.job is None:  # nothing came: the poller is idle no more
-                    self.desk.execute(self.pollers.gave_up(worker, trio.current_time()))
+                    self.execute(self.pollers.gave_up(worker, trio.current_time()))
         if waiter.job is None:
             return Response(status_code=204)
         return self._job_response(waiter.job, 200)

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.responses import Response
 
 from controller import httpapi
-from controller.frontdoor import address_allowed
+from controller.frontdoor import cached_allowed
 from controller.shell.core_shell import StartupError
 
 Scope = MutableMapping[str, Any]
@@ -67,12 +67,7 @@ class Gate:
             return
         client = scope.get("client")
         host = client[0] if client else ""
-        allowed = self._allowed.get(host)
-        if allowed is None:
-            allowed = address_allowed(host, self.networks)
-            if len(self._allowed) > 10_000:
-                self._allowed.clear()
-            self._allowed[host] = allowed
+        allowed = cached_allowed(host, self.networks, self._allowed)
         if not allowed:
             self.refused += 1
             refusal = error_response(403, "this address is not in allowed_clients")

@@ -117,8 +117,6 @@ def assemble(
     desk = JobDesk(book, shell, journal)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
-    desk.execute = shell.execute
-    desk.core = shell.core
     if journal is not None:  # the one use of progress besides the metrics
         shell.on_progress = desk.progress
     return shell, desk, UdpDoor(config, shell, desk)
@@ -180,7 +178,7 @@ async def run_controller(
                 await nursery.start(committer.run)
             await nursery.start(desk.run)
             if recovered is not None:
-                desk.recover(recovered, shell.core, trio.current_time())
+                desk.recover(recovered, trio.current_time())
             await nursery.start(shell.serve)
             await nursery.start(door.serve)
             if web is not None:

@@ -87,6 +87,8 @@ def render_status_page(
 <span>failed_post {counters.failed_post}</span><span>canceled {counters.canceled}</span>
 <span>retries {counters.retries}</span><span>restarts sent {counters.restarts_sent}</span>
 <span>HTTP requests {http_counters.get("requests", 0)}</span>
+<span>HTTP jobs added {http_counters.get("jobs_added", 0)}</span>
+<span>HTTP errors {http_counters.get("errors", 0)}</span>
 <span>HTTP refused {refused}</span></p>
 <h2>Workers</h2>
 <table><tr><th>id</th><th>kind</th><th>state</th><th>job</th><th>last pulse</th>
