@@ -111,3 +111,27 @@ def test_controller_bad_busy_poll_exit_2(value):
     proc = run("-m", "controller", "--busy-poll", value)
     assert proc.returncode == 2
     assert "--busy-poll" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--hub", "ftp://ctl:8080"], "--hub must be an http://HOST:PORT URL"),
+        (["--hub", "http://127.0.0.1:9", "--token-file", "/no/such/token"], "/no/such/token"),
+        (["--udp", "nohostport"], "expected HOST:PORT"),
+        (["--udp", "h:99999"], "expected HOST:PORT"),
+        (["--udp", "h:1", "--hub", "http://h:2"], "not allowed with argument"),
+        (["--socket-dir", "/tmp", "--udp", "h:1"], "not allowed with argument"),
+    ],
+)
+def test_remote_worker_bad_flags_are_one_line_and_exit_2(args, said):
+    proc = run("-m", "worker", *args)
+    assert proc.returncode == 2
+    assert said in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_empty_token_file_is_refused(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("\n")
+    proc = run("-m", "worker", "--hub", "http://127.0.0.1:9", "--token-file", str(token))
+    assert proc.returncode == 2 and "holds no token" in proc.stderr

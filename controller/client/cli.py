@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import signal
 import socket as stdsocket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,15 @@ def _answers(family: int, address: tuple[str, int]) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def session(args: argparse.Namespace) -> Iterator[UdpSession]:
+    """A UDP session with --server (resolved once) on a socket of its own, closed at the end."""
+    family, server = resolve(args.server)
+    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
+        sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
+        yield UdpSession(sock, server, args.timeout)
+
+
 def local_address(family: int, server: tuple[str, int], port: int) -> tuple[str, int]:
     """The address the controller sees us at (a UDP job's id is built from it)."""
     with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as probe:
@@ -204,11 +215,8 @@ def _payload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_add(args: argparse.Namespace, ids: list[int], payload: dict[str, Any]) -> int:
-    family, server = resolve(args.server)
-    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
-        sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
-        host, port = local_address(family, server, sock.getsockname()[1])
-        client = UdpSession(sock, server, args.timeout)
+    with session(args) as client:
+        host, port = local_address(client.sock.family, client.server, client.sock.getsockname()[1])
         outcomes: list[Outcome] = []
         progress = Progress(len(ids)) if len(ids) > 1 and not args.json else None
         started = time.monotonic()
@@ -272,10 +280,7 @@ async def run_add(args: argparse.Namespace, ids: list[int], payload: dict[str, A
 
 
 async def run_status(args: argparse.Namespace) -> int:
-    family, server = resolve(args.server)
-    with stdsocket.socket(family, stdsocket.SOCK_DGRAM) as sock:
-        sock.bind(("::" if family == stdsocket.AF_INET6 else "0.0.0.0", 0))
-        client = UdpSession(sock, server, args.timeout)
+    with session(args) as client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.receive)
             ack = await client.request("status", {}, trio.current_time() + args.timeout)
