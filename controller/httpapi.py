@@ -76,6 +76,11 @@ def max_body(max_payload: int) -> int:
     return max_payload * 4 // 3 + BODY_OVERHEAD
 
 
+def valid_id(job_id: str) -> bool:
+    """A job id a submitter may give: 1 to 200 of the characters of ID_PATTERN."""
+    return 0 < len(job_id) <= MAX_ID_LENGTH and set(job_id) <= _ID_CHARS
+
+
 def new_job_id() -> str:
     """A new job id: a UUID4 in upper case."""
     return str(uuid.uuid4()).upper()
@@ -119,7 +124,7 @@ def parse_new_job(body: bytes, max_payload: int) -> NewJob:
     """The body of `POST /job/` (every field optional)."""
     data = _object(body, NEW_JOB_FIELDS)
     job_id = _text(data, "id", MAX_ID_LENGTH)
-    if job_id is not None and (not job_id or not set(job_id) <= _ID_CHARS):
+    if job_id is not None and not valid_id(job_id):
         raise ApiError(400, "id must be 1 to 200 of the characters A-Z a-z 0-9 and . _ : ~ @ + = -")
     return NewJob(
         id=job_id,

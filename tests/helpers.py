@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -333,3 +334,63 @@ def live_controller(tmp: Path, *args: str, **settings: Any) -> Iterator[LiveCont
         reap(proc)
         text = log.read_text(errors="replace")
         assert "Traceback" not in text, text[-5000:]
+
+
+# ---------------------------------------------------------------- a real redis-server
+
+REDIS_SERVER = shutil.which("redis-server") or (
+    "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
+)
+
+
+@dataclass
+class RedisServer:
+    """A redis-server of its own (temp dir, free port), started and stopped by pid."""
+
+    directory: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        if not self.port:
+            self.port = free_tcp_port()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--dir", str(self.directory), "--save", "", "--appendonly", "yes"]
+        argv += ["--logfile", str(self.directory / "redis.log")]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_condition(lambda: self.ping() or self.proc is None or self.proc.poll() is not None)
+        assert self.ping(), (self.directory / "redis.log").read_text(errors="replace")[-2000:]
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop it (SIGTERM, or SIGKILL with `kill`); its append-only file stays for a start."""
+        if self.proc is not None:
+            if not kill:
+                self.proc.terminate()  # a clean shutdown writes the append-only file out
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=10)
+            reap(self.proc)
+            self.proc = None
+
+
+@contextlib.contextmanager
+def redis_server(tmp: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -5,24 +5,30 @@
         job = client.submit(b"input", name="demo")
         print(job.result(timeout=30))
 
-`url` is `http://HOST:PORT` (the HTTP job API) or `udp://HOST:PORT` (the UDP
+`url` is `http://HOST:PORT` (the HTTP job API), `udp://HOST:PORT` (the UDP
 front door; the client picks each job's task_id, and `id`, `get` and `cancel`
-are not available there). `job.state` uses the job states of the HTTP API
-(pending, requested, working, finished, failed, canceled, deleted) for both.
+are not available there) or `redis://HOST:PORT/DB` (the Redis stream `jobs`,
+or `?stream=NAME`, that controllers consume; see controller/client/stream.py).
+`job.state` uses the job states of the HTTP API (pending, requested, working,
+finished, failed, canceled, deleted) for all three.
 `job.result()` returns the result bytes, raises `JobFailed` (its `error` says
 why; a canceled or deleted job too) or the builtin `TimeoutError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import anyio
 import httpx
+import redis
 
 from controller import datagram as dg
+from controller.client.stream import RedisBackend
 from controller.client.udp import UdpBackend, UdpError
 
 FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
@@ -97,9 +103,22 @@ def _check(resp: httpx.Response) -> dict[str, Any]:
 
 def _split(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
+    if parts.scheme == "redis" and parts.hostname:
+        return parts.scheme, parts.hostname, parts.port or 6379
     if parts.scheme not in ("http", "udp") or not parts.hostname or not parts.port:
-        raise ValueError(f"expected http://HOST:PORT or udp://HOST:PORT, got {url!r}")
+        raise ValueError(
+            f"expected http://HOST:PORT, udp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}"
+        )
     return parts.scheme, parts.hostname, parts.port
+
+
+@contextlib.contextmanager
+def _redis_errors() -> Iterator[None]:
+    """Redis failures as ControllerError("redis", why)."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        raise ControllerError("redis", str(exc) or type(exc).__name__) from None
 
 
 def _remaining(deadline: float | None) -> float:
@@ -120,10 +139,13 @@ class Job:
 
     @property
     def state(self) -> str:
-        if self._client.scheme == "udp" and self._data.get("state") not in FINAL:
-            found = self._client._udp().peek(self._task_id)
-            if found is not None:
-                self._data = self._client._udp_job(self.id, found)
+        if self._data.get("state") not in FINAL:
+            if self._client.scheme == "udp":
+                found = self._client._udp().peek(self._task_id)
+                if found is not None:
+                    self._data = self._client._udp_job(self.id, found)
+            elif self._client.scheme == "redis":
+                self._data = self._client._fetch(self, 0.0)
         return str(self._data.get("state", "pending"))
 
     @property
@@ -156,11 +178,14 @@ class Client:
         self.timeout = timeout
         self._http: httpx.Client | None = None
         self._udp_backend: UdpBackend | None = None
+        self._redis: RedisBackend | None = None
         if self.scheme == "http":
             headers = {"Authorization": f"Bearer {token}"} if token else {}
             self._http = httpx.Client(
                 base_url=f"http://{host}:{port}", headers=headers, timeout=MAX_WAIT + timeout
             )
+        elif self.scheme == "redis":
+            self._redis = RedisBackend(url, timeout)
         else:
             self._udp_backend = UdpBackend(host, port)
 
@@ -175,6 +200,8 @@ class Client:
             self._http.close()
         if self._udp_backend is not None:
             self._udp_backend.close()
+        if self._redis is not None:
+            self._redis.close()
 
     def submit(
         self, payload: bytes | str = b"", *, name: str | None = None, id: str | None = None
@@ -183,6 +210,10 @@ class Client:
         if self._http is not None:
             resp = self._http.post("/job/", json=_body(data, name, id))
             return Job(self, _check(resp))
+        if self._redis is not None:
+            with _redis_errors():
+                job_id = self._redis.submit(data, name, id)
+            return Job(self, {"id": job_id, "state": "pending"})
         if id is not None:
             raise ValueError("udp:// picks each job's task_id itself: id is not accepted")
         udp = self._udp()
@@ -195,9 +226,19 @@ class Client:
         return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
 
     def get(self, id: str) -> Job:
+        if self._redis is not None:
+            with _redis_errors():
+                data = self._redis.read(id)
+            if data is None:
+                raise KeyError(f"no job {id!r}")
+            return Job(self, data)
         return Job(self, _check(self._need_http().get(f"/job/{quote(id, safe='')}/")))
 
     def cancel(self, id: str) -> Job:
+        if self._redis is not None:
+            with _redis_errors():
+                self._redis.cancel(id)
+            return self.get(id)
         resp = self._need_http().put(f"/job/{quote(id, safe='')}/", json={"state": "canceled"})
         if resp.status_code == 409:  # it ended already: its final state is the answer
             return self.get(id)
@@ -207,7 +248,9 @@ class Client:
 
     def _need_http(self) -> httpx.Client:
         if self._http is None:
-            raise ValueError("get and cancel need http:// (the UDP door has no such request)")
+            raise ValueError(
+                "get and cancel need http:// or redis:// (the UDP door has no such request)"
+            )
         return self._http
 
     def _udp(self) -> UdpBackend:
@@ -219,6 +262,13 @@ class Client:
         return {"id": job_id, "state": state, "error": params.get("error", ""), "udp": params}
 
     def _fetch(self, job: Job, wait: float) -> dict[str, Any]:
+        if self._redis is not None:
+            with _redis_errors():
+                if wait <= 0:
+                    data = self._redis.read(job.id)
+                else:
+                    data = self._redis.wait(job.id, time.monotonic() + wait)
+            return data if data is not None else {"id": job.id, "state": "pending"}
         if self._http is not None:
             params = {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else {}
             return _check(self._http.get(f"/job/{quote(job.id, safe='')}/", params=params))
@@ -232,6 +282,8 @@ class Client:
         return self._udp_job(job.id, params_out)
 
     def _result(self, job: Job, data: dict[str, Any]) -> bytes:
+        if self._redis is not None and data.get("state") == "finished":
+            return bytes(data.get("result", b""))
         if self._http is not None or data.get("state") != "finished":
             return _outcome(data)
         deadline = time.monotonic() + self.timeout
@@ -247,13 +299,15 @@ class AsyncJob:
     def __init__(self, client: AsyncClient, data: dict[str, Any], sync: Job | None = None) -> None:
         self._client = client
         self._data = data
-        self._sync = sync  # udp:// jobs run on the blocking backend, in a thread
+        self._sync = sync  # udp:// and redis:// jobs run on the blocking backend, in a thread
         self.id: str = str(data["id"])
 
     @property
     def state(self) -> str:
         if self._sync is not None:
-            return self._sync.state
+            if self._client.scheme == "udp":  # udp:// reads what its receiver has seen
+                return self._sync.state
+            return str(self._sync._data.get("state", "pending"))
         return str(self._data.get("state", "pending"))
 
     async def refresh(self) -> str:
@@ -317,9 +371,15 @@ class AsyncClient:
         return AsyncJob(self, _check(resp))
 
     async def get(self, id: str) -> AsyncJob:
+        if self._sync is not None and self.scheme == "redis":
+            job = await anyio.to_thread.run_sync(self._sync.get, id)
+            return AsyncJob(self, {"id": job.id}, job)
         return AsyncJob(self, await self._get_json(id, 0.0))
 
     async def cancel(self, id: str) -> AsyncJob:
+        if self._sync is not None and self.scheme == "redis":
+            job = await anyio.to_thread.run_sync(self._sync.cancel, id)
+            return AsyncJob(self, {"id": job.id}, job)
         http = self._need_http()
         resp = await http.put(f"/job/{quote(id, safe='')}/", json={"state": "canceled"})
         if resp.status_code == 409:
@@ -328,7 +388,9 @@ class AsyncClient:
 
     def _need_http(self) -> httpx.AsyncClient:
         if self._http is None:
-            raise ValueError("get and cancel need http:// (the UDP door has no such request)")
+            raise ValueError(
+                "get and cancel need http:// or redis:// (the UDP door has no such request)"
+            )
         return self._http
 
     async def _get_json(self, job_id: str, wait: float) -> dict[str, Any]:

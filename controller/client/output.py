@@ -117,4 +117,19 @@ def format_status(report: dict[str, Any]) -> str:
     door = report.get("front_door")
     if door:
         lines.append("front door: " + ", ".join(f"{k} {v}" for k, v in door.items()))
+    redis = report.get("redis")
+    if redis:
+        link = "connected" if redis.get("connected") else f"UNREACHABLE ({redis.get('last_error')})"
+
+        def shown(key: str) -> str:
+            value = redis.get(key)
+            return "?" if value is None else str(value)
+
+        lines.append(
+            f"redis stream {redis.get('stream')} (group {redis.get('group')}, consumer "
+            f"{redis.get('consumer')}): {link}; lag {shown('lag')}, pending {shown('pending')}, "
+            f"held here {redis.get('held')}, read {redis.get('read')}, "
+            f"claimed {redis.get('claimed')}, skipped {redis.get('skipped')}, "
+            f"written {redis.get('written')}"
+        )
     return "\n".join(lines)

@@ -132,6 +132,9 @@ class CoreShell:
         # Where a job for a poller goes (the HTTP door answers its waiting /ping/).
         self.on_hand_out: Callable[[HandOut], None] | None = None
         self.on_progress = on_progress
+        # Told after every batch of actions: a door that reads only what it can start soon
+        # (Redis) looks whether there is room now.
+        self.on_room: Callable[[], None] | None = None
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
         self.reactor = Reactor(busy_poll=busy_poll)
@@ -218,6 +221,8 @@ class CoreShell:
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
         self._timer.poke()
+        if self.on_room is not None:
+            self.on_room()
 
     # ------------------------------------------------------------ main.sock
 

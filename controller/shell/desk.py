@@ -53,6 +53,8 @@ class Door(Protocol):
 
     def forget(self, job: Job) -> None: ...
 
+    def job_progress(self, job: Job, action: TaskProgress) -> None: ...
+
     def transmit(self, sends: Sequence[Send]) -> None: ...
 
 
@@ -141,11 +143,14 @@ class JobDesk:
         task_id: int,
         payload: bytes,
         now: float,
+        *,
+        journal_first: bool = False,
         **details: str,
     ) -> Job:
         """Record a new job and queue it; `details`: name, info_url, download_url. The job is
         in the book and staged for the journal before the scheduler's actions run (one of
-        them may hand it out at once)."""
+        them may hand it out at once); with `journal_first` they wait until it is on disk
+        (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
         task, actions = self.scheduling.queue(task_id, payload, job_id)
         job = Job(job_id, task.ref, task_id, door, key, payload, added_at=now, updated_at=now)
         for name, value in details.items():
@@ -154,7 +159,10 @@ class JobDesk:
         self.book.add(job)
         if self.journal is not None:
             self.journal.job_added(job)
-        self.scheduling.execute(actions)
+        if journal_first:
+            self.write_ahead.after_commit(self.scheduling.execute, actions)
+        else:
+            self.scheduling.execute(actions)
         return job
 
     def delivered(self, job_id: str, now: float) -> None:
@@ -190,6 +198,11 @@ class JobDesk:
 
     def progress(self, action: TaskProgress) -> None:
         """A job started running, or went back to the queue after running."""
+        job = self.book.by_ref(action.ref)
+        if job is not None and job.door != "udp":
+            door = self.doors.get(job.door)
+            if door is not None:
+                door.job_progress(job, action)
         if self.journal is not None:
             state = "working" if action.state is TaskState.RUNNING else "pending"
             self.journal.job_progress(action.ref, state, action.attempts, action.failed_on)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,7 @@ class HttpDoor:
         self.max_body = httpapi.max_body(config.max_extra_size)
         self.started_at = 0.0
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
+        self.redis_status: Callable[[], dict[str, Any]] | None = None  # the Redis door's
         self._ended: dict[str, trio.Event] = {}
         self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
@@ -316,7 +318,10 @@ class HttpDoor:
 
     async def status_page(self, request: Request) -> Response:
         now = trio.current_time()
-        html = render_status_page(self.core, self.book, now, self.counters, self.gate.refused)
+        redis = self.redis_status() if self.redis_status is not None else None
+        html = render_status_page(
+            self.core, self.book, now, self.counters, self.gate.refused, redis
+        )
         # errors="replace": a name a client sent may hold a lone surrogate.
         return HTMLResponse(html.encode("utf-8", "replace"))
 

@@ -23,6 +23,7 @@ from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http import HttpDoor
 from controller.shell.metrics import Metrics
+from controller.shell.redis_door import RedisDoor
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
@@ -117,8 +118,7 @@ def assemble(
     desk = JobDesk(book, shell, journal)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
-    if journal is not None:  # the one use of progress besides the metrics
-        shell.on_progress = desk.progress
+    shell.on_progress = desk.progress
     return shell, desk, UdpDoor(config, shell, desk)
 
 
@@ -151,11 +151,7 @@ async def run_controller(
     committer = None
     if journal is not None:
         committer = Committer(journal, on_committed=desk.write_ahead.release)
-    if config.redis is not None:
-        raise StartupError(
-            "redis: the Redis stream door is not available in this version; "
-            "remove the key (or set it to null) to start"
-        )
+    stream = RedisDoor(config, desk, shell) if config.redis is not None else None
     notifier = Notifier()
     await shell.bind()
     door.bind()
@@ -163,6 +159,12 @@ async def run_controller(
     if config.http_address is not None:
         web = HttpDoor(config, desk, shell)
         web.bind()
+    if stream is not None:
+        door.reports["redis"] = stream.status
+        if web is not None:
+            web.redis_status = stream.status
+        if metrics is not None:
+            metrics.redis_status = stream.status
     http = None
     if metrics is not None and config.metrics_address is not None:
         try:
@@ -183,6 +185,8 @@ async def run_controller(
             await nursery.start(door.serve)
             if web is not None:
                 await nursery.start(web.serve)
+            if stream is not None:
+                await nursery.start(stream.run)
             if metrics is not None:
                 nursery.start_soon(metrics.run, shell.core)
             notifier.notify("READY=1")

@@ -7,6 +7,7 @@ thread that prometheus_client runs only ever reads its own thread-safe metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -56,6 +57,21 @@ class Metrics:
             buckets=BUCKETS,
             registry=r,
         )
+        self.redis_up = Gauge(
+            "controller_redis_up", "1 while the Redis stream door reaches Redis", registry=r
+        )
+        self.redis_lag = Gauge(
+            "controller_redis_lag",
+            "Entries of the Redis stream not yet read by any controller of the group",
+            registry=r,
+        )
+        self.redis_pending = Gauge(
+            "controller_redis_pending",
+            "Entries of the Redis stream read by the group, not yet acknowledged",
+            registry=r,
+        )
+        # The Redis door's status(), when there is one.
+        self.redis_status: Callable[[], dict[str, Any]] | None = None
         self._seen: dict[str, float] = {}
 
     def serve(self, address: ClientAddress) -> Any:
@@ -84,6 +100,13 @@ class Metrics:
         self._advance(self.retries, "retries", core.counters.retries)
         for cause, total in core.counters.worker_losses.items():
             self._advance(self.losses.labels(cause), f"loss:{cause}", total)
+        if self.redis_status is not None:
+            redis = self.redis_status()
+            self.redis_up.set(1 if redis["connected"] else 0)
+            if redis["lag"] is not None:
+                self.redis_lag.set(redis["lag"])
+            if redis["pending"] is not None:
+                self.redis_pending.set(redis["pending"])
 
     def _advance(self, counter: Any, key: str, total: float) -> None:
         delta = total - self._seen.get(key, 0)

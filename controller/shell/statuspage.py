@@ -38,8 +38,38 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _redis_section(redis: dict[str, Any] | None) -> str:
+    if redis is None:
+        return ""
+    e = html.escape
+    link = (
+        "<b>connected</b>"
+        if redis["connected"]
+        else f"<b class=failed>unreachable</b> ({e(str(redis['last_error'])[:200])})"
+    )
+
+    def shown(value: Any) -> str:
+        return "?" if value is None else str(value)
+
+    return f"""<h2>Redis stream</h2>
+<p class="summary"><span>{link}</span>
+<span>stream <b>{e(redis["stream"])}</b>, group {e(redis["group"])},
+consumer {e(redis["consumer"])}</span>
+<span>lag (not yet read by any controller): <b>{shown(redis["lag"])}</b></span>
+<span>pending (read, not yet acknowledged): <b>{shown(redis["pending"])}</b></span>
+<span>held here {redis["held"]}</span><span>read {redis["read"]}</span>
+<span>claimed {redis["claimed"]}</span><span>skipped (ended elsewhere) {redis["skipped"]}</span>
+<span>outcomes written {redis["written"]}</span></p>
+"""
+
+
 def render_status_page(
-    core: Any, book: JobBook, now: float, http_counters: dict[str, int], refused: int
+    core: Any,
+    book: JobBook,
+    now: float,
+    http_counters: dict[str, int],
+    refused: int,
+    redis: dict[str, Any] | None = None,
 ) -> str:
     e = html.escape
     counters = core.counters
@@ -90,7 +120,7 @@ def render_status_page(
 <span>HTTP jobs added {http_counters.get("jobs_added", 0)}</span>
 <span>HTTP errors {http_counters.get("errors", 0)}</span>
 <span>HTTP refused {refused}</span></p>
-<h2>Workers</h2>
+{_redis_section(redis)}<h2>Workers</h2>
 <table><tr><th>id</th><th>kind</th><th>state</th><th>job</th><th>last pulse</th>
 <th>done</th></tr>
 {worker_rows}

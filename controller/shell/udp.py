@@ -7,14 +7,14 @@ import logging
 import select
 import socket as stdsocket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
 
 from controller.calclink import CalculatorLink
 from controller.config import Config
-from controller.core import PerformTask
+from controller.core import PerformTask, TaskProgress
 from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
 from controller.jobs import Job, JobState
@@ -62,6 +62,8 @@ class UdpDoor:
         self.shell = shell
         self.desk = desk
         self.send_errors = 0
+        # Other parts' sections of the status report, e.g. "redis" (the Redis door's status).
+        self.reports: dict[str, Callable[[], dict[str, Any]]] = {}
         self.door = FrontDoor(
             desk.book,
             allowed_clients=config.allowed_clients,
@@ -113,6 +115,8 @@ class UdpDoor:
         report = self.shell.core.status(trio.current_time())
         report["refused_peers"] = self.shell.refused_peers
         report["send_errors"] = self.send_errors
+        for name, read in self.reports.items():
+            report[name] = read()
         return report
 
     def _readable(self, events: int) -> None:
@@ -148,6 +152,9 @@ class UdpDoor:
         send = self.door.perform(action.address, action.ref, action.task_id, action.payload, now)
         self.transmit((send,))
         self._timer.poke()
+
+    def job_progress(self, job: Job, action: TaskProgress) -> None:
+        """The UDP door tells nothing when a job starts (a client asks with get_task)."""
 
     def forget(self, job: Job) -> None:
         self.door.forget(job)

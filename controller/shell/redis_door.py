@@ -1,0 +1,516 @@
+"""The Redis stream door (DESIGN.md section 10): one queue for several controllers, one per host.
+
+redis-py is a blocking (or asyncio) client, and the controller runs on trio, so
+every Redis call runs in a worker thread (`trio.to_thread.run_sync`); the
+state (which entries this controller holds, which outcomes wait to be
+written) lives in the trio loop alone, so nothing is shared with a thread but
+the call's arguments and its answer. Four tasks:
+
+- the reader takes only as many entries as it can start soon (idle workers
+  plus a prefetch), checks each against its `job:<id>` hash (an entry whose
+  job already ended elsewhere is acknowledged without running) and hands the
+  rest to the job desk, which journals each before it runs; after a start or a
+  lost connection it first reads its own pending entries again;
+- the writer puts each outcome in `job:<id>` and `<stream>:results` and
+  acknowledges the entry, in one script (controller/streams.py), batched;
+- the keeper re-claims held entries well within `claim_after`, claims those of
+  stopped consumers (XAUTOCLAIM), checks for cancels and reads the group's lag;
+- the listener hears cancels on `<stream>:cancel` at once.
+
+While Redis is unreachable each task retries with backoff (capped at 5 s), a
+log line says so (at most one per interval), and the other doors go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+import trio
+
+from controller import streams
+from controller.config import Config
+from controller.core import TaskProgress, TaskState
+from controller.frontdoor import DoorAction, Send
+from controller.httpapi import MAX_ID_LENGTH, rfc3339, valid_id
+from controller.jobs import Job, JobState
+from controller.shell.core_shell import CoreShell, StartupError
+from controller.shell.desk import JobDesk
+
+log = logging.getLogger("controller.redis")
+
+T = TypeVar("T")
+
+# Entries read beyond the idle workers, so that a worker never waits for a round trip.
+PREFETCH = 10
+# How long one XREADGROUP waits for new entries (ms); also bounds a shutdown's wait.
+READ_BLOCK_MS = 1000
+# Backoff while Redis is unreachable: first wait, cap.
+BACKOFF_FIRST = 0.1
+BACKOFF_CAP = 5.0
+# At most one "still unreachable" log line per this many seconds.
+LOG_INTERVAL = 30.0
+# Outcomes written per round trip.
+WRITE_BATCH = 500
+# How often the lag and pending count are read (and stopped consumers' entries looked for).
+KEEP_INTERVAL = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    state: str
+    result: bytes
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    entry_id: str
+    fields: dict[bytes, bytes]
+    hash_state: str  # the state its job:<id> hash has ("" when none)
+    job_id: str
+
+
+class RedisDoor:
+    """The Redis door's shell: its four tasks and what this controller holds."""
+
+    def __init__(self, config: Config, desk: JobDesk, shell: CoreShell) -> None:
+        settings = config.redis
+        assert settings is not None
+        self.settings = settings
+        self.stream = settings.stream
+        self.group = settings.group
+        self.consumer = settings.consumer or f"{socket.gethostname()}:{config.socket_dir}"
+        self.retention_ms = max(1, int(config.result_retention * 1000))
+        self.max_payload = config.max_extra_size
+        self.claim_after_ms = max(1, int(settings.claim_after * 1000))
+        try:
+            self.redis = redis.Redis.from_url(
+                settings.url, socket_connect_timeout=5, socket_timeout=READ_BLOCK_MS / 1000 + 10
+            )
+        except ValueError as exc:
+            raise StartupError(f"redis url {settings.url!r}: {exc}") from None
+        self._outcome_script = self.redis.register_script(streams.OUTCOME_SCRIPT)
+        self._progress_script = self.redis.register_script(streams.PROGRESS_SCRIPT)
+        self.desk = desk
+        self.book = desk.book
+        self.core = shell.core
+        self.entries: dict[str, list[str]] = {}  # job id -> its entries not yet acknowledged
+        self.outbox: dict[str, Outcome] = {}  # job id -> outcome to write
+        self.progress: dict[str, str] = {}  # job id -> live state to write
+        self._room = trio.Event()
+        self._work = trio.Event()
+        self._reread = True  # read our own pending entries again before new ones
+        self._claim_cursor = "0-0"
+        self.down_since: float | None = None
+        self._last_log = 0.0
+        self.last_error = ""
+        self.lag: int | None = None
+        self.pending: int | None = None
+        self.counters = {"read": 0, "claimed": 0, "skipped": 0, "written": 0, "canceled": 0}
+        desk.doors["redis"] = self
+        shell.on_room = self._maybe_room
+
+    # ------------------------------------------------------------ running
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        log.info(
+            "redis: taking jobs from stream %r (group %r, consumer %r) at %s",
+            self.stream,
+            self.group,
+            self.consumer,
+            self.settings.url,
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_loop)
+                nursery.start_soon(self._write_loop)
+                nursery.start_soon(self._keep_loop)
+                nursery.start_soon(self._listen_loop)
+                task_status.started()
+        finally:
+            self.redis.close()
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking Redis call in a thread; while Redis fails, retry with backoff."""
+        backoff = BACKOFF_FIRST
+        while True:
+            try:
+                answer = await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                self._failed(exc)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._failed(exc)  # the stream or group was deleted: create them again
+            else:
+                if self.down_since is not None:
+                    log.warning(
+                        "redis: reachable again after %.1f s", time.monotonic() - self.down_since
+                    )
+                    self.down_since = None
+                    self.last_error = ""
+                return answer
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_CAP)
+
+    def _failed(self, exc: Exception) -> None:
+        self._reread = True
+        self.last_error = str(exc) or type(exc).__name__
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = self._last_log = now
+            log.warning(
+                "redis: %s: %s; the other doors go on, retrying (backoff up to %g s)",
+                self.settings.url,
+                self.last_error,
+                BACKOFF_CAP,
+            )
+        elif now - self._last_log >= LOG_INTERVAL:
+            self._last_log = now
+            log.warning(
+                "redis: still unreachable after %.0f s: %s", now - self.down_since, self.last_error
+            )
+
+    def status(self) -> dict[str, Any]:
+        """What `udp-client status`, the status page and the metrics show of this door."""
+        return {
+            "connected": self.down_since is None,
+            "stream": self.stream,
+            "group": self.group,
+            "consumer": self.consumer,
+            "lag": self.lag,
+            "pending": self.pending,
+            "held": len(self.entries),
+            "last_error": self.last_error,
+            **self.counters,
+        }
+
+    # ------------------------------------------------------------ reading
+
+    def room(self) -> int:
+        """How many more entries this controller can start soon."""
+        core = self.core
+        if not core.workers:
+            return 0
+        return core.idle_workers + PREFETCH - core.queued
+
+    def _maybe_room(self) -> None:
+        if not self._room.is_set() and self.room() > 0:
+            self._room.set()
+
+    async def _read_loop(self) -> None:
+        while True:
+            want = self.room()
+            if want <= 0 or self.desk.refusal():
+                self._room = trio.Event()
+                with trio.move_on_after(1.0):  # the journal's refusal clears without an event
+                    await self._room.wait()
+                continue
+            if self._reread:
+                await self._call(self._ensure_group)
+                self._reread = False
+                await self._take_own()
+                continue
+            batch = await self._call(self._read_new, want)
+            self._take(batch, claimed=False)
+
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+            log.info("redis: created group %r on stream %r", self.group, self.stream)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def _take_own(self) -> None:
+        """Our own pending entries (read before a restart or a lost answer): take each once."""
+        start = "0"
+        while True:
+            batch = await self._call(self._read_own, start)
+            if not batch:
+                return
+            self._take(batch, claimed=False)
+            start = batch[-1].entry_id
+
+    def _read_own(self, start: str) -> list[Entry]:
+        answer: Any = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: start}, count=WRITE_BATCH
+        )
+        return self._with_states(answer[0][1] if answer else [])
+
+    def _read_new(self, count: int) -> list[Entry]:
+        answer: Any = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=READ_BLOCK_MS
+        )
+        return self._with_states(answer[0][1] if answer else [])
+
+    def _with_states(self, raw: Sequence[tuple[Any, Any]]) -> list[Entry]:
+        """Entries with their job's id and the state of its hash (one round trip)."""
+        entries = []
+        for entry_id, fields in raw:
+            if fields is None:  # deleted from the stream while pending
+                continue
+            eid = entry_id.decode()
+            given = fields.get(b"id")
+            job_id = (
+                given.decode("utf-8", "replace")
+                if given
+                else streams.entry_job_id(self.stream, eid)
+            )
+            entries.append(Entry(eid, fields, "", job_id))
+        if not entries:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.hget(streams.job_key(entry.job_id), "state")
+        states = pipe.execute()
+        return [
+            Entry(e.entry_id, e.fields, s.decode() if s else "", e.job_id)
+            for e, s in zip(entries, states, strict=True)
+        ]
+
+    def _take(self, batch: list[Entry], *, claimed: bool) -> None:
+        now = trio.current_time()
+        for entry in batch:
+            job_id = entry.job_id
+            held = self.entries.get(job_id)
+            if held is not None:  # ours already (read again, or the same id added twice)
+                if entry.entry_id not in held:
+                    held.append(entry.entry_id)
+                    self._settle_if_ended(job_id)
+                continue
+            self.entries[job_id] = [entry.entry_id]
+            if entry.hash_state in streams.FINAL_STATES:  # ended elsewhere: just acknowledge
+                self.counters["skipped"] += 1
+                self._queue_outcome(job_id, Outcome(entry.hash_state, b"", ""))
+                continue
+            job = self.book.get(job_id)
+            if job is not None:  # known here: from the journal, or another door's job
+                self._settle_if_ended(job_id)
+                continue
+            self.counters["claimed" if claimed else "read"] += 1
+            bad = self._check(entry, job_id)
+            if bad:
+                log.warning("redis: entry %s refused: %s", entry.entry_id, bad)
+                self._queue_outcome(job_id, Outcome("failed", b"", bad))
+                continue
+            fields = entry.fields
+            name = fields.get(b"name", b"").decode("utf-8", "replace")
+            self.desk.submit(
+                job_id,
+                "redis",
+                entry.entry_id,
+                self.desk.pick_task_id(),
+                fields.get(b"payload", b""),
+                now,
+                journal_first=True,
+                name=name,
+            )
+
+    def _check(self, entry: Entry, job_id: str) -> str:
+        """Why an entry cannot become a job ("" when it can)."""
+        if b"id" in entry.fields and not valid_id(job_id):
+            return (
+                f"id must be 1 to {MAX_ID_LENGTH} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
+            )
+        size = len(entry.fields.get(b"payload", b""))
+        if size > self.max_payload:
+            return f"payload is {size} bytes, over max_extra_size ({self.max_payload})"
+        return ""
+
+    def _settle_if_ended(self, job_id: str) -> None:
+        job = self.book.get(job_id)
+        if job is not None and job.state.final:
+            self._queue_outcome(job_id, _outcome_of(job))
+
+    # ------------------------------------------------------------ the desk's side
+
+    def job_finished(self, job: Job, now: float) -> list[DoorAction]:
+        """A job of this door ended: write its outcome, then acknowledge its entries."""
+        self._queue_outcome(job.id, _outcome_of(job))
+        return []
+
+    def job_progress(self, job: Job, action: TaskProgress) -> None:
+        state = "working" if action.state is TaskState.RUNNING else "pending"
+        self.progress[job.id] = state
+        self._work.set()
+
+    def forget(self, job: Job) -> None:
+        pass
+
+    def transmit(self, sends: Sequence[Send]) -> None:
+        pass
+
+    def _queue_outcome(self, job_id: str, outcome: Outcome) -> None:
+        self.outbox[job_id] = outcome
+        self.progress.pop(job_id, None)
+        self._work.set()
+
+    # ------------------------------------------------------------ writing
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work = trio.Event()
+            while self.outbox or self.progress:
+                outcomes = dict(list(self.outbox.items())[:WRITE_BATCH])
+                for job_id in outcomes:
+                    del self.outbox[job_id]
+                progress, self.progress = self.progress, {}
+                acks = {job_id: list(self.entries.get(job_id, ())) for job_id in outcomes}
+                await self._call(self._write, outcomes, acks, progress)
+                self._written(outcomes, acks)
+
+    def _write(
+        self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], progress: dict[str, str]
+    ) -> None:
+        stamp = rfc3339(time.time())
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, state in progress.items():
+            self._progress_script(keys=[streams.job_key(job_id)], args=[state, stamp], client=pipe)
+        for job_id, outcome in outcomes.items():
+            self._outcome_script(
+                keys=[
+                    streams.job_key(job_id),
+                    streams.results_stream(self.stream),
+                    self.stream,
+                ],
+                args=[
+                    outcome.state,
+                    outcome.result,
+                    outcome.error,
+                    stamp,
+                    self.retention_ms,
+                    self.group,
+                    job_id,
+                    *acks[job_id],
+                ],
+                client=pipe,
+            )
+        pipe.execute()
+
+    def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[str]]) -> None:
+        now = trio.current_time()
+        self.counters["written"] += len(outcomes)
+        for job_id, acked in acks.items():
+            held = self.entries.get(job_id, [])
+            left = [entry for entry in held if entry not in acked]
+            if left:  # an entry with the same id came meanwhile: acknowledge it too
+                self.entries[job_id] = left
+                self.outbox.setdefault(job_id, outcomes[job_id])
+            else:
+                self.entries.pop(job_id, None)
+            job = self.book.get(job_id)
+            if job is not None and job.door == "redis":
+                self.desk.delivered(job_id, now)
+        if outcomes:
+            self._maybe_room()
+
+    # ------------------------------------------------------------ keeping
+
+    async def _keep_loop(self) -> None:
+        refresh_every = self.settings.claim_after / 3
+        refreshed = trio.current_time()
+        while True:
+            await trio.sleep(min(KEEP_INTERVAL, refresh_every))
+            if self._reread:  # the reader sets the group up first
+                continue
+            for job_id in list(self.entries):  # e.g. another door's job with the same id
+                if job_id not in self.outbox:
+                    self._settle_if_ended(job_id)
+            now = trio.current_time()
+            if now - refreshed >= refresh_every:
+                refreshed = now
+                held = [entry for entries in self.entries.values() for entry in entries]
+                live = [job_id for job_id in self.entries if job_id not in self.outbox]
+                states = await self._call(self._refresh, held, live)
+                for job_id, state in zip(live, states, strict=True):
+                    if state == "canceled":
+                        self._cancel(job_id)
+            want = self.room()
+            if want > 0:
+                batch = await self._call(self._claim, want)
+                self._take(batch, claimed=True)
+            self.lag, self.pending = await self._call(self._group_info)
+
+    def _refresh(self, held: list[str], live: list[str]) -> list[str]:
+        """Re-claim our entries for ourselves (their idle time starts again), and read the
+        states of our live jobs' hashes (a cancel whose announcement we missed)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for start in range(0, len(held), WRITE_BATCH):
+            chunk: list[Any] = held[start : start + WRITE_BATCH]
+            pipe.xclaim(self.stream, self.group, self.consumer, 0, chunk, justid=True)
+        for job_id in live:
+            pipe.hget(streams.job_key(job_id), "state")
+        answers = pipe.execute()[-len(live) :] if live else []
+        return [state.decode() if state else "" for state in answers]
+
+    def _claim(self, count: int) -> list[Entry]:
+        """Entries idle past `claim_after` on another consumer: a controller that stopped."""
+        cursor, raw, *_ = self.redis.xautoclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            self.claim_after_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        entries = self._with_states(raw)
+        if entries:
+            log.info(
+                "redis: claimed %d entries idle for over %g s (a controller stopped?)",
+                len(entries),
+                self.settings.claim_after,
+            )
+        return entries
+
+    def _group_info(self) -> tuple[int | None, int | None]:
+        for group in self.redis.xinfo_groups(self.stream):
+            name = group.get("name")
+            if name in (self.group, self.group.encode()):
+                return group.get("lag"), group.get("pending")
+        return None, None
+
+    # ------------------------------------------------------------ canceling
+
+    async def _listen_loop(self) -> None:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        try:
+            await self._call(pubsub.subscribe, streams.cancel_channel(self.stream))
+            while True:
+                ids = await self._call(self._heard, pubsub)
+                for job_id in ids:
+                    self._cancel(job_id)
+        finally:
+            pubsub.close()
+
+    @staticmethod
+    def _heard(pubsub: Any) -> list[str]:
+        message = pubsub.get_message(timeout=1.0)
+        ids = []
+        while message is not None:
+            if message.get("type") == "message":
+                ids.append(message["data"].decode("utf-8", "replace"))
+            message = pubsub.get_message(timeout=0)
+        return ids
+
+    def _cancel(self, job_id: str) -> None:
+        job = self.book.get(job_id)
+        if job is not None and not job.state.final:
+            self.counters["canceled"] += 1
+            log.info("redis: job %s canceled by a user", job_id)
+            self.desk.cancel(job, trio.current_time())
+
+
+def _outcome_of(job: Job) -> Outcome:
+    state = job.state
+    if state is JobState.CANCELED:
+        return Outcome("canceled", b"", job.error or streams.CANCEL_ERROR)
+    return Outcome(state.value, job.result, job.error)

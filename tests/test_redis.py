@@ -1,0 +1,244 @@
+"""The Redis stream door against a real redis-server and a live controller: jobs in by XADD
+(the client, or a raw producer), outcomes in `job:<id>` and `<stream>:results` before the
+entry is acknowledged, final-state dedupe, bad entries, cancel, status, and the client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+import trio
+
+from controller.client import AsyncClient, Client, ControllerError, JobFailed
+from controller.streams import entry_job_id
+from tests.helpers import (
+    REDIS_SERVER,
+    LiveController,
+    RedisServer,
+    free_tcp_port,
+    live_controller,
+    redis_server,
+    run_udp_client,
+    wait_for_condition,
+)
+
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not installed (apt-get install redis-server)"
+)
+
+JOB_SCRIPT = (
+    '#!/bin/sh\necho "$TASK_ID" >> {log}\ninput=$(cat)\n'
+    'case "$input" in sleep*) sleep 30;; fail*) echo "it failed" >&2; exit 3;; esac\n'
+    'printf %s "$input"\n'
+)
+MAX_PAYLOAD = 1024 * 1024  # the controller's max_extra_size
+
+
+@dataclass
+class Setup:
+    server: RedisServer
+    controller: LiveController
+    execlog: Path
+    r: redis.Redis
+    metrics_port: int
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp: Path = tmp_path_factory.mktemp("redis")
+    execlog = tmp / "exec.log"
+    script = tmp / "job.sh"
+    script.write_text(JOB_SCRIPT.format(log=execlog))
+    script.chmod(0o755)
+    with redis_server(tmp) as server:
+        settings = {"url": server.url, "claim_after": 2}
+        args = ("--workers", "2", "--", "--exec", str(script))
+        metrics_port = free_tcp_port()
+        with live_controller(
+            tmp,
+            *args,
+            max_retries=0,
+            max_extra_size=MAX_PAYLOAD,
+            redis=settings,
+            metrics_address={"host": "127.0.0.1", "port": metrics_port},
+        ) as ctl:
+            r = redis.Redis.from_url(server.url)
+            yield Setup(server, ctl, execlog, r, metrics_port)
+            r.close()
+
+
+def group(r: redis.Redis) -> dict[str, object]:
+    info = r.xinfo_groups("jobs")
+    return {str(k): v for k, v in info[0].items()}
+
+
+def results_for(r: redis.Redis, job_id: str) -> list[bytes]:
+    return [f[b"state"] for _, f in r.xrange("jobs:results") if f[b"id"] == job_id.encode()]
+
+
+def test_client_submits_and_collects(setup):
+    with Client(setup.url) as client:
+        jobs = [client.submit(f"hello {n}", name="greeting") for n in range(20)]
+        assert [job.result(timeout=20) for job in jobs] == [
+            f"hello {n}".encode() for n in range(20)
+        ]
+        job = jobs[0]
+        assert job.state == "finished"
+        assert len(job.id) == 36 and job.id == job.id.upper()
+    raw = setup.r.hgetall(f"job:{job.id}")
+    assert raw[b"state"] == b"finished" and raw[b"result"] == b"hello 0"
+    assert raw[b"updated_at"].endswith(b"Z")
+    assert 0 < setup.r.ttl(f"job:{job.id}") <= 3600  # result_retention
+    assert results_for(setup.r, job.id) == [b"finished"]
+    # Every entry acknowledged once its outcome is in Redis; the HTTP API lists the jobs too.
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+    with urllib.request.urlopen(f"{setup.controller.url}/job/{job.id}/") as resp:
+        listed = json.load(resp)
+    assert listed["door"] == "redis" and listed["name"] == "greeting"
+
+
+def test_raw_producer_entry_without_id(setup):
+    entry = setup.r.xadd("jobs", {"payload": b"\xff\x00raw"}).decode()
+    job_id = entry_job_id("jobs", entry)
+    # No hash until a controller writes one (the client's submit writes `pending` at once).
+    wait_for_condition(lambda: setup.r.exists(f"job:{job_id}") == 1)
+    with Client(setup.url) as client:
+        assert client.get(job_id).result(timeout=20) == b"\xffraw"  # sh drops NUL bytes
+
+
+def test_entry_of_a_job_already_final_is_acknowledged_without_running(setup):
+    setup.r.hset("job:done-before", mapping={"state": "finished", "result": "old"})
+    setup.r.xadd("jobs", {"payload": "again", "id": "done-before"})
+    with Client(setup.url) as client:  # a later entry: read after the first one
+        assert client.submit("after").result(timeout=20) == b"after"
+        wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+        assert client.get("done-before").result(timeout=5) == b"old"
+    assert results_for(setup.r, "done-before") == []  # nothing written: the first outcome stays
+    # It never ran: the controller's status counts it as skipped.
+    status = json.loads(run_udp_client(setup.controller.udp_port, "status", "--json").stdout)
+    assert status["redis"]["skipped"] >= 1
+
+
+def test_the_same_id_twice_runs_once(setup):
+    before = setup.execlog.read_text().count("\n") if setup.execlog.exists() else 0
+    with Client(setup.url) as client:
+        first = client.submit("twice", id="twice-1")
+        second = client.submit("twice", id="twice-1")
+        assert first.result(timeout=20) == second.result(timeout=20) == b"twice"
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+    assert setup.execlog.read_text().count("\n") == before + 1
+    assert results_for(setup.r, "twice-1") == [b"finished"]
+
+
+def test_bad_entries_fail_with_a_clear_error_and_nothing_is_lost(setup):
+    big = b"x" * (MAX_PAYLOAD + 1)
+    setup.r.xadd("jobs", {"payload": big, "id": "too-big"})
+    setup.r.xadd("jobs", {"payload": "x", "id": "bad/id"})
+    with Client(setup.url) as client:
+        assert client.submit("fine").result(timeout=20) == b"fine"  # read after the bad ones
+        with pytest.raises(JobFailed) as info:
+            client.get("too-big").result(timeout=20)
+        assert "over max_extra_size" in info.value.error
+        failed = setup.r.hgetall("job:bad/id")
+        assert failed[b"state"] == b"failed" and b"id must be" in failed[b"error"]
+        with pytest.raises(ValueError, match="id must be"):
+            client.submit("x", id="bad/id")
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+
+
+def test_failed_job(setup):
+    with Client(setup.url) as client:
+        job = client.submit("fail now")
+        with pytest.raises(JobFailed) as info:
+            job.result(timeout=20)
+        assert info.value.state == "failed" and "it failed" in info.value.error
+
+
+def test_cancel_a_running_job_restarts_its_worker(setup):
+    with Client(setup.url) as client:
+        job = client.submit("sleep long", id="cancel-running")
+        wait_for_condition(lambda: job.state == "working")
+        assert client.cancel("cancel-running").state == "canceled"
+        with pytest.raises(JobFailed) as info:
+            job.result(timeout=10)
+        assert info.value.state == "canceled"
+        # The worker was restarted (not left sleeping 30 s): a new job runs at once on it.
+        jobs = [client.submit(f"after cancel {n}") for n in range(4)]
+        assert [j.result(timeout=10) for j in jobs] == [
+            f"after cancel {n}".encode() for n in range(4)
+        ]
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+    assert results_for(setup.r, "cancel-running") == [b"canceled"]
+    with urllib.request.urlopen(f"{setup.controller.url}/job/cancel-running/") as resp:
+        assert json.load(resp)["state"] == "canceled"
+
+
+def test_get_unknown_and_timeouts(setup):
+    with Client(setup.url) as client:
+        with pytest.raises(KeyError):
+            client.get("never-submitted")
+        job = client.submit("sleep a bit", id="timeout-then-cancel")
+        with pytest.raises(TimeoutError):
+            job.result(timeout=0.2)
+        client.cancel("timeout-then-cancel")
+        assert client.cancel("timeout-then-cancel").state == "canceled"  # again: unchanged
+    with pytest.raises(ValueError, match="redis://HOST:PORT/DB"):
+        Client("redis://")
+
+
+def test_status_page_metrics_and_udp_status_show_the_stream(setup):
+    def shown() -> dict[str, object]:
+        out = run_udp_client(setup.controller.udp_port, "status", "--json").stdout
+        return dict(json.loads(out)["redis"])
+
+    wait_for_condition(lambda: shown()["pending"] == 0)  # read once a second
+    assert shown()["connected"] is True and shown()["stream"] == "jobs"
+    assert shown()["lag"] == 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{setup.metrics_port}/metrics") as resp:
+        metrics = resp.read().decode()
+    assert "controller_redis_up 1.0" in metrics and "controller_redis_pending 0.0" in metrics
+    human = run_udp_client(setup.controller.udp_port, "status").stdout.decode()
+    assert "redis" in human and "lag 0" in human
+    with urllib.request.urlopen(f"{setup.controller.url}/") as resp:
+        page = resp.read().decode()
+    assert "Redis stream" in page and "lag (not yet read by any controller): <b>0</b>" in page
+
+
+async def _async_round(url: str) -> list[bytes]:
+    async with AsyncClient(url) as client:
+        jobs = [await client.submit(f"a{n}") for n in range(5)]
+        out = [await job.result(timeout=20) for job in jobs]
+        assert await jobs[0].refresh() == "finished" and jobs[0].state == "finished"
+        got = await client.get(jobs[1].id)
+        assert got.state == "finished"
+        slow = await client.submit("sleep async", id="async-cancel")
+        assert (await client.cancel("async-cancel")).state == "canceled"
+        with pytest.raises(JobFailed):
+            await slow.result(timeout=10)
+        return out
+
+
+def test_async_client_under_asyncio_and_trio(setup):
+    expected = [f"a{n}".encode() for n in range(5)]
+    assert asyncio.run(_async_round(setup.url)) == expected
+    setup.r.delete("job:async-cancel")
+    assert trio.run(_async_round, setup.url) == expected
+
+
+def test_unreachable_redis_is_a_clear_client_error():
+    with (
+        Client("redis://127.0.0.1:1/0", timeout=1) as client,
+        pytest.raises(ControllerError) as info,
+    ):
+        client.submit("x")
+    assert info.value.status == "redis"
