@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -83,7 +84,8 @@ def group(r: redis.Redis) -> dict[str, object]:
 
 
 def results_for(r: redis.Redis, job_id: str) -> list[bytes]:
-    return [f[b"state"] for _, f in r.xrange("jobs:results") if f[b"id"] == job_id.encode()]
+    entries: Any = r.xrange("jobs:results")
+    return [f[b"state"] for _, f in entries if f[b"id"] == job_id.encode()]
 
 
 def test_client_submits_and_collects(setup):
