@@ -15,6 +15,7 @@ from bench import (
     floor,
     http_bench,
     plots,
+    redis_bench,
     remote_bench,
     worker_bench,
 )
@@ -36,6 +37,7 @@ def main() -> None:
     results["floor"] = floor.main()
     results["http"] = http_bench.main()
     results["remote"] = remote_bench.main()
+    results["redis"] = redis_bench.main()
     results["journal"] = e2e_bench.journal_main()
     print("end to end against worker count:")
     scaling = e2e_bench.scaling()

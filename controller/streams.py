@@ -47,23 +47,50 @@ def entry_job_id(stream: str, entry_id: str) -> str:
 
 _IS_FINAL = " or ".join(f"s == '{state}'" for state in FINAL_STATES)
 
-# KEYS: job hash, results stream, jobs stream.
-# ARGV: state, result, error, updated_at, retention (ms), group, job id, entry ids...
-OUTCOME_SCRIPT = f"""
-local s = redis.call('HGET', KEYS[1], 'state')
+# Outcomes of several jobs, each written unless its hash is final already, then their
+# entries acknowledged. KEYS: results stream, jobs stream, then one job hash per job.
+# ARGV: group, updated_at, retention (ms), then per job: id, state, result, error,
+# the number of its entries, and their ids.
+OUTCOMES_SCRIPT = f"""
+local a = 4
 local written = 0
-if not ({_IS_FINAL}) then
-  redis.call('HSET', KEYS[1], 'state', ARGV[1], 'result', ARGV[2], 'error', ARGV[3],
-             'updated_at', ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], ARGV[5])
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', '{RESULTS_MAXLEN}', '*', 'id', ARGV[7],
-             'state', ARGV[1])
-  written = 1
-end
-for i = 8, #ARGV do
-  redis.call('XACK', KEYS[3], ARGV[6], ARGV[i])
+for k = 3, #KEYS do
+  local id, state, result, err = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local acks = tonumber(ARGV[a + 4])
+  a = a + 5
+  local s = redis.call('HGET', KEYS[k], 'state')
+  if not ({_IS_FINAL}) then
+    redis.call('HSET', KEYS[k], 'state', state, 'result', result, 'error', err,
+               'updated_at', ARGV[2])
+    redis.call('PEXPIRE', KEYS[k], ARGV[3])
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', '{RESULTS_MAXLEN}', '*', 'id', id, 'state', state)
+    written = written + 1
+  end
+  for i = 1, acks do
+    redis.call('XACK', KEYS[2], ARGV[1], ARGV[a])
+    a = a + 1
+  end
 end
 return written
+"""
+
+# New entries for a consumer (XREADGROUP without blocking), each with the state of its
+# job's hash when the entry names its job (`id`): one round trip for both.
+# KEYS: jobs stream. ARGV: group, consumer, count. Returns {entry id, fields, state} each.
+READ_SCRIPT = """
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
+                     'STREAMS', KEYS[1], '>')
+if not r then return {} end
+local out = {}
+for _, e in ipairs(r[1][2]) do
+  local fields = e[2]
+  local state = false
+  for j = 1, #fields, 2 do
+    if fields[j] == 'id' then state = redis.call('HGET', 'job:' .. fields[j + 1], 'state') end
+  end
+  out[#out + 1] = {e[1], fields, state or ''}
+end
+return out
 """
 
 # KEYS: job hash. ARGV: state, updated_at. A live state is written only over a live one.

@@ -206,9 +206,13 @@ def test_status_page_metrics_and_udp_status_show_the_stream(setup):
     wait_for_condition(lambda: shown()["pending"] == 0)  # read once a second
     assert shown()["connected"] is True and shown()["stream"] == "jobs"
     assert shown()["lag"] == 0
-    with urllib.request.urlopen(f"http://127.0.0.1:{setup.metrics_port}/metrics") as resp:
-        metrics = resp.read().decode()
-    assert "controller_redis_up 1.0" in metrics and "controller_redis_pending 0.0" in metrics
+
+    def metrics() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{setup.metrics_port}/metrics") as resp:
+            return str(resp.read().decode())
+
+    wait_for_condition(lambda: "controller_redis_pending 0.0" in metrics())  # once a second
+    assert "controller_redis_up 1.0" in metrics() and "controller_redis_lag 0.0" in metrics()
     human = run_udp_client(setup.controller.udp_port, "status").stdout.decode()
     assert "redis" in human and "lag 0" in human
     with urllib.request.urlopen(f"{setup.controller.url}/") as resp:

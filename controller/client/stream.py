@@ -1,7 +1,7 @@
 """The client's redis:// backend (blocking; `AsyncClient` runs it in threads).
 
-`submit` adds the entry (XADD) and marks the job `pending` in `job:<id>`
-unless it has a state already, in one transaction; `get` reads the hash;
+`submit` marks the job `pending` in `job:<id>` unless it has a state already,
+then adds the entry (XADD), in one round trip; `get` reads the hash;
 `cancel` runs the cancel script of controller/streams.py. Waiting for an
 outcome never polls: one thread per client reads `<stream>:results` with a
 blocking XREAD and wakes the waiters of the ids it sees; a waiter reads the
@@ -67,7 +67,7 @@ class RedisBackend:
         fields: dict[Any, Any] = {"payload": payload, "id": job_id}
         if name is not None:
             fields["name"] = name
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=False)  # one round trip; no MULTI needed
         pipe.hsetnx(streams.job_key(job_id), "state", "pending")
         pipe.xadd(self.stream, fields)
         pipe.execute()

@@ -53,8 +53,6 @@ class Door(Protocol):
 
     def forget(self, job: Job) -> None: ...
 
-    def job_progress(self, job: Job, action: TaskProgress) -> None: ...
-
     def transmit(self, sends: Sequence[Send]) -> None: ...
 
 
@@ -198,11 +196,6 @@ class JobDesk:
 
     def progress(self, action: TaskProgress) -> None:
         """A job started running, or went back to the queue after running."""
-        job = self.book.by_ref(action.ref)
-        if job is not None and job.door != "udp":
-            door = self.doors.get(job.door)
-            if door is not None:
-                door.job_progress(job, action)
         if self.journal is not None:
             state = "working" if action.state is TaskState.RUNNING else "pending"
             self.journal.job_progress(action.ref, state, action.attempts, action.failed_on)

@@ -118,7 +118,8 @@ def assemble(
     desk = JobDesk(book, shell, journal)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
-    shell.on_progress = desk.progress
+    if journal is not None:  # the one use of progress besides the metrics
+        shell.on_progress = desk.progress
     return shell, desk, UdpDoor(config, shell, desk)
 
 

@@ -35,7 +35,6 @@ import trio
 
 from controller import streams
 from controller.config import Config
-from controller.core import TaskProgress, TaskState
 from controller.frontdoor import DoorAction, Send
 from controller.httpapi import MAX_ID_LENGTH, rfc3339, valid_id
 from controller.jobs import Job, JobState
@@ -48,6 +47,8 @@ T = TypeVar("T")
 
 # Entries read beyond the idle workers, so that a worker never waits for a round trip.
 PREFETCH = 10
+# While jobs are queued, entries are read when there is room for at least this many.
+READ_AT_LEAST = PREFETCH // 2
 # How long one XREADGROUP waits for new entries (ms); also bounds a shutdown's wait.
 READ_BLOCK_MS = 1000
 # Backoff while Redis is unreachable: first wait, cap.
@@ -55,8 +56,11 @@ BACKOFF_FIRST = 0.1
 BACKOFF_CAP = 5.0
 # At most one "still unreachable" log line per this many seconds.
 LOG_INTERVAL = 30.0
-# Outcomes written per round trip.
+# Outcomes written per round trip, at most.
 WRITE_BATCH = 500
+# A writer with fewer outcomes than this waits up to WRITE_GATHER_WAIT seconds for more.
+WRITE_GATHER = 16
+WRITE_GATHER_WAIT = 0.002
 # How often the lag and pending count are read (and stopped consumers' entries looked for).
 KEEP_INTERVAL = 1.0
 
@@ -95,7 +99,8 @@ class RedisDoor:
             )
         except ValueError as exc:
             raise StartupError(f"redis url {settings.url!r}: {exc}") from None
-        self._outcome_script = self.redis.register_script(streams.OUTCOME_SCRIPT)
+        self._outcomes_script = self.redis.register_script(streams.OUTCOMES_SCRIPT)
+        self._read_script = self.redis.register_script(streams.READ_SCRIPT)
         self._progress_script = self.redis.register_script(streams.PROGRESS_SCRIPT)
         self.desk = desk
         self.book = desk.book
@@ -103,6 +108,7 @@ class RedisDoor:
         self.entries: dict[str, list[str]] = {}  # job id -> its entries not yet acknowledged
         self.outbox: dict[str, Outcome] = {}  # job id -> outcome to write
         self.progress: dict[str, str] = {}  # job id -> live state to write
+        self.reported: dict[str, str] = {}  # job id -> the live state its hash has (by us)
         self._room = trio.Event()
         self._work = trio.Event()
         self._reread = True  # read our own pending entries again before new ones
@@ -201,13 +207,18 @@ class RedisDoor:
         return core.idle_workers + PREFETCH - core.queued
 
     def _maybe_room(self) -> None:
-        if not self._room.is_set() and self.room() > 0:
-            self._room.set()
+        if not self._room.is_set():
+            room = self.room()
+            if room >= READ_AT_LEAST or (room > 0 and not self.core.queued):
+                self._room.set()
 
     async def _read_loop(self) -> None:
         while True:
             want = self.room()
-            if want <= 0 or self.desk.refusal():
+            # While jobs wait in the queue, read in batches of a few (a read costs a thread
+            # hop and a round trip, whatever it brings); with none waiting, read at once.
+            enough = READ_AT_LEAST if self.core.queued else 1
+            if want < enough or self.desk.refusal():
                 self._room = trio.Event()
                 with trio.move_on_after(1.0):  # the journal's refusal clears without an event
                     await self._room.wait()
@@ -245,6 +256,18 @@ class RedisDoor:
         return self._with_states(answer[0][1] if answer else [])
 
     def _read_new(self, count: int) -> list[Entry]:
+        """New entries with their hashes' states: in one script while entries are waiting,
+        else by a blocking read (then the states in a second round trip)."""
+        waiting: Any = self._read_script(
+            keys=[self.stream], args=[self.group, self.consumer, count]
+        )
+        if waiting:
+            entries = []
+            for entry_id, flat, state in waiting:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                eid = entry_id.decode()
+                entries.append(Entry(eid, fields, state.decode(), self._job_id(eid, fields)))
+            return entries
         answer: Any = self.redis.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=READ_BLOCK_MS
         )
@@ -257,13 +280,7 @@ class RedisDoor:
             if fields is None:  # deleted from the stream while pending
                 continue
             eid = entry_id.decode()
-            given = fields.get(b"id")
-            job_id = (
-                given.decode("utf-8", "replace")
-                if given
-                else streams.entry_job_id(self.stream, eid)
-            )
-            entries.append(Entry(eid, fields, "", job_id))
+            entries.append(Entry(eid, fields, "", self._job_id(eid, fields)))
         if not entries:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -274,6 +291,12 @@ class RedisDoor:
             Entry(e.entry_id, e.fields, s.decode() if s else "", e.job_id)
             for e, s in zip(entries, states, strict=True)
         ]
+
+    def _job_id(self, entry_id: str, fields: dict[bytes, bytes]) -> str:
+        given = fields.get(b"id")
+        if given:
+            return given.decode("utf-8", "replace")
+        return streams.entry_job_id(self.stream, entry_id)
 
     def _take(self, batch: list[Entry], *, claimed: bool) -> None:
         now = trio.current_time()
@@ -336,11 +359,6 @@ class RedisDoor:
         self._queue_outcome(job.id, _outcome_of(job))
         return []
 
-    def job_progress(self, job: Job, action: TaskProgress) -> None:
-        state = "working" if action.state is TaskState.RUNNING else "pending"
-        self.progress[job.id] = state
-        self._work.set()
-
     def forget(self, job: Job) -> None:
         pass
 
@@ -350,6 +368,7 @@ class RedisDoor:
     def _queue_outcome(self, job_id: str, outcome: Outcome) -> None:
         self.outbox[job_id] = outcome
         self.progress.pop(job_id, None)
+        self.reported.pop(job_id, None)
         self._work.set()
 
     # ------------------------------------------------------------ writing
@@ -358,6 +377,12 @@ class RedisDoor:
         while True:
             await self._work.wait()
             self._work = trio.Event()
+            if len(self.outbox) < WRITE_GATHER and self.entries:
+                # More outcomes are on their way: one round trip for several of them.
+                with trio.move_on_after(WRITE_GATHER_WAIT):
+                    while len(self.outbox) < WRITE_GATHER:
+                        await self._work.wait()
+                        self._work = trio.Event()
             while self.outbox or self.progress:
                 outcomes = dict(list(self.outbox.items())[:WRITE_BATCH])
                 for job_id in outcomes:
@@ -374,25 +399,14 @@ class RedisDoor:
         pipe = self.redis.pipeline(transaction=False)
         for job_id, state in progress.items():
             self._progress_script(keys=[streams.job_key(job_id)], args=[state, stamp], client=pipe)
-        for job_id, outcome in outcomes.items():
-            self._outcome_script(
-                keys=[
-                    streams.job_key(job_id),
-                    streams.results_stream(self.stream),
-                    self.stream,
-                ],
-                args=[
-                    outcome.state,
-                    outcome.result,
-                    outcome.error,
-                    stamp,
-                    self.retention_ms,
-                    self.group,
-                    job_id,
-                    *acks[job_id],
-                ],
-                client=pipe,
-            )
+        if outcomes:
+            keys = [streams.results_stream(self.stream), self.stream]
+            args: list[Any] = [self.group, stamp, self.retention_ms]
+            for job_id, outcome in outcomes.items():
+                keys.append(streams.job_key(job_id))
+                acked = acks[job_id]
+                args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
+            self._outcomes_script(keys=keys, args=args, client=pipe)
         pipe.execute()
 
     def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[str]]) -> None:
@@ -421,9 +435,7 @@ class RedisDoor:
             await trio.sleep(min(KEEP_INTERVAL, refresh_every))
             if self._reread:  # the reader sets the group up first
                 continue
-            for job_id in list(self.entries):  # e.g. another door's job with the same id
-                if job_id not in self.outbox:
-                    self._settle_if_ended(job_id)
+            self._look_over_held()
             now = trio.current_time()
             if now - refreshed >= refresh_every:
                 refreshed = now
@@ -438,6 +450,26 @@ class RedisDoor:
                 batch = await self._call(self._claim, want)
                 self._take(batch, claimed=True)
             self.lag, self.pending = await self._call(self._group_info)
+
+    def _look_over_held(self) -> None:
+        """Once a second: a held job that ended without telling this door (another door's job
+        with the same id) is settled; a live one whose state changed since it was last
+        written (it started, or went back to the queue) is written. Jobs that end within a
+        second cost no progress write at all."""
+        for job_id in list(self.entries):
+            if job_id in self.outbox:
+                continue
+            job = self.book.get(job_id)
+            if job is None:
+                continue
+            state = job.state
+            if state.final:
+                self._queue_outcome(job_id, _outcome_of(job))
+                continue
+            word = "working" if state is JobState.WORKING else "pending"
+            if self.reported.get(job_id, "pending") != word:
+                self.reported[job_id] = self.progress[job_id] = word
+                self._work.set()
 
     def _refresh(self, held: list[str], live: list[str]) -> list[str]:
         """Re-claim our entries for ourselves (their idle time starts again), and read the

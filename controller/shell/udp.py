@@ -14,7 +14,7 @@ import trio
 
 from controller.calclink import CalculatorLink
 from controller.config import Config
-from controller.core import PerformTask, TaskProgress
+from controller.core import PerformTask
 from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
 from controller.jobs import Job, JobState
@@ -152,9 +152,6 @@ class UdpDoor:
         send = self.door.perform(action.address, action.ref, action.task_id, action.payload, now)
         self.transmit((send,))
         self._timer.poke()
-
-    def job_progress(self, job: Job, action: TaskProgress) -> None:
-        """The UDP door tells nothing when a job starts (a client asks with get_task)."""
 
     def forget(self, job: Job) -> None:
         self.door.forget(job)

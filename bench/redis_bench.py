@@ -1,0 +1,111 @@
+"""The Redis stream door: jobs submitted with `Client("redis://...")` and collected from Redis.
+
+1. One controller, 2 local workers, no-op handler, the journal on: 10,000 jobs
+   submitted by one thread (`client.submit`, an XADD each) while another collects
+   each outcome (`job.result()`: the results stream, then `job:<id>`), beside the
+   UDP door of the same controller (udp-client's engine, 64 in flight) in the same run.
+2. 1, 2 and 3 controllers, one local worker each, on one stream (this machine has
+   2 CPUs, so this shows the door's overhead more than a second host's gain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.common import socket_dir
+from bench.e2e_bench import HANDLER, drive
+from controller.client import Client, Job
+from tests.helpers import REDIS_SERVER, live_controller, redis_server
+
+JOBS = 10_000
+WORKER = ["--", "--handler", HANDLER, "--log-level", "ERROR"]
+
+
+def redis_rate(url: str, jobs: int) -> float:
+    """Submit `jobs` in one thread while another collects each result; jobs per second."""
+    done: queue.Queue[Job | None] = queue.Queue()
+    failures: list[BaseException] = []
+
+    def collect() -> None:
+        try:
+            while (job := done.get()) is not None:
+                job.result(timeout=120)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    with Client(url) as client:
+        collector = threading.Thread(target=collect)
+        start = time.perf_counter()
+        collector.start()
+        for _ in range(jobs):
+            done.put(client.submit(b""))
+        done.put(None)
+        collector.join()
+        elapsed = time.perf_counter() - start
+    if failures:
+        raise failures[0]
+    return jobs / elapsed
+
+
+def _controllers(tmp: Path, url: str, count: int, workers: int) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for n in range(count):
+        directory = tmp / f"c{n}"
+        directory.mkdir()
+        stack.enter_context(
+            live_controller(directory, "--workers", str(workers), *WORKER, redis={"url": url})
+        )
+    return stack
+
+
+def main() -> dict[str, Any]:
+    if REDIS_SERVER is None:
+        print("Redis door: skipped, redis-server is not installed", flush=True)
+        return {}
+    results: dict[str, Any] = {}
+    with socket_dir() as tmp, redis_server(tmp) as server:
+        url = server.url
+        with live_controller(tmp, "--workers", "2", *WORKER, redis={"url": url}) as ctl:
+            redis_rate(url, 300)  # warm up
+            trio.run(drive, ctl.udp_port, 300, 8, 50_000_000)
+            rates = [redis_rate(url, JOBS) for _ in range(2)]
+            udp_rate, _ = trio.run(drive, ctl.udp_port, JOBS, 64, 1)
+        results["one_controller_2_workers"] = {
+            "redis_jobs_per_s": round(max(rates)),
+            "redis_runs": [round(r) for r in rates],
+            "udp_door_jobs_per_s": round(udp_rate),
+        }
+        print(
+            f"Redis door, 1 controller, 2 workers, no-op, journal on: {max(rates):,.0f} jobs/s "
+            f"submitted with Client('redis://') and collected from Redis (runs: "
+            f"{', '.join(f'{r:,.0f}' for r in rates)}) [target >= 2,500]; UDP door of the same "
+            f"controller {udp_rate:,.0f} jobs/s",
+            flush=True,
+        )
+    scaling = {}
+    for count in (1, 2, 3):
+        with (
+            socket_dir() as tmp,
+            redis_server(tmp) as server,
+            _controllers(tmp, server.url, count, 1),
+        ):
+            redis_rate(server.url, 300)
+            scaling[count] = round(redis_rate(server.url, JOBS // 2))
+    results["controllers_1_worker_each"] = scaling
+    print(
+        "Redis door, N controllers with 1 worker each on one stream (2 CPUs in all): "
+        + ", ".join(f"{n}: {rate:,} jobs/s" for n, rate in scaling.items()),
+        flush=True,
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()
