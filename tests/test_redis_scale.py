@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from controller.client import Client
+from controller.client import Client, JobFailed
 from tests.helpers import (
     REDIS_SERVER,
     RedisServer,
@@ -48,8 +48,22 @@ class Host:
 
     directory: Path
     controller: subprocess.Popen[bytes]
-    worker: subprocess.Popen[bytes]
+    worker: subprocess.Popen[bytes] | None
     http_port: int
+
+    def start_worker(self, job: list[str] | None = None) -> None:
+        args = job or recording_exec(self.execlog)
+        self.worker = subprocess.Popen(worker_argv(self.directory / "s", *args))
+
+    def stop(self) -> None:
+        self.controller.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.controller.wait(timeout=20)
+        reap(self.controller)
+        if self.worker is not None:
+            reap(self.worker)
+        text = (self.directory / "controller.log").read_text(errors="replace")
+        assert "Traceback" not in text, text[-5000:]
 
     @property
     def execlog(self) -> Path:
@@ -59,8 +73,16 @@ class Host:
         return len(self.execlog.read_text().split()) if self.execlog.exists() else 0
 
 
-def start_host(directory: Path, redis_url: str, *, http: bool = False) -> Host:
-    directory.mkdir()
+def start_host(
+    directory: Path,
+    redis_url: str,
+    *,
+    http: bool = False,
+    job: list[str] | None = None,
+    worker: bool = True,
+) -> Host:
+    """A controller (and its worker, running `job` or the recording echo) in `directory`."""
+    directory.mkdir(exist_ok=True)
     sockets = directory / "s"
     http_port = free_tcp_port()
     config = write_config(
@@ -75,8 +97,10 @@ def start_host(directory: Path, redis_url: str, *, http: bool = False) -> Host:
         controller = subprocess.Popen(controller_argv(config, log_level="INFO"), stderr=sink)
     wait_for_condition(lambda: (sockets / "main.sock").exists() or controller.poll() is not None)
     assert controller.poll() is None, (directory / "controller.log").read_text()
-    worker = subprocess.Popen(worker_argv(sockets, *recording_exec(directory / "exec.log")))
-    return Host(directory, controller, worker, http_port)
+    host = Host(directory, controller, None, http_port)
+    if worker:
+        host.start_worker(job)
+    return host
 
 
 @contextlib.contextmanager
@@ -88,13 +112,7 @@ def hosts(tmp: Path, redis_url: str, count: int) -> Iterator[list[Host]]:
         yield started
     finally:
         for host in started:
-            host.controller.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                host.controller.wait(timeout=20)
-            reap(host.controller)
-            reap(host.worker)
-            text = (host.directory / "controller.log").read_text(errors="replace")
-            assert "Traceback" not in text, text[-5000:]
+            host.stop()
 
 
 def produce(url: str, prefix: str) -> list[str]:
@@ -184,8 +202,73 @@ def test_redis_down_at_start_other_doors_serve_then_it_catches_up(tmp_path):
                 doors = {job["door"] for job in json.load(resp).values()}
             assert doors == {"http", "redis"}
         finally:
-            host.controller.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                host.controller.wait(timeout=20)
-            reap(host.controller)
-            reap(host.worker)
+            host.stop()
+
+
+def slow_job(execlog: Path) -> list[str]:
+    return ["--exec", "sh", "-c", f'echo "$TASK_ID" >> {execlog}; sleep 3; cat']
+
+
+def test_a_long_job_is_not_taken_from_a_live_controller(tmp_path):
+    """claim_after 1 s (here 2 s) and a 3 s job: its controller keeps its entry fresh, so
+    the idle second controller never claims it, and it runs once."""
+    with redis_server(tmp_path) as server:
+        busy_dir = tmp_path / "busy"
+        busy = start_host(busy_dir, server.url, job=slow_job(busy_dir / "exec.log"))
+        idle = None
+        try:
+            with Client(server.url) as client:
+                job = client.submit("long", id="long-job")
+                wait_for_condition(lambda: busy.execlog.exists())
+                idle = start_host(tmp_path / "idle", server.url)
+                assert job.result(timeout=30) == b"long"
+            assert busy.ran() == 1 and idle.ran() == 0
+            assert "claimed" not in (idle.directory / "controller.log").read_text()
+        finally:
+            busy.stop()
+            if idle is not None:
+                idle.stop()
+
+
+def test_a_job_canceled_before_any_controller_read_it_never_runs(tmp_path):
+    with redis_server(tmp_path) as server, hosts(tmp_path, server.url, 0):
+        host = start_host(tmp_path / "h", server.url, worker=False)  # no worker: reads nothing
+        try:
+            with Client(server.url) as client:
+                job = client.submit("never", id="canceled-early")
+                assert client.cancel("canceled-early").state == "canceled"
+                host.start_worker()
+                after = client.submit("after")
+                assert after.result(timeout=30) == b"after"
+                r = redis.Redis.from_url(server.url)
+                wait_for_condition(lambda: r.xinfo_groups("jobs")[0]["pending"] == 0)
+                with pytest.raises(JobFailed) as info:
+                    job.result(timeout=5)
+                assert info.value.state == "canceled"
+            assert host.ran() == 1  # "after" only
+            assert results(r)["canceled-early"] == 1
+            r.close()
+        finally:
+            host.stop()
+
+
+def test_a_restarted_controller_takes_its_own_entries_back(tmp_path):
+    """SIGKILL mid-run and a restart (same consumer, same journal) well within claim_after:
+    what it held is read again from its own pending entries; every job gets one outcome."""
+    with redis_server(tmp_path) as server:
+        r = redis.Redis.from_url(server.url)
+        host = start_host(tmp_path / "h", server.url)
+        try:
+            ids = produce(server.url, "restart")
+            wait_for_condition(lambda: r.xlen("jobs:results") >= JOBS // 4, timeout=60)
+            host.controller.kill()
+            host.controller.wait()
+            restarted = start_host(tmp_path / "h", server.url, worker=False)
+            host.controller = restarted.controller  # its worker registers again by itself
+            wait_for_condition(lambda: r.xlen("jobs:results") >= JOBS, timeout=120)
+            wait_for_condition(lambda: r.xinfo_groups("jobs")[0]["pending"] == 0)
+            check_every_job_once(r, ids, "restart")
+            assert host.ran() >= JOBS
+        finally:
+            host.stop()
+            r.close()
