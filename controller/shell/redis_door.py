@@ -395,10 +395,10 @@ class RedisDoor:
     def _write(
         self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], progress: dict[str, str]
     ) -> None:
+        # Scripts are called one by one: a pipeline would ask SCRIPT EXISTS on every execute.
         stamp = rfc3339(time.time())
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, state in progress.items():
-            self._progress_script(keys=[streams.job_key(job_id)], args=[state, stamp], client=pipe)
+        for job_id, state in progress.items():  # rare: jobs live for over a second
+            self._progress_script(keys=[streams.job_key(job_id)], args=[state, stamp])
         if outcomes:
             keys = [streams.results_stream(self.stream), self.stream]
             args: list[Any] = [self.group, stamp, self.retention_ms]
@@ -406,8 +406,7 @@ class RedisDoor:
                 keys.append(streams.job_key(job_id))
                 acked = acks[job_id]
                 args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
-            self._outcomes_script(keys=keys, args=args, client=pipe)
-        pipe.execute()
+            self._outcomes_script(keys=keys, args=args)
 
     def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[str]]) -> None:
         now = trio.current_time()
