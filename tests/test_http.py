@@ -6,6 +6,7 @@ import base64
 import collections
 import functools
 import ipaddress
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -326,6 +327,19 @@ async def test_silent_connection_is_closed_and_harms_nobody(sockdir):
         with trio.fail_after(IDLE_TIMEOUT + 5):
             assert await silent.receive_some() == b""  # closed by the server
         await silent.aclose()
+
+
+async def test_client_gone_mid_body_is_refused_quietly(sockdir, caplog):
+    """Found by `make chaos`: half a body then a closed connection raised out of the app."""
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        host, port = ctl.url.removeprefix("http://").rsplit(":", 1)
+        half = await trio.open_tcp_stream(host, int(port))
+        await half.send_all(b"POST /job/ HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        await half.aclose()
+        await wait_until(lambda: ctl.web.counters["errors"] == 1)
+        resp = await http.post("/job/", json={"payload": "still serving"})
+        assert resp.status_code == 201 and ctl.shell.core.counters.submitted == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_journal_that_cannot_record_gets_503_and_nothing_is_queued(sockdir, tmp_path):

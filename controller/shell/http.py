@@ -23,7 +23,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.run import worker_serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
@@ -339,17 +339,20 @@ class HttpDoor:
         too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         chunks = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:
-                too_big = True
-            if too_big:
-                # Read (and drop) a bounded amount more, so that the client, still sending,
-                # gets to read its 413; past that the connection is simply closed.
-                if size > self.max_body + DRAIN_LIMIT:
-                    break
-                continue
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body:
+                    too_big = True
+                if too_big:
+                    # Read (and drop) a bounded amount more, so that the client, still sending,
+                    # gets to read its 413; past that the connection is simply closed.
+                    if size > self.max_body + DRAIN_LIMIT:
+                        break
+                    continue
+                chunks.append(chunk)
+        except ClientDisconnect:  # it went away mid-body: nobody to answer, nothing done
+            raise ApiError(400, "the client closed the connection before the body ended") from None
         if too_big:
             raise ApiError(413, f"the body is over {self.max_body} bytes")
         return b"".join(chunks)
