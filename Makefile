@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv proto run test lint bench chaos clean
+.PHONY: venv proto run test lint bench bench-peers chaos clean
 
 venv: $(STAMP)
 
@@ -47,9 +47,15 @@ bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench
 
+# The same workload against Gearman, Celery, Dramatiq, RQ and Huey (installed in .venv-peers,
+# servers from Debian's packages), beside our doors, in one run. Not part of `make test`.
+bench-peers: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.peers
+
 # Every fault at once for 4 minutes (seeded); exit status 1 if an acknowledged task was lost.
 chaos: $(STAMP)
 	$(BIN)/python -m bench.chaos --seconds 240
 
 clean:
-	rm -rf $(VENV) .run build *.egg-info
+	rm -rf $(VENV) .venv-peers .run build *.egg-info
