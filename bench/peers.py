@@ -2,7 +2,8 @@
 
 2 workers, no-op jobs, one client: throughput (JOBS submitted, then every result collected)
 and one job at a time (submit, wait for the result; p50 and p99), for each peer and for our
-three doors (UDP, HTTP, Redis; `controller --workers 2`, default layout, journal on), beside
+three doors (UDP, HTTP, Redis), each with 2 workers of each kind (local, calculators,
+pollers; default layout, journal on), beside
 ProcessPoolExecutor(2), all in the same run. The peers' Python packages go in a venv of their
 own (.venv-peers), Debian's redis-server and gearman-job-server are installed when missing
 (as root), and every server and worker is started here and stopped by pid (its process
@@ -27,18 +28,19 @@ from typing import Any
 import trio
 
 from bench.common import percentile, socket_dir
-from bench.e2e_bench import HANDLER, drive, ppe_rate
+from bench.e2e_bench import drive, ppe_rate
 from bench.http_bench import _async_throughput, _one_at_a_time
 from bench.redis_bench import redis_rate
+from bench.remote_bench import controller_with
 from controller.client import Client
-from tests.helpers import RedisServer, free_tcp_port, live_controller, wait_for_condition
+from tests.helpers import RedisServer, free_tcp_port, wait_for_condition
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 VENV = ROOT / ".venv-peers"
 PACKAGES = ["celery[redis]", "dramatiq[redis]", "rq", "huey", "redis", "python3-gearman"]
 SYSTEMS = ("gearman", "huey", "celery", "dramatiq", "rq")
-WORKER = ["--", "--handler", HANDLER, "--log-level", "ERROR"]
+KINDS = ("local", "calculator", "poller")
 
 
 def ensure_tools() -> None:
@@ -149,7 +151,12 @@ def _redis_one_at_a_time(url: str, jobs: int) -> list[float]:
     return out
 
 
-def measure_ours(redis_url: str, jobs: int, one: int) -> dict[str, dict[str, Any]]:
+def measure_ours(
+    redis_url: str, jobs: int, one: int, kinds: tuple[str, ...] = KINDS
+) -> dict[str, dict[str, Any]]:
+    """Each door (UDP, HTTP, Redis) with 2 workers of each kind (local, calculator, poller);
+    default layout, journal on."""
+
     def figures(rate: float, lat: list[float]) -> dict[str, Any]:
         return {
             "jobs_per_s": round(rate),
@@ -157,23 +164,24 @@ def measure_ours(redis_url: str, jobs: int, one: int) -> dict[str, dict[str, Any
             "p99_ms": round(percentile(lat, 0.99) * 1000, 3),
         }
 
-    with (
-        socket_dir() as tmp,
-        live_controller(tmp, "--workers", "2", *WORKER, redis={"url": redis_url}) as ctl,
-    ):
-        trio.run(drive, ctl.udp_port, 300, 8, 50_000_000)  # warm up
-        redis_rate(redis_url, 300)
-        udp_rate, _ = trio.run(drive, ctl.udp_port, jobs, 64, 1)
-        _, udp_lat = trio.run(drive, ctl.udp_port, one, 1, 60_000_000)
-        http_rate = trio.run(_async_throughput, ctl.url, jobs)
-        http_lat = trio.run(_one_at_a_time, ctl.url, one)
-        stream_rate = redis_rate(redis_url, jobs)
-        stream_lat = _redis_one_at_a_time(redis_url, one)
-    return {
-        "ours: UDP door": figures(udp_rate, udp_lat),
-        "ours: HTTP door": figures(http_rate, http_lat),
-        "ours: Redis door": figures(stream_rate, stream_lat),
-    }
+    rows = {}
+    for kind in kinds:
+        stream = f"bench-{kind}"
+        url = f"{redis_url}?stream={stream}"
+        with controller_with(kind, redis={"url": redis_url, "stream": stream}) as ctl:
+            trio.run(drive, ctl.udp_port, 300, 8, 50_000_000)  # warm up
+            redis_rate(url, 300)
+            udp_rate, _ = trio.run(drive, ctl.udp_port, jobs, 64, 1)
+            _, udp_lat = trio.run(drive, ctl.udp_port, one, 1, 60_000_000)
+            http_rate = trio.run(_async_throughput, ctl.url, jobs)
+            http_lat = trio.run(_one_at_a_time, ctl.url, one)
+            stream_rate = redis_rate(url, jobs)
+            stream_lat = _redis_one_at_a_time(url, one)
+        workers = {"local": "local", "calculator": "calculators", "poller": "pollers"}[kind]
+        rows[f"ours: UDP, {workers}"] = figures(udp_rate, udp_lat)
+        rows[f"ours: HTTP, {workers}"] = figures(http_rate, http_lat)
+        rows[f"ours: Redis, {workers}"] = figures(stream_rate, stream_lat)
+    return rows
 
 
 def plot(rows: dict[str, dict[str, Any]], ppe: float, path: Path) -> None:
@@ -203,6 +211,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=5000, help="jobs per throughput run")
     parser.add_argument("--one", type=int, default=300, help="jobs one at a time, for latency")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="peers to run")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help="our worker kinds to run (each door with each)"
+    )
     args = parser.parse_args()
     ensure_tools()
     rows: dict[str, dict[str, Any]] = {}
@@ -243,7 +254,8 @@ def main() -> None:
                     print(f"measuring {system} ...", flush=True)
                     rows[system] = measure_peer(system, args.jobs, args.one, env, logs)
             print("measuring our doors ...", flush=True)
-            rows.update(measure_ours(server.url, args.jobs, args.one))
+            kinds = tuple(kind for kind in args.kinds.split(",") if kind)
+            rows.update(measure_ours(server.url, args.jobs, args.one, kinds))
             ppe = ppe_rate(2, args.jobs * 2)
         finally:
             server.stop()

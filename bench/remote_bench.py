@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import trio
 
 from bench.common import median, socket_dir
 from bench.e2e_bench import HANDLER, drive, ppe_rate
-from tests.helpers import live_controller, reap, wait_for_condition
+from tests.helpers import LiveController, live_controller, reap, wait_for_condition
 
 JOBS = 6000
 WINDOW = 64
@@ -41,24 +43,30 @@ def _remote(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
-def _rate(kind: str, jobs: int) -> float:
+@contextlib.contextmanager
+def controller_with(kind: str, **settings: Any) -> Iterator[LiveController]:
+    """A live controller with 2 no-op workers of `kind` (local, calculator or poller)."""
     with socket_dir() as tmp:
         local = ["--workers", "2", "--", "--handler", HANDLER, "--log-level", "ERROR"]
         args = local if kind == "local" else []
-        with live_controller(Path(tmp), *args, journal=None) as ctl:
+        with live_controller(Path(tmp), *args, **settings) as ctl:
             procs = []
             if kind == "calculator":
                 procs = [_remote("--udp", f"127.0.0.1:{ctl.udp_port}") for _ in range(2)]
             elif kind == "poller":
                 procs = [_remote("--hub", ctl.url, "--name", f"p{n}") for n in range(2)]
             try:
-                if procs:
-                    wait_for_condition(lambda: _workers(ctl.url) >= 1, 30)
-                trio.run(drive, ctl.udp_port, 200, 8, 50_000_000)  # warm up
-                rate, _ = trio.run(drive, ctl.udp_port, jobs, WINDOW, 1)
+                wait_for_condition(lambda: _workers(ctl.url) == 2, 30)
+                yield ctl
             finally:
                 for proc in procs:
                     reap(proc)
+
+
+def _rate(kind: str, jobs: int) -> float:
+    with controller_with(kind, journal=None) as ctl:
+        trio.run(drive, ctl.udp_port, 200, 8, 50_000_000)  # warm up
+        rate, _ = trio.run(drive, ctl.udp_port, jobs, WINDOW, 1)
     return rate
 
 
