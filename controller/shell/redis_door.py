@@ -377,8 +377,8 @@ class RedisDoor:
         while True:
             await self._work.wait()
             self._work = trio.Event()
-            if len(self.outbox) < WRITE_GATHER and self.entries:
-                # More outcomes are on their way: one round trip for several of them.
+            if len(self.outbox) < WRITE_GATHER and len(self.entries) > len(self.outbox):
+                # Other held jobs are still running: one round trip for several outcomes.
                 with trio.move_on_after(WRITE_GATHER_WAIT):
                     while len(self.outbox) < WRITE_GATHER:
                         await self._work.wait()
