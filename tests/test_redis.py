@@ -48,6 +48,11 @@ class Setup:
     execlog: Path
     r: redis.Redis
     metrics_port: int
+    tmp: Path
+
+    @property
+    def controller_log(self) -> Path:
+        return self.tmp / "controller.log"
 
     @property
     def url(self) -> str:
@@ -74,7 +79,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             metrics_address={"host": "127.0.0.1", "port": metrics_port},
         ) as ctl:
             r = redis.Redis.from_url(server.url)
-            yield Setup(server, ctl, execlog, r, metrics_port)
+            yield Setup(server, ctl, execlog, r, metrics_port, tmp)
             r.close()
 
 
@@ -248,3 +253,19 @@ def test_unreachable_redis_is_a_clear_client_error():
     ):
         client.submit("x")
     assert info.value.status == "redis"
+
+
+def test_a_stream_deleted_or_of_the_wrong_type_is_ridden_out(setup):
+    """Last in this module: it deletes the stream. A key `jobs` that is no stream makes every
+    call fail (logged, the HTTP door serves on); once it is gone, the controller creates the
+    stream and its group again and takes new jobs."""
+    setup.r.delete("jobs")
+    setup.r.set("jobs", "not a stream")
+    log = setup.controller_log
+    wait_for_condition(lambda: "WRONGTYPE" in log.read_text())
+    with Client(setup.controller.url) as http:
+        assert http.submit("over http meanwhile").result(timeout=20) == b"over http meanwhile"
+    setup.r.delete("jobs")
+    with Client(setup.url) as client:
+        assert client.submit("after").result(timeout=30) == b"after"
+    assert "redis: working again" in log.read_text()

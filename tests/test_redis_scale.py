@@ -167,7 +167,7 @@ def test_a_controller_killed_and_redis_restarted_lose_nothing(tmp_path):
         assert all(survivors), survivors
         assert sum(host.ran() for host in three) >= JOBS
         logs = (three[0].directory / "controller.log").read_text()
-        assert "redis: reachable again" in logs
+        assert "redis: working again" in logs
         r.close()
 
 
@@ -195,7 +195,7 @@ def test_redis_down_at_start_other_doors_serve_then_it_catches_up(tmp_path):
                     assert job.result(timeout=30) == b"over redis"
                 text = log.read_text()
                 assert text.count("redis: redis://") == 1, "one line per interval, not per retry"
-                assert "redis: reachable again" in text
+                assert "redis: working again" in text
             finally:
                 server.stop()
             with urllib.request.urlopen(f"http://127.0.0.1:{host.http_port}/job/") as resp:

@@ -23,6 +23,7 @@ log line says so (at most one per interval), and the other doors go on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -143,21 +144,25 @@ class RedisDoor:
             self.redis.close()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a blocking Redis call in a thread; while Redis fails, retry with backoff."""
+        """Run a blocking Redis call in a thread; while Redis fails, retry with backoff.
+
+        Any Redis error is ridden out this way, not only a lost connection: a Redis that
+        refuses commands (read-only replica, out of memory, `stream` of the wrong type)
+        must not stop the controller's other doors. A stream or group deleted under us
+        (NOGROUP: also a Redis restarted without persistence) is created again."""
         backoff = BACKOFF_FIRST
         while True:
             try:
                 answer = await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            except redis.RedisError as exc:
                 self._failed(exc)
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                self._failed(exc)  # the stream or group was deleted: create them again
+                if "NOGROUP" in str(exc):
+                    with contextlib.suppress(redis.RedisError):
+                        await trio.to_thread.run_sync(self._ensure_group, abandon_on_cancel=True)
             else:
                 if self.down_since is not None:
                     log.warning(
-                        "redis: reachable again after %.1f s", time.monotonic() - self.down_since
+                        "redis: working again after %.1f s", time.monotonic() - self.down_since
                     )
                     self.down_since = None
                     self.last_error = ""
@@ -180,7 +185,7 @@ class RedisDoor:
         elif now - self._last_log >= LOG_INTERVAL:
             self._last_log = now
             log.warning(
-                "redis: still unreachable after %.0f s: %s", now - self.down_since, self.last_error
+                "redis: still failing after %.0f s: %s", now - self.down_since, self.last_error
             )
 
     def status(self) -> dict[str, Any]:
