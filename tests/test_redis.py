@@ -256,7 +256,7 @@ def test_unreachable_redis_is_a_clear_client_error():
 
 
 def test_a_stream_deleted_or_of_the_wrong_type_is_ridden_out(setup):
-    """Last in this module: it deletes the stream. A key `jobs` that is no stream makes every
+    """It deletes the stream (the tests after it find it created again). A key `jobs` that is no stream makes every
     call fail (logged, the HTTP door serves on); once it is gone, the controller creates the
     stream and its group again and takes new jobs."""
     setup.r.delete("jobs")
@@ -269,3 +269,16 @@ def test_a_stream_deleted_or_of_the_wrong_type_is_ridden_out(setup):
     with Client(setup.url) as client:
         assert client.submit("after").result(timeout=30) == b"after"
     assert "redis: working again" in log.read_text()
+
+
+def test_an_async_wait_is_cancelled_at_once(setup):
+    async def main() -> float:
+        async with AsyncClient(setup.url) as client:
+            job = await client.submit("sleep to cancel", id="async-wait-cancelled")
+            start = trio.current_time()
+            with trio.move_on_after(0.3):
+                await job.result()  # no timeout: only the cancel ends it
+            await client.cancel("async-wait-cancelled")
+            return trio.current_time() - start
+
+    assert trio.run(main) < 5

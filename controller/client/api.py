@@ -318,7 +318,10 @@ class AsyncJob:
 
     async def result(self, timeout: float | None = None) -> bytes:
         if self._sync is not None:
-            return await anyio.to_thread.run_sync(self._sync.result, timeout)
+            # A cancelled wait leaves the thread to finish its (bounded) wait on its own.
+            return await anyio.to_thread.run_sync(
+                self._sync.result, timeout, abandon_on_cancel=True
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._data.get("state") not in FINAL:
             if deadline is not None and time.monotonic() >= deadline:
