@@ -248,17 +248,25 @@ class RedisDoor:
         """Our own pending entries (read before a restart or a lost answer): take each once."""
         start = "0"
         while True:
-            batch = await self._call(self._read_own, start)
-            if not batch:
+            batch, last = await self._call(self._read_own, start)
+            if not last:
                 return
             self._take(batch, claimed=False)
-            start = batch[-1].entry_id
+            start = last
 
-    def _read_own(self, start: str) -> list[Entry]:
+    def _read_own(self, start: str) -> tuple[list[Entry], str]:
+        """A page of our pending entries after `start`, and the last id on it ("" at the end).
+        Entries deleted from the stream while pending are acknowledged here."""
         answer: Any = self.redis.xreadgroup(
             self.group, self.consumer, {self.stream: start}, count=WRITE_BATCH
         )
-        return self._with_states(answer[0][1] if answer else [])
+        raw = answer[0][1] if answer else []
+        if not raw:
+            return [], ""
+        deleted = [entry_id for entry_id, fields in raw if fields is None]
+        if deleted:
+            self.redis.xack(self.stream, self.group, *deleted)
+        return self._with_states(raw), raw[-1][0].decode()
 
     def _read_new(self, count: int) -> list[Entry]:
         """New entries with their hashes' states: in one script while entries are waiting,
@@ -316,6 +324,8 @@ class RedisDoor:
             self.entries[job_id] = [entry.entry_id]
             if entry.hash_state in streams.FINAL_STATES:  # ended elsewhere: just acknowledge
                 self.counters["skipped"] += 1
+                if entry.hash_state == "canceled":  # e.g. recovered from our journal, live
+                    self._cancel(job_id)
                 self._queue_outcome(job_id, Outcome(entry.hash_state, b"", ""))
                 continue
             job = self.book.get(job_id)
