@@ -1,8 +1,8 @@
 """The Redis stream door (DESIGN.md section 10): one queue for several controllers, one per host.
 
 redis-py is a blocking (or asyncio) client, and the controller runs on trio, so
-every Redis call runs in a worker thread (`trio.to_thread.run_sync`); the
-state (which entries this controller holds, which outcomes wait to be
+every Redis call (controller/shell/redis_calls.py) runs in a worker thread
+(`trio.to_thread.run_sync`); the state (which entries this controller holds, which outcomes wait to be
 written) lives in the trio loop alone, so nothing is shared with a thread but
 the call's arguments and its answer. Four tasks:
 
@@ -24,11 +24,11 @@ log line says so (at most one per interval), and the other doors go on.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -37,10 +37,11 @@ import trio
 from controller import streams
 from controller.config import Config
 from controller.frontdoor import DoorAction, Send
-from controller.httpapi import MAX_ID_LENGTH, rfc3339, valid_id
+from controller.httpapi import MAX_ID_LENGTH, valid_id
 from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
+from controller.shell.redis_calls import WRITE_BATCH, Entry, Outcome, StreamCalls
 
 log = logging.getLogger("controller.redis")
 
@@ -50,35 +51,16 @@ T = TypeVar("T")
 PREFETCH = 10
 # While jobs are queued, entries are read when there is room for at least this many.
 READ_AT_LEAST = PREFETCH // 2
-# How long one XREADGROUP waits for new entries (ms); also bounds a shutdown's wait.
-READ_BLOCK_MS = 1000
 # Backoff while Redis is unreachable: first wait, cap.
 BACKOFF_FIRST = 0.1
 BACKOFF_CAP = 5.0
 # At most one "still unreachable" log line per this many seconds.
 LOG_INTERVAL = 30.0
-# Outcomes written per round trip, at most.
-WRITE_BATCH = 500
 # A writer with fewer outcomes than this waits up to WRITE_GATHER_WAIT seconds for more.
 WRITE_GATHER = 16
 WRITE_GATHER_WAIT = 0.002
 # How often the lag and pending count are read (and stopped consumers' entries looked for).
 KEEP_INTERVAL = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    state: str
-    result: bytes
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    entry_id: str
-    fields: dict[bytes, bytes]
-    hash_state: str  # the state its job:<id> hash has ("" when none)
-    job_id: str
 
 
 class RedisDoor:
@@ -91,18 +73,16 @@ class RedisDoor:
         self.stream = settings.stream
         self.group = settings.group
         self.consumer = settings.consumer or f"{socket.gethostname()}:{config.socket_dir}"
-        self.retention_ms = max(1, int(config.result_retention * 1000))
         self.max_payload = config.max_extra_size
-        self.claim_after_ms = max(1, int(settings.claim_after * 1000))
         try:
-            self.redis = redis.Redis.from_url(
-                settings.url, socket_connect_timeout=5, socket_timeout=READ_BLOCK_MS / 1000 + 10
+            self.calls = StreamCalls(
+                settings,
+                self.consumer,
+                retention_ms=max(1, int(config.result_retention * 1000)),
+                claim_after_ms=max(1, int(settings.claim_after * 1000)),
             )
         except ValueError as exc:
             raise StartupError(f"redis url {settings.url!r}: {exc}") from None
-        self._outcomes_script = self.redis.register_script(streams.OUTCOMES_SCRIPT)
-        self._read_script = self.redis.register_script(streams.READ_SCRIPT)
-        self._progress_script = self.redis.register_script(streams.PROGRESS_SCRIPT)
         self.desk = desk
         self.book = desk.book
         self.core = shell.core
@@ -113,7 +93,6 @@ class RedisDoor:
         self._room = trio.Event()
         self._work = trio.Event()
         self._reread = True  # read our own pending entries again before new ones
-        self._claim_cursor = "0-0"
         self.down_since: float | None = None
         self._last_log = 0.0
         self.last_error = ""
@@ -141,7 +120,7 @@ class RedisDoor:
                 nursery.start_soon(self._listen_loop)
                 task_status.started()
         finally:
-            self.redis.close()
+            self.calls.close()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking Redis call in a thread; while Redis fails, retry with backoff.
@@ -158,7 +137,9 @@ class RedisDoor:
                 self._failed(exc)
                 if "NOGROUP" in str(exc):
                     with contextlib.suppress(redis.RedisError):
-                        await trio.to_thread.run_sync(self._ensure_group, abandon_on_cancel=True)
+                        await trio.to_thread.run_sync(
+                            self.calls.ensure_group, abandon_on_cancel=True
+                        )
             else:
                 if self.down_since is not None:
                     log.warning(
@@ -229,87 +210,22 @@ class RedisDoor:
                     await self._room.wait()
                 continue
             if self._reread:
-                await self._call(self._ensure_group)
+                await self._call(self.calls.ensure_group)
                 self._reread = False
                 await self._take_own()
                 continue
-            batch = await self._call(self._read_new, want)
+            batch = await self._call(self.calls.read_new, want)
             self._take(batch, claimed=False)
-
-    def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-            log.info("redis: created group %r on stream %r", self.group, self.stream)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
 
     async def _take_own(self) -> None:
         """Our own pending entries (read before a restart or a lost answer): take each once."""
         start = "0"
         while True:
-            batch, last = await self._call(self._read_own, start)
+            batch, last = await self._call(self.calls.read_own, start)
             if not last:
                 return
             self._take(batch, claimed=False)
             start = last
-
-    def _read_own(self, start: str) -> tuple[list[Entry], str]:
-        """A page of our pending entries after `start`, and the last id on it ("" at the end).
-        Entries deleted from the stream while pending are acknowledged here."""
-        answer: Any = self.redis.xreadgroup(
-            self.group, self.consumer, {self.stream: start}, count=WRITE_BATCH
-        )
-        raw = answer[0][1] if answer else []
-        if not raw:
-            return [], ""
-        deleted = [entry_id for entry_id, fields in raw if fields is None]
-        if deleted:
-            self.redis.xack(self.stream, self.group, *deleted)
-        return self._with_states(raw), raw[-1][0].decode()
-
-    def _read_new(self, count: int) -> list[Entry]:
-        """New entries with their hashes' states: in one script while entries are waiting,
-        else by a blocking read (then the states in a second round trip)."""
-        waiting: Any = self._read_script(
-            keys=[self.stream], args=[self.group, self.consumer, count]
-        )
-        if waiting:
-            entries = []
-            for entry_id, flat, state in waiting:
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                eid = entry_id.decode()
-                entries.append(Entry(eid, fields, state.decode(), self._job_id(eid, fields)))
-            return entries
-        answer: Any = self.redis.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=READ_BLOCK_MS
-        )
-        return self._with_states(answer[0][1] if answer else [])
-
-    def _with_states(self, raw: Sequence[tuple[Any, Any]]) -> list[Entry]:
-        """Entries with their job's id and the state of its hash (one round trip)."""
-        entries = []
-        for entry_id, fields in raw:
-            if fields is None:  # deleted from the stream while pending
-                continue
-            eid = entry_id.decode()
-            entries.append(Entry(eid, fields, "", self._job_id(eid, fields)))
-        if not entries:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for entry in entries:
-            pipe.hget(streams.job_key(entry.job_id), "state")
-        states = pipe.execute()
-        return [
-            Entry(e.entry_id, e.fields, s.decode() if s else "", e.job_id)
-            for e, s in zip(entries, states, strict=True)
-        ]
-
-    def _job_id(self, entry_id: str, fields: dict[bytes, bytes]) -> str:
-        given = fields.get(b"id")
-        if given:
-            return given.decode("utf-8", "replace")
-        return streams.entry_job_id(self.stream, entry_id)
 
     def _take(self, batch: list[Entry], *, claimed: bool) -> None:
         now = trio.current_time()
@@ -399,29 +315,13 @@ class RedisDoor:
                         await self._work.wait()
                         self._work = trio.Event()
             while self.outbox or self.progress:
-                outcomes = dict(list(self.outbox.items())[:WRITE_BATCH])
+                outcomes = dict(itertools.islice(self.outbox.items(), WRITE_BATCH))
                 for job_id in outcomes:
                     del self.outbox[job_id]
                 progress, self.progress = self.progress, {}
                 acks = {job_id: list(self.entries.get(job_id, ())) for job_id in outcomes}
-                await self._call(self._write, outcomes, acks, progress)
+                await self._call(self.calls.write, outcomes, acks, progress)
                 self._written(outcomes, acks)
-
-    def _write(
-        self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], progress: dict[str, str]
-    ) -> None:
-        # Scripts are called one by one: a pipeline would ask SCRIPT EXISTS on every execute.
-        stamp = rfc3339(time.time())
-        for job_id, state in progress.items():  # rare: jobs live for over a second
-            self._progress_script(keys=[streams.job_key(job_id)], args=[state, stamp])
-        if outcomes:
-            keys = [streams.results_stream(self.stream), self.stream]
-            args: list[Any] = [self.group, stamp, self.retention_ms]
-            for job_id, outcome in outcomes.items():
-                keys.append(streams.job_key(job_id))
-                acked = acks[job_id]
-                args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
-            self._outcomes_script(keys=keys, args=args)
 
     def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[str]]) -> None:
         now = trio.current_time()
@@ -455,15 +355,15 @@ class RedisDoor:
                 refreshed = now
                 held = [entry for entries in self.entries.values() for entry in entries]
                 live = [job_id for job_id in self.entries if job_id not in self.outbox]
-                states = await self._call(self._refresh, held, live)
+                states = await self._call(self.calls.refresh, held, live)
                 for job_id, state in zip(live, states, strict=True):
                     if state == "canceled":
                         self._cancel(job_id)
             want = self.room()
             if want > 0:
-                batch = await self._call(self._claim, want)
+                batch = await self._call(self.calls.claim, want)
                 self._take(batch, claimed=True)
-            self.lag, self.pending = await self._call(self._group_info)
+            self.lag, self.pending = await self._call(self.calls.group_info)
 
     def _look_over_held(self) -> None:
         """Once a second: a held job that ended without telling this door (another door's job
@@ -485,67 +385,18 @@ class RedisDoor:
                 self.reported[job_id] = self.progress[job_id] = word
                 self._work.set()
 
-    def _refresh(self, held: list[str], live: list[str]) -> list[str]:
-        """Re-claim our entries for ourselves (their idle time starts again), and read the
-        states of our live jobs' hashes (a cancel whose announcement we missed)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for start in range(0, len(held), WRITE_BATCH):
-            chunk: list[Any] = held[start : start + WRITE_BATCH]
-            pipe.xclaim(self.stream, self.group, self.consumer, 0, chunk, justid=True)
-        for job_id in live:
-            pipe.hget(streams.job_key(job_id), "state")
-        answers = pipe.execute()[-len(live) :] if live else []
-        return [state.decode() if state else "" for state in answers]
-
-    def _claim(self, count: int) -> list[Entry]:
-        """Entries idle past `claim_after` on another consumer: a controller that stopped."""
-        cursor, raw, *_ = self.redis.xautoclaim(
-            self.stream,
-            self.group,
-            self.consumer,
-            self.claim_after_ms,
-            start_id=self._claim_cursor,
-            count=count,
-        )
-        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        entries = self._with_states(raw)
-        if entries:
-            log.info(
-                "redis: claimed %d entries idle for over %g s (a controller stopped?)",
-                len(entries),
-                self.settings.claim_after,
-            )
-        return entries
-
-    def _group_info(self) -> tuple[int | None, int | None]:
-        for group in self.redis.xinfo_groups(self.stream):
-            name = group.get("name")
-            if name in (self.group, self.group.encode()):
-                return group.get("lag"), group.get("pending")
-        return None, None
-
     # ------------------------------------------------------------ canceling
 
     async def _listen_loop(self) -> None:
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        pubsub = self.calls.pubsub()
         try:
             await self._call(pubsub.subscribe, streams.cancel_channel(self.stream))
             while True:
-                ids = await self._call(self._heard, pubsub)
+                ids = await self._call(self.calls.heard, pubsub)
                 for job_id in ids:
                     self._cancel(job_id)
         finally:
             pubsub.close()
-
-    @staticmethod
-    def _heard(pubsub: Any) -> list[str]:
-        message = pubsub.get_message(timeout=1.0)
-        ids = []
-        while message is not None:
-            if message.get("type") == "message":
-                ids.append(message["data"].decode("utf-8", "replace"))
-            message = pubsub.get_message(timeout=0)
-        return ids
 
     def _cancel(self, job_id: str) -> None:
         job = self.book.get(job_id)

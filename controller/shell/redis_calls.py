@@ -1,0 +1,200 @@
+"""The Redis stream door's calls to Redis: everything here runs in a worker thread.
+
+redis-py is blocking, so `controller/shell/redis_door.py` calls these through
+`trio.to_thread.run_sync`; this class holds the connection pool and the
+scripts of controller/streams.py, and no state of the door's (what it holds,
+what waits to be written): arguments in, answers out. The one exception is the
+XAUTOCLAIM cursor, which only the door's keeper task moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from controller import streams
+from controller.config import RedisSettings
+from controller.httpapi import rfc3339
+
+log = logging.getLogger("controller.redis")
+
+# How long one XREADGROUP waits for new entries (ms); also bounds a shutdown's wait.
+READ_BLOCK_MS = 1000
+# Outcomes written per round trip, at most (and entries read per page of our own).
+WRITE_BATCH = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    state: str
+    result: bytes
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    entry_id: str
+    fields: dict[bytes, bytes]
+    hash_state: str  # the state its job:<id> hash has ("" when none)
+    job_id: str
+
+
+class StreamCalls:
+    """One consumer's blocking calls on one stream and group."""
+
+    def __init__(
+        self, settings: RedisSettings, consumer: str, retention_ms: int, claim_after_ms: int
+    ) -> None:
+        self.settings = settings
+        self.stream = settings.stream
+        self.group = settings.group
+        self.consumer = consumer
+        self.retention_ms = retention_ms
+        self.claim_after_ms = claim_after_ms
+        # ValueError for a URL redis-py cannot use (the door turns it into a StartupError).
+        self.redis = redis.Redis.from_url(
+            settings.url, socket_connect_timeout=5, socket_timeout=READ_BLOCK_MS / 1000 + 10
+        )
+        self._outcomes = self.redis.register_script(streams.OUTCOMES_SCRIPT)
+        self._read = self.redis.register_script(streams.READ_SCRIPT)
+        self._progress = self.redis.register_script(streams.PROGRESS_SCRIPT)
+        self._claim_cursor = "0-0"
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def pubsub(self) -> Any:
+        return self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+
+    def ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+            log.info("redis: created group %r on stream %r", self.group, self.stream)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read_own(self, start: str) -> tuple[list[Entry], str]:
+        """A page of our pending entries after `start`, and the last id on it ("" at the end).
+        Entries deleted from the stream while pending are acknowledged here."""
+        answer: Any = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: start}, count=WRITE_BATCH
+        )
+        raw = answer[0][1] if answer else []
+        if not raw:
+            return [], ""
+        deleted = [entry_id for entry_id, fields in raw if fields is None]
+        if deleted:
+            self.redis.xack(self.stream, self.group, *deleted)
+        return self.with_states(raw), raw[-1][0].decode()
+
+    def read_new(self, count: int) -> list[Entry]:
+        """New entries with their hashes' states: in one script while entries are waiting,
+        else by a blocking read (then the states in a second round trip)."""
+        waiting: Any = self._read(keys=[self.stream], args=[self.group, self.consumer, count])
+        if waiting:
+            entries = []
+            for entry_id, flat, state in waiting:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                eid = entry_id.decode()
+                entries.append(Entry(eid, fields, state.decode(), self.job_id(eid, fields)))
+            return entries
+        answer: Any = self.redis.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=READ_BLOCK_MS
+        )
+        return self.with_states(answer[0][1] if answer else [])
+
+    def with_states(self, raw: Sequence[tuple[Any, Any]]) -> list[Entry]:
+        """Entries with their job's id and the state of its hash (one round trip)."""
+        entries = []
+        for entry_id, fields in raw:
+            if fields is None:  # deleted from the stream while pending
+                continue
+            eid = entry_id.decode()
+            entries.append(Entry(eid, fields, "", self.job_id(eid, fields)))
+        if not entries:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in entries:
+            pipe.hget(streams.job_key(entry.job_id), "state")
+        states = pipe.execute()
+        return [
+            Entry(e.entry_id, e.fields, s.decode() if s else "", e.job_id)
+            for e, s in zip(entries, states, strict=True)
+        ]
+
+    def job_id(self, entry_id: str, fields: dict[bytes, bytes]) -> str:
+        given = fields.get(b"id")
+        if given:
+            return given.decode("utf-8", "replace")
+        return streams.entry_job_id(self.stream, entry_id)
+
+    def write(
+        self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], progress: dict[str, str]
+    ) -> None:
+        # Scripts are called one by one: a pipeline would ask SCRIPT EXISTS on every execute.
+        stamp = rfc3339(time.time())
+        for job_id, state in progress.items():  # rare: jobs live for over a second
+            self._progress(keys=[streams.job_key(job_id)], args=[state, stamp])
+        if outcomes:
+            keys = [streams.results_stream(self.stream), self.stream]
+            args: list[Any] = [self.group, stamp, self.retention_ms]
+            for job_id, outcome in outcomes.items():
+                keys.append(streams.job_key(job_id))
+                acked = acks[job_id]
+                args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
+            self._outcomes(keys=keys, args=args)
+
+    def refresh(self, held: list[str], live: list[str]) -> list[str]:
+        """Re-claim our entries for ourselves (their idle time starts again), and read the
+        states of our live jobs' hashes (a cancel whose announcement we missed)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for start in range(0, len(held), WRITE_BATCH):
+            chunk: list[Any] = held[start : start + WRITE_BATCH]
+            pipe.xclaim(self.stream, self.group, self.consumer, 0, chunk, justid=True)
+        for job_id in live:
+            pipe.hget(streams.job_key(job_id), "state")
+        answers = pipe.execute()[-len(live) :] if live else []
+        return [state.decode() if state else "" for state in answers]
+
+    def claim(self, count: int) -> list[Entry]:
+        """Entries idle past `claim_after` on another consumer: a controller that stopped."""
+        cursor, raw, *_ = self.redis.xautoclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            self.claim_after_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+        entries = self.with_states(raw)
+        if entries:
+            log.info(
+                "redis: claimed %d entries idle for over %g s (a controller stopped?)",
+                len(entries),
+                self.settings.claim_after,
+            )
+        return entries
+
+    def group_info(self) -> tuple[int | None, int | None]:
+        for group in self.redis.xinfo_groups(self.stream):
+            name = group.get("name")
+            if name in (self.group, self.group.encode()):
+                return group.get("lag"), group.get("pending")
+        return None, None
+
+    @staticmethod
+    def heard(pubsub: Any) -> list[str]:
+        message = pubsub.get_message(timeout=1.0)
+        ids = []
+        while message is not None:
+            if message.get("type") == "message":
+                ids.append(message["data"].decode("utf-8", "replace"))
+            message = pubsub.get_message(timeout=0)
+        return ids
