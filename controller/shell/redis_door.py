@@ -2,9 +2,9 @@
 
 redis-py is a blocking (or asyncio) client, and the controller runs on trio, so
 every Redis call (controller/shell/redis_calls.py) runs in a worker thread
-(`trio.to_thread.run_sync`); the state (which entries this controller holds, which outcomes wait to be
-written) lives in the trio loop alone, so nothing is shared with a thread but
-the call's arguments and its answer. Four tasks:
+(`trio.to_thread.run_sync`); the state (which entries this controller holds,
+which outcomes wait to be written) lives in the trio loop alone, so nothing is
+shared with a thread but the call's arguments and its answer. Four tasks:
 
 - the reader takes only as many entries as it can start soon (idle workers
   plus a prefetch), checks each against its `job:<id>` hash (an entry whose
