@@ -80,6 +80,7 @@ def start_host(
     http: bool = False,
     job: list[str] | None = None,
     worker: bool = True,
+    claim_after: float = CLAIM_AFTER,
 ) -> Host:
     """A controller (and its worker, running `job` or the recording echo) in `directory`."""
     directory.mkdir(exist_ok=True)
@@ -91,7 +92,7 @@ def start_host(
         journal=str(directory / "journal.sqlite3"),
         client_address={"host": "127.0.0.1", "port": free_udp_port()},
         http_address={"host": "127.0.0.1", "port": http_port} if http else None,
-        redis={"url": redis_url, "claim_after": CLAIM_AFTER},
+        redis={"url": redis_url, "claim_after": claim_after},
     )
     with (directory / "controller.log").open("ab") as sink:
         controller = subprocess.Popen(controller_argv(config, log_level="INFO"), stderr=sink)
@@ -269,6 +270,35 @@ def test_a_restarted_controller_takes_its_own_entries_back(tmp_path):
             wait_for_condition(lambda: r.xinfo_groups("jobs")[0]["pending"] == 0)
             check_every_job_once(r, ids, "restart")
             assert host.ran() >= JOBS
+        finally:
+            host.stop()
+            r.close()
+
+
+def test_an_entry_deleted_while_held_is_acknowledged_after_a_restart(tmp_path):
+    """XDEL of an entry a controller holds, then SIGKILL and a restart: its own pending list
+    names the entry with no fields; it is acknowledged (not pending for ever), and the job,
+    recovered from the journal, still ends with its outcome in Redis."""
+    with redis_server(tmp_path) as server:
+        r = redis.Redis.from_url(server.url)
+        directory = tmp_path / "h"
+        # claim_after 60 s: XAUTOCLAIM, which also drops deleted entries, does not run here.
+        slow = slow_job(directory / "exec.log")
+        host = start_host(directory, server.url, job=slow, claim_after=60)
+        try:
+            with Client(server.url) as client:
+                job = client.submit("deleted", id="deleted-entry")
+                wait_for_condition(lambda: host.ran() == 1)
+                entry: Any = r.xrange("jobs")
+                r.xdel("jobs", entry[0][0])
+                host.controller.kill()
+                host.controller.wait()
+                again = start_host(directory, server.url, worker=False, claim_after=60)
+                host.controller = again.controller
+                wait_for_condition(lambda: r.xinfo_groups("jobs")[0]["pending"] == 0)
+                assert job.result(timeout=30) == b"deleted"
+            assert results(r)["deleted-entry"] == 1
+            assert host.ran() == 1  # the deleted entry did not become a job of its own
         finally:
             host.stop()
             r.close()

@@ -88,7 +88,8 @@ class StreamCalls:
         raw = answer[0][1] if answer else []
         if not raw:
             return [], ""
-        deleted = [entry_id for entry_id, fields in raw if fields is None]
+        # redis-py gives an entry deleted from the stream as no fields (an entry has >= 1).
+        deleted = [entry_id for entry_id, fields in raw if not fields]
         if deleted:
             self.redis.xack(self.stream, self.group, *deleted)
         return self.with_states(raw), raw[-1][0].decode()
@@ -113,7 +114,7 @@ class StreamCalls:
         """Entries with their job's id and the state of its hash (one round trip)."""
         entries = []
         for entry_id, fields in raw:
-            if fields is None:  # deleted from the stream while pending
+            if not fields:  # deleted from the stream while pending (redis-py: {} or None)
                 continue
             eid = entry_id.decode()
             entries.append(Entry(eid, fields, "", self.job_id(eid, fields)))
