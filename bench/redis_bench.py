@@ -4,14 +4,19 @@
    submitted by one thread (`client.submit`, an XADD each) while another collects
    each outcome (`job.result()`: the results stream, then `job:<id>`), beside the
    UDP door of the same controller (udp-client's engine, 64 in flight) in the same run.
-2. 1, 2 and 3 controllers, one local worker each, on one stream (this machine has
+2. The same in the tuned layout of the UDP door's figures: the controller alone on
+   CPU 0 polling before it sleeps (`--cpus 0 --busy-poll 200`), its workers, the client
+   and redis-server on CPU 1.
+3. 1, 2 and 3 controllers, one local worker each, on one stream (this machine has
    2 CPUs, so this shows the door's overhead more than a second host's gain).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,7 +25,7 @@ from typing import Any
 import trio
 
 from bench.common import socket_dir
-from bench.e2e_bench import HANDLER, drive
+from bench.e2e_bench import BUSY_POLL_US, CONTROLLER_CPUS, HANDLER, OTHER_CPUS, client_cpus, drive
 from controller.client import Client, Job
 from tests.helpers import REDIS_SERVER, live_controller, redis_server
 
@@ -87,6 +92,26 @@ def main() -> dict[str, Any]:
             f"submitted with Client('redis://') and collected from Redis (runs: "
             f"{', '.join(f'{r:,.0f}' for r in rates)}) [target >= 2,500]; UDP door of the same "
             f"controller {udp_rate:,.0f} jobs/s",
+            flush=True,
+        )
+    if len(os.sched_getaffinity(0)) >= 2:
+        tuned = ["--cpus", CONTROLLER_CPUS, "--busy-poll", str(BUSY_POLL_US), "--workers", "2"]
+        tuned += [*WORKER, "--cpus", OTHER_CPUS]
+        with socket_dir() as tmp, redis_server(tmp) as server:
+            assert server.proc is not None
+            subprocess.run(
+                ["taskset", "-pc", OTHER_CPUS, str(server.proc.pid)],
+                check=False,
+                capture_output=True,
+            )
+            with live_controller(tmp, *tuned, redis={"url": server.url}), client_cpus(True):
+                redis_rate(server.url, 300)
+                rates = [redis_rate(server.url, JOBS) for _ in range(2)]
+        results["tuned_layout_2_workers"] = {"redis_jobs_per_s": round(max(rates))}
+        print(
+            f"Redis door, the same, controller alone on CPU {CONTROLLER_CPUS} with --busy-poll "
+            f"{BUSY_POLL_US}, workers, client and redis-server on CPU {OTHER_CPUS}: "
+            f"{max(rates):,.0f} jobs/s (runs: {', '.join(f'{r:,.0f}' for r in rates)})",
             flush=True,
         )
     scaling = {}
