@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import trio
 
 from bench.common import socket_dir
 from bench.e2e_bench import BUSY_POLL_US, CONTROLLER_CPUS, HANDLER, OTHER_CPUS, client_cpus, drive
+from controller.affinity import parse_cpus
 from controller.client import Client, Job
 from tests.helpers import REDIS_SERVER, live_controller, redis_server
 
@@ -99,11 +99,7 @@ def main() -> dict[str, Any]:
         tuned += [*WORKER, "--cpus", OTHER_CPUS]
         with socket_dir() as tmp, redis_server(tmp) as server:
             assert server.proc is not None
-            subprocess.run(
-                ["taskset", "-pc", OTHER_CPUS, str(server.proc.pid)],
-                check=False,
-                capture_output=True,
-            )
+            os.sched_setaffinity(server.proc.pid, parse_cpus(OTHER_CPUS))
             with live_controller(tmp, *tuned, redis={"url": server.url}), client_cpus(True):
                 redis_rate(server.url, 300)
                 rates = [redis_rate(server.url, JOBS) for _ in range(2)]
