@@ -282,3 +282,18 @@ def test_an_async_wait_is_cancelled_at_once(setup):
             return trio.current_time() - start
 
     assert trio.run(main) < 5
+
+
+def test_redis_losing_everything_loses_no_held_job(setup):
+    """FLUSHALL (a Redis restarted without persistence) while a job runs: its outcome is still
+    written when it ends, the group is created again, and new jobs run."""
+    with Client(setup.url) as client:
+        job = client.submit("sleep briefly", id="held-through-flush")
+        wait_for_condition(lambda: job.state == "working")
+        setup.r.flushall()
+        # The job sleeps 30 s: cancel it (by its hash) to end it now; its outcome lands.
+        client.cancel("held-through-flush")
+        with pytest.raises(JobFailed):
+            job.result(timeout=20)
+        assert client.submit("after the flush").result(timeout=30) == b"after the flush"
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
