@@ -21,7 +21,7 @@ import uuid
 FINAL_STATES = ("finished", "failed", "canceled", "deleted")
 # How long a results stream grows before old entries are trimmed (approximately).
 RESULTS_MAXLEN = 100_000
-# Where a cancel is announced, so that the controller running the job stops it at once.
+# The `error` of a job canceled through the client.
 CANCEL_ERROR = "canceled by a user"
 
 
@@ -34,6 +34,7 @@ def results_stream(stream: str) -> str:
 
 
 def cancel_channel(stream: str) -> str:
+    """Where a cancel is announced, so that the controller running the job stops it at once."""
     return f"{stream}:cancel"
 
 
@@ -75,7 +76,9 @@ return written
 """
 
 # New entries for a consumer (XREADGROUP without blocking), each with the state of its
-# job's hash when the entry names its job (`id`): one round trip for both.
+# job's hash when the entry names its job (`id`): one round trip for both. It reads hashes
+# it is not given in KEYS (their names come from the entries): fine on one Redis, not on
+# Redis Cluster.
 # KEYS: jobs stream. ARGV: group, consumer, count. Returns {entry id, fields, state} each.
 READ_SCRIPT = """
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
