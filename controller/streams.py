@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 # The states a job's hash may hold once it ended (section 7's words).
 FINAL_STATES = ("finished", "failed", "canceled", "deleted")
@@ -23,6 +24,19 @@ FINAL_STATES = ("finished", "failed", "canceled", "deleted")
 RESULTS_MAXLEN = 100_000
 # The `error` of a job canceled through the client.
 CANCEL_ERROR = "canceled by a user"
+
+
+def shown_url(url: str) -> str:
+    """The Redis URL for logs: its password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def job_key(job_id: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,16 +18,18 @@ import redis
 import trio
 
 from controller.client import AsyncClient, Client, ControllerError, JobFailed
-from controller.streams import entry_job_id
+from controller.streams import entry_job_id, shown_url
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
     RedisServer,
+    controller_argv,
     free_tcp_port,
     live_controller,
     redis_server,
     run_udp_client,
     wait_for_condition,
+    write_config,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -297,3 +300,23 @@ def test_redis_losing_everything_loses_no_held_job(setup):
             job.result(timeout=20)
         assert client.submit("after the flush").result(timeout=30) == b"after the flush"
     wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+
+
+def test_a_password_in_the_url_never_reaches_the_log():
+    assert shown_url("redis://:s3cret@db.example:6380/2") == "redis://:***@db.example:6380/2"
+    assert shown_url("redis://app:s3cret@[::1]/0") == "redis://app:***@[::1]/0"
+    assert shown_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_a_bad_redis_url_stops_the_start_with_a_clear_message(tmp_path):
+    config = write_config(
+        tmp_path,
+        socket_dir=str(tmp_path / "s"),
+        journal=None,
+        client_address={"host": "127.0.0.1", "port": 0},
+        redis={"url": "http://:pw@127.0.0.1:6379/0"},
+    )
+    done = subprocess.run(controller_argv(config), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "controller: redis url 'http://:***@127.0.0.1:6379/0'" in done.stderr
+    assert "pw" not in done.stderr

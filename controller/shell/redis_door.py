@@ -82,7 +82,7 @@ class RedisDoor:
                 claim_after_ms=max(1, int(settings.claim_after * 1000)),
             )
         except ValueError as exc:
-            raise StartupError(f"redis url {settings.url!r}: {exc}") from None
+            raise StartupError(f"redis url {streams.shown_url(settings.url)!r}: {exc}") from None
         self.desk = desk
         self.book = desk.book
         self.core = shell.core
@@ -110,7 +110,7 @@ class RedisDoor:
             self.stream,
             self.group,
             self.consumer,
-            self.settings.url,
+            streams.shown_url(self.settings.url),
         )
         try:
             async with trio.open_nursery() as nursery:
@@ -159,7 +159,7 @@ class RedisDoor:
             self.down_since = self._last_log = now
             log.warning(
                 "redis: %s: %s; the other doors go on, retrying (backoff up to %g s)",
-                self.settings.url,
+                streams.shown_url(self.settings.url),
                 self.last_error,
                 BACKOFF_CAP,
             )
