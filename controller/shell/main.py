@@ -57,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="controller",
         description=(
-            "Dispatch jobs to worker processes over Unix sockets. Workers register on "
-            "SOCKET_DIR/main.sock; clients submit jobs over UDP (see udp-client)."
+            "Dispatch jobs to worker processes. Local workers register on SOCKET_DIR/main.sock; "
+            "calculators (worker --udp) and pollers (worker --hub) join over the network. Jobs "
+            "come in over UDP (client_address, see udp-client), HTTP (http_address) and a "
+            "Redis stream shared with other controllers (redis)."
         ),
         epilog=(
             "Arguments after -- go to every local worker, e.g. "
