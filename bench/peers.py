@@ -87,7 +87,7 @@ def process_group(
         proc.wait()
 
 
-def worker_commands(system: str) -> list[list[str]]:
+def worker_commands(system: str, redis_url: str) -> list[list[str]]:
     """The peer's own way of running 2 workers."""
     bin_ = VENV / "bin"
     if system == "huey":
@@ -113,7 +113,7 @@ def worker_commands(system: str) -> list[list[str]]:
     if system == "dramatiq":
         return [[str(bin_ / "dramatiq"), "peers_tasks", "--processes", "2", "--threads", "1"]]
     if system == "rq":
-        url = os.environ["PEERS_REDIS"] + "/4"
+        url = f"{redis_url}/4"
         return [[str(bin_ / "rq"), "worker", "--url", url, "bench"] for _ in range(2)]
     return [[str(bin_ / "python"), "peers_tasks.py", "gearman-worker"] for _ in range(2)]
 
@@ -122,7 +122,7 @@ def measure_peer(
     system: str, jobs: int, one: int, env: dict[str, str], logs: Path
 ) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        for n, argv in enumerate(worker_commands(system)):
+        for n, argv in enumerate(worker_commands(system, env["PEERS_REDIS"])):
             stack.enter_context(process_group(argv, env, logs / f"{system}-worker{n}.log"))
         driver = [
             str(VENV / "bin" / "python"),
@@ -249,7 +249,6 @@ def main() -> None:
                     PEERS_GEARMAN_PORT=str(gear_port),
                     PYTHONPATH=str(HERE),
                 )
-                os.environ["PEERS_REDIS"] = env["PEERS_REDIS"]
                 wait_for_condition(lambda: _listening(gear_port))
                 for system in args.systems.split(","):
                     print(f"measuring {system} ...", flush=True)

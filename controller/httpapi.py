@@ -76,6 +76,10 @@ def max_body(max_payload: int) -> int:
     return max_payload * 4 // 3 + BODY_OVERHEAD
 
 
+# What a submitter-given job id may be, as an error message says it (every door, the client).
+ID_RULE = f"id must be 1 to {MAX_ID_LENGTH} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
+
+
 def valid_id(job_id: str) -> bool:
     """A job id a submitter may give: 1 to 200 of the characters of ID_PATTERN."""
     return 0 < len(job_id) <= MAX_ID_LENGTH and set(job_id) <= _ID_CHARS
@@ -125,7 +129,7 @@ def parse_new_job(body: bytes, max_payload: int) -> NewJob:
     data = _object(body, NEW_JOB_FIELDS)
     job_id = _text(data, "id", MAX_ID_LENGTH)
     if job_id is not None and not valid_id(job_id):
-        raise ApiError(400, "id must be 1 to 200 of the characters A-Z a-z 0-9 and . _ : ~ @ + = -")
+        raise ApiError(400, ID_RULE)
     return NewJob(
         id=job_id,
         payload=_bytes(data, "payload", max_payload) or b"",

@@ -39,8 +39,12 @@ def shown_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+# A job's hash is JOB_PREFIX + its id (job_key; READ_SCRIPT builds the same name in Lua).
+JOB_PREFIX = "job:"
+
+
 def job_key(job_id: str) -> str:
-    return f"job:{job_id}"
+    return f"{JOB_PREFIX}{job_id}"
 
 
 def results_stream(stream: str) -> str:
@@ -94,18 +98,20 @@ return written
 # it is not given in KEYS (their names come from the entries): fine on one Redis, not on
 # Redis Cluster.
 # KEYS: jobs stream. ARGV: group, consumer, count. Returns {entry id, fields, state} each.
-READ_SCRIPT = """
+READ_SCRIPT = f"""
 local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
                      'STREAMS', KEYS[1], '>')
-if not r then return {} end
-local out = {}
+if not r then return {{}} end
+local out = {{}}
 for _, e in ipairs(r[1][2]) do
   local fields = e[2]
   local state = false
   for j = 1, #fields, 2 do
-    if fields[j] == 'id' then state = redis.call('HGET', 'job:' .. fields[j + 1], 'state') end
+    if fields[j] == 'id' then
+      state = redis.call('HGET', '{JOB_PREFIX}' .. fields[j + 1], 'state')
+    end
   end
-  out[#out + 1] = {e[1], fields, state or ''}
+  out[#out + 1] = {{e[1], fields, state or ''}}
 end
 return out
 """

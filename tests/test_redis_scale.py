@@ -179,31 +179,30 @@ def restart_redis(server: RedisServer) -> None:
 
 def test_redis_down_at_start_other_doors_serve_then_it_catches_up(tmp_path):
     server = RedisServer(tmp_path / "redis", port=free_tcp_port())
-    with hosts(tmp_path, server.url, 0):
-        host = start_host(tmp_path / "lone", server.url, http=True)
+    host = start_host(tmp_path / "lone", server.url, http=True)
+    try:
+        # The HTTP door serves while Redis is down.
+        with Client(f"http://127.0.0.1:{host.http_port}") as client:
+            assert client.submit("over http").result(timeout=20) == b"over http"
+        log = host.directory / "controller.log"
+        wait_for_condition(lambda: "redis: redis://" in log.read_text())
+        with urllib.request.urlopen(f"http://127.0.0.1:{host.http_port}/") as resp:
+            assert "unreachable" in resp.read().decode()
+        server.start()
         try:
-            # The HTTP door serves while Redis is down.
-            with Client(f"http://127.0.0.1:{host.http_port}") as client:
-                assert client.submit("over http").result(timeout=20) == b"over http"
-            log = host.directory / "controller.log"
-            wait_for_condition(lambda: "redis: redis://" in log.read_text())
-            with urllib.request.urlopen(f"http://127.0.0.1:{host.http_port}/") as resp:
-                assert "unreachable" in resp.read().decode()
-            server.start()
-            try:
-                with Client(server.url) as client:
-                    job = client.submit("over redis")
-                    assert job.result(timeout=30) == b"over redis"
-                text = log.read_text()
-                assert text.count("redis: redis://") == 1, "one line per interval, not per retry"
-                assert "redis: working again" in text
-            finally:
-                server.stop()
-            with urllib.request.urlopen(f"http://127.0.0.1:{host.http_port}/job/") as resp:
-                doors = {job["door"] for job in json.load(resp).values()}
-            assert doors == {"http", "redis"}
+            with Client(server.url) as client:
+                job = client.submit("over redis")
+                assert job.result(timeout=30) == b"over redis"
+            text = log.read_text()
+            assert text.count("redis: redis://") == 1, "one line per interval, not per retry"
+            assert "redis: working again" in text
         finally:
-            host.stop()
+            server.stop()
+        with urllib.request.urlopen(f"http://127.0.0.1:{host.http_port}/job/") as resp:
+            doors = {job["door"] for job in json.load(resp).values()}
+        assert doors == {"http", "redis"}
+    finally:
+        host.stop()
 
 
 def slow_job(execlog: Path) -> list[str]:
@@ -232,7 +231,7 @@ def test_a_long_job_is_not_taken_from_a_live_controller(tmp_path):
 
 
 def test_a_job_canceled_before_any_controller_read_it_never_runs(tmp_path):
-    with redis_server(tmp_path) as server, hosts(tmp_path, server.url, 0):
+    with redis_server(tmp_path) as server:
         host = start_host(tmp_path / "h", server.url, worker=False)  # no worker: reads nothing
         try:
             with Client(server.url) as client:

@@ -31,6 +31,8 @@ from controller import datagram as dg
 from controller.client.stream import RedisBackend
 from controller.client.udp import UdpBackend, UdpError
 
+# get and cancel over udp://.
+_NO_SUCH_REQUEST = "get and cancel need http:// or redis:// (the UDP door has no such request)"
 FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
 # Longest single ?wait= the server allows; longer waits are several of them.
 MAX_WAIT = 60.0
@@ -248,9 +250,7 @@ class Client:
 
     def _need_http(self) -> httpx.Client:
         if self._http is None:
-            raise ValueError(
-                "get and cancel need http:// or redis:// (the UDP door has no such request)"
-            )
+            raise ValueError(_NO_SUCH_REQUEST)
         return self._http
 
     def _udp(self) -> UdpBackend:
@@ -391,9 +391,7 @@ class AsyncClient:
 
     def _need_http(self) -> httpx.AsyncClient:
         if self._http is None:
-            raise ValueError(
-                "get and cancel need http:// or redis:// (the UDP door has no such request)"
-            )
+            raise ValueError(_NO_SUCH_REQUEST)
         return self._http
 
     async def _get_json(self, job_id: str, wait: float) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from controller import streams
-from controller.httpapi import MAX_ID_LENGTH, rfc3339, valid_id
+from controller.httpapi import ID_RULE, rfc3339, valid_id
 
 # How long one blocking XREAD of the results waits (ms): also how soon close() is noticed.
 WATCH_BLOCK_MS = 1000
@@ -61,9 +61,7 @@ class RedisBackend:
         if job_id is None:
             job_id = str(uuid.uuid4()).upper()
         elif not valid_id(job_id):
-            raise ValueError(
-                f"id must be 1 to {MAX_ID_LENGTH} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
-            )
+            raise ValueError(ID_RULE)
         fields: dict[Any, Any] = {"payload": payload, "id": job_id}
         if name is not None:
             fields["name"] = name

@@ -37,7 +37,7 @@ import trio
 from controller import streams
 from controller.config import Config
 from controller.frontdoor import DoorAction, Send
-from controller.httpapi import MAX_ID_LENGTH, valid_id
+from controller.httpapi import ID_RULE, valid_id
 from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
@@ -70,8 +70,6 @@ class RedisDoor:
         settings = config.redis
         assert settings is not None
         self.settings = settings
-        self.stream = settings.stream
-        self.group = settings.group
         self.consumer = settings.consumer or f"{socket.gethostname()}:{config.socket_dir}"
         self.max_payload = config.max_extra_size
         try:
@@ -107,8 +105,8 @@ class RedisDoor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         log.info(
             "redis: taking jobs from stream %r (group %r, consumer %r) at %s",
-            self.stream,
-            self.group,
+            self.settings.stream,
+            self.settings.group,
             self.consumer,
             streams.shown_url(self.settings.url),
         )
@@ -173,8 +171,8 @@ class RedisDoor:
         """What `udp-client status`, the status page and the metrics show of this door."""
         return {
             "connected": self.down_since is None,
-            "stream": self.stream,
-            "group": self.group,
+            "stream": self.settings.stream,
+            "group": self.settings.group,
             "consumer": self.consumer,
             "lag": self.lag,
             "pending": self.pending,
@@ -270,9 +268,7 @@ class RedisDoor:
     def _check(self, entry: Entry, job_id: str) -> str:
         """Why an entry cannot become a job ("" when it can)."""
         if b"id" in entry.fields and not valid_id(job_id):
-            return (
-                f"id must be 1 to {MAX_ID_LENGTH} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
-            )
+            return ID_RULE
         size = len(entry.fields.get(b"payload", b""))
         if size > self.max_payload:
             return f"payload is {size} bytes, over max_extra_size ({self.max_payload})"
@@ -380,7 +376,7 @@ class RedisDoor:
             if state.final:
                 self._queue_outcome(job_id, _outcome_of(job))
                 continue
-            word = "working" if state is JobState.WORKING else "pending"
+            word = state.value  # pending, requested or working
             if self.reported.get(job_id, "pending") != word:
                 self.reported[job_id] = self.progress[job_id] = word
                 self._work.set()
@@ -390,7 +386,7 @@ class RedisDoor:
     async def _listen_loop(self) -> None:
         pubsub = self.calls.pubsub()
         try:
-            await self._call(pubsub.subscribe, streams.cancel_channel(self.stream))
+            await self._call(pubsub.subscribe, streams.cancel_channel(self.settings.stream))
             while True:
                 ids = await self._call(self.calls.heard, pubsub)
                 for job_id in ids:
