@@ -9,7 +9,9 @@ paths register their sockets in one level-triggered epoll set owned by a
 is pollable) and runs the ready sockets' callbacks in the order the events
 arrived. Timers (mostly timeouts that never fire) live in a second task, so a
 round needs no cancel scope. With `busy_poll` the reactor keeps looking for a
-while before it sleeps (for a process on a CPU of its own).
+while before it sleeps (for a process on a CPU of its own); with
+`busy_poll=None` it does so adaptively, only while events come close together
+(see `_poll_adaptively`).
 
 The exchanges themselves (dial, send, read the answer) are in
 controller/transport.py. Callbacks run in the reactor's task and must not
@@ -30,6 +32,10 @@ from controller.deadlines import Deadlines
 
 # The timer task looks at the heap at least this often (see _timer_task).
 TIMER_TICK = 0.5
+# Adaptive polling (busy_poll=None): the window starts here after a short sleep, doubles
+# after each sleep no longer than the longest window, and drops to 0 after a longer one.
+ADAPTIVE_START = 25e-6
+ADAPTIVE_MAX = 200e-6
 
 
 class Timer:
@@ -47,21 +53,30 @@ class Timer:
 class Reactor:
     """One epoll set and one timer heap, serviced by `run` in a single trio task."""
 
-    def __init__(self, busy_poll: float = 0.0) -> None:
-        """`busy_poll`: seconds to keep polling after the last event before sleeping (0: never).
+    def __init__(self, busy_poll: float | None = 0.0) -> None:
+        """`busy_poll`: seconds to keep polling after the last event before sleeping (0: never;
+        None: adaptively, up to ADAPTIVE_MAX).
 
         A process that sleeps must be woken by the kernel for its next event,
         which costs both sides tens of microseconds on some machines (virtual
-        CPUs); one that polls sees the event at once. Worth it only on a CPU of
-        its own: polling takes that CPU while traffic flows.
+        CPUs); one that polls sees the event at once. A fixed window is worth it
+        only on a CPU of its own: polling takes that CPU while traffic flows. The
+        adaptive window polls only while the sleeps it would replace are short,
+        so a quiet controller, or one whose jobs take milliseconds, never polls.
         """
         self.busy_poll = busy_poll
+        self._window = 0.0  # the adaptive poll window now
         self._epoll = select.epoll()
         self._watched: dict[int, tuple[socket.socket, Callable[[int], None]]] = {}
         self._last: set[int] = set()  # served after the others in each round
         self._timers: Deadlines[Timer] = Deadlines()
         self._wake = trio.Event()
         self._timer_at = math.inf  # when the timer task wakes up next
+
+    @property
+    def poll_window(self) -> float:
+        """Seconds the adaptive reactor polls before its next sleep (0: it sleeps at once)."""
+        return self._window
 
     def watch(
         self,
@@ -94,6 +109,13 @@ class Reactor:
             if not self._epoll.closed:
                 self._epoll.unregister(fd)
 
+    def forget(self, sock: socket.socket) -> None:
+        """Stop watching `sock`, which the caller closes right away: closing it takes it out
+        of the epoll set, so this saves an epoll_ctl call."""
+        fd = sock.fileno()
+        if self._watched.pop(fd, None) is not None:
+            self._last.discard(fd)
+
     def call_at(self, when: float, callback: Callable[[float], None]) -> Timer:
         """Call `callback(now)` once the trio clock reaches `when`."""
         timer = Timer(callback)
@@ -119,7 +141,9 @@ class Reactor:
                 nursery.start_soon(self._timer_task)
                 task_status.started()
                 while True:
-                    if self.busy_poll:
+                    if self.busy_poll is None:
+                        ready = await self._poll_adaptively()
+                    elif self.busy_poll:
                         ready = await self._poll_busily()
                     else:
                         await trio.lowlevel.wait_readable(epfd)
@@ -147,6 +171,33 @@ class Reactor:
             if time.perf_counter() >= give_up:
                 await trio.lowlevel.wait_readable(self._epoll.fileno())
                 return self._epoll.poll(0)
+
+    async def _poll_adaptively(self) -> list[tuple[int, int]]:
+        """The next events: poll for the current window, then sleep; then size the window.
+
+        The rule of Linux's KVM halt polling: a sleep no longer than the longest
+        window could have been a poll, so the window grows (doubles); a longer
+        one means events are far apart, and the window closes. Idle, or with
+        jobs that take milliseconds, every sleep is long and nothing polls.
+        """
+        epoll = self._epoll
+        window = self._window
+        if window:
+            give_up = time.perf_counter() + window
+            while True:
+                await trio.lowlevel.checkpoint()  # the other tasks run between looks
+                ready = epoll.poll(0)
+                if ready:
+                    return ready
+                if time.perf_counter() >= give_up:
+                    break
+        asleep = time.perf_counter()
+        await trio.lowlevel.wait_readable(epoll.fileno())
+        if time.perf_counter() - asleep <= ADAPTIVE_MAX:
+            self._window = min(ADAPTIVE_MAX, max(ADAPTIVE_START, 2 * window))
+        else:
+            self._window = 0.0
+        return epoll.poll(0)
 
     async def _timer_task(self) -> None:
         timers = self._timers

@@ -31,6 +31,9 @@ from controller.reactor import Reactor, Timer
 # A full listen backlog makes a non-blocking Unix connect fail with EAGAIN and no
 # completion event: retry after this pause until the timeout.
 CONNECT_RETRY = 0.001
+# Accepted sockets stay in blocking mode (no ioctl per accept): every call on them says
+# MSG_DONTWAIT instead.
+_DONTWAIT = socket.MSG_DONTWAIT
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 
@@ -165,7 +168,7 @@ class Outgoing(Generic[wire.M]):
 
     def _finish(self, result: Result[wire.M]) -> None:
         self._timer.cancel()
-        self._reactor.unwatch(self._sock)
+        self._reactor.forget(self._sock)
         self._sock.close()
         done = self._done
         if self._started:
@@ -239,7 +242,7 @@ class Incoming(Generic[wire.M]):
         if self.sock.fileno() >= 0:
             if self._timer is not None:
                 self._timer.cancel()
-            self._reactor.unwatch(self.sock)
+            self._reactor.forget(self.sock)
             self.sock.close()
 
     def _receive(self, events: int) -> None:
@@ -259,7 +262,7 @@ class Incoming(Generic[wire.M]):
     def _send(self, events: int) -> None:
         try:
             while self._out:
-                self._out = self._out[self.sock.send(self._out) :]
+                self._out = self._out[self.sock.send(self._out, _DONTWAIT) :]
         except BlockingIOError:
             self._reactor.watch(self.sock, _OUT, self._send)
             self._rearm()

@@ -237,8 +237,11 @@ async def _ready_by(
     return False
 
 
+_DONTWAIT = socket.MSG_DONTWAIT
+
+
 class FrameReader(Generic[M]):
-    """Reads one frame of `msg_type` from a non-blocking socket, as its bytes arrive.
+    """Reads one frame of `msg_type` from a socket without blocking, as its bytes arrive.
 
     Each `read(sock)` makes one receive call and returns the frame once it is
     complete, else None (nothing there yet, or only part of it). A bad frame,
@@ -257,7 +260,8 @@ class FrameReader(Generic[M]):
     def read(self, sock: socket.socket) -> tuple[M, bytes] | None:
         decoder = self._decoder
         try:
-            data = sock.recv(RECEIVE_CHUNK if decoder is None else decoder.wanted())
+            # MSG_DONTWAIT: an accepted socket needs no O_NONBLOCK (one ioctl less per accept).
+            data = sock.recv(RECEIVE_CHUNK if decoder is None else decoder.wanted(), _DONTWAIT)
         except BlockingIOError:
             return None
         except OSError as exc:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from controller.shell.main import build_parser
+
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=30)
@@ -106,11 +108,20 @@ def test_logs_without_timestamps_under_systemd(monkeypatch, capsys):
     assert capsys.readouterr().err.endswith(f"INFO controller[{os.getpid()}] controller: hello\n")
 
 
-@pytest.mark.parametrize("value", ["x", "-1", "1.5", "2000000"])
+@pytest.mark.parametrize("value", ["x", "-1", "1.5", "2000000", "Auto"])
 def test_controller_bad_busy_poll_exit_2(value):
     proc = run("-m", "controller", "--busy-poll", value)
     assert proc.returncode == 2
     assert "--busy-poll" in proc.stderr
+    assert "whole microseconds or 'auto'" in proc.stderr or "must be 0 to" in proc.stderr
+
+
+def test_controller_busy_poll_default_is_adaptive():
+    parser = build_parser()
+    assert parser.parse_args([]).busy_poll is None  # auto
+    assert parser.parse_args(["--busy-poll", "auto"]).busy_poll is None
+    assert parser.parse_args(["--busy-poll", "0"]).busy_poll == 0.0
+    assert parser.parse_args(["--busy-poll", "200"]).busy_poll == pytest.approx(200e-6)
 
 
 @pytest.mark.parametrize(

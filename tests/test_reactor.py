@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from controller import wire
+from controller import reactor as reactor_module
 from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, listen_unix
 from gen import worker_protocol_pb2 as pb
@@ -205,11 +206,14 @@ async def test_cancelled_timers_do_not_fire_and_sockets_close_with_the_reactor(a
     b.close()
 
 
-async def test_busy_polling_reactor_serves_and_then_sleeps(sockdir: Path, listener, autojump_clock):
+@pytest.mark.parametrize("busy_poll", [0.002, None], ids=["fixed", "adaptive"])
+async def test_busy_polling_reactor_serves_and_then_sleeps(
+    sockdir: Path, listener, autojump_clock, busy_poll
+):
     """With busy_poll it answers as usual, and once quiet it sleeps: the clock can jump."""
     fired: list[float] = []
     async with trio.open_nursery() as nursery:
-        reactor = Reactor(busy_poll=0.002)
+        reactor = Reactor(busy_poll=busy_poll)
         await nursery.start(reactor.run)
 
         def on_frame(conn: Incoming[pb.ControlMsg], msg: pb.ControlMsg, extra: bytes) -> None:
@@ -262,3 +266,33 @@ async def test_full_listen_backlog_is_retried_until_the_timeout(
         assert full.fileno() >= 0
         for sock in pending:
             sock.close()
+
+
+async def test_adaptive_polling_opens_while_events_flow_and_closes_when_quiet(monkeypatch):
+    """Events close together open the poll window (up to its cap); a quiet spell shuts it."""
+    # Windows of milliseconds, so that a loaded test machine still counts the burst as one.
+    monkeypatch.setattr(reactor_module, "ADAPTIVE_START", 0.002)
+    monkeypatch.setattr(reactor_module, "ADAPTIVE_MAX", 0.05)
+    a, b = socket.socketpair()
+    box = Box()
+    with a, b:
+        async with trio.open_nursery() as nursery:
+            reactor = Reactor(busy_poll=None)
+            await nursery.start(reactor.run)
+            reactor.watch(a, select.EPOLLIN, lambda events: box(a.recv(64)))
+            assert reactor.poll_window == 0
+            windows = []
+            for _ in range(20):  # a burst: each byte written as soon as the last is served
+                box.event = trio.Event()
+                b.send(b"x")
+                await box.wait()
+                windows.append(reactor.poll_window)
+            # Open from the second event on (it grows only while polling falls short).
+            assert all(0 < window <= 0.05 for window in windows[1:])
+            await trio.sleep(0.3)  # quiet: far longer than any window
+            box.event = trio.Event()
+            b.send(b"x")
+            await box.wait()
+            assert reactor.poll_window == 0
+            assert len(box.items) == 21
+            nursery.cancel_scope.cancel()

@@ -267,7 +267,6 @@ class WorkerShell:
                 conn, _ = listener.accept()
             except BlockingIOError:
                 return
-            conn.setblocking(False)
             Incoming(
                 self._reactor,
                 conn,

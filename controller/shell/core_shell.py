@@ -113,7 +113,7 @@ class CoreShell:
         on_progress: Callable[[TaskProgress], None] | None = None,
         write_ahead: WriteAhead | None = None,
         metrics: Metrics | None = None,
-        busy_poll: float = 0.0,
+        busy_poll: float | None = 0.0,
     ) -> None:
         self.config = config
         self.write_ahead = write_ahead or WriteAhead(None)
@@ -237,7 +237,6 @@ class CoreShell:
                 conn, _ = sock.accept()
             except BlockingIOError:
                 return
-            conn.setblocking(False)
             self._serve_pulse(conn)
 
     def _serve_pulse(self, conn: socket.socket) -> None:

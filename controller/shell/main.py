@@ -43,11 +43,15 @@ def _workers(text: str) -> int:
     return count
 
 
-def _busy_poll(text: str) -> float:
+def _busy_poll(text: str) -> float | None:
+    if text == "auto":
+        return None
     try:
         micros = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole microseconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected whole microseconds or 'auto', got {text!r}"
+        ) from None
     if not 0 <= micros <= 1_000_000:
         raise argparse.ArgumentTypeError(f"must be 0 to 1000000 microseconds, got {micros}")
     return micros / 1e6
@@ -88,12 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--busy-poll",
-        metavar="MICROSECONDS",
+        metavar="MICROSECONDS|auto",
         type=_busy_poll,
-        default=0.0,
-        help="keep polling for this long after the last event before sleeping (default 0: "
-        "never); only for a controller on a CPU of its own (--cpus), which it keeps busy "
-        "while jobs flow",
+        default=None,
+        help="keep polling for this long after the last event before sleeping; 0: never; "
+        "auto (default): up to 200 while events come less than 200 us apart, never when "
+        "idle or when jobs take milliseconds. A fixed value suits a controller on a CPU of "
+        "its own (--cpus), which it keeps busy while jobs flow",
     )
     add_common_flags(parser)
     return parser
@@ -110,7 +115,7 @@ def assemble(
     config: Config,
     journal: Journal | None = None,
     metrics: Metrics | None = None,
-    busy_poll: float = 0.0,
+    busy_poll: float | None = 0.0,
 ) -> tuple[CoreShell, JobDesk, UdpDoor]:
     """The controller's parts, wired: scheduler shell, job desk (book, journal), UDP door.
     Must be called inside trio.run (the book reads the trio clock once)."""
@@ -143,7 +148,7 @@ async def run_controller(
     workers: int,
     worker_args: list[str],
     worker_cpus: frozenset[int] | None = None,
-    busy_poll: float = 0.0,
+    busy_poll: float | None = 0.0,
 ) -> None:
     journal = recovered = None
     if config.journal is not None:
