@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import trio
 
-from controller import wire
 from controller import reactor as reactor_module
+from controller import wire
 from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, listen_unix
 from gen import worker_protocol_pb2 as pb
