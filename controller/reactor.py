@@ -144,7 +144,7 @@ class Reactor:
                     if self.busy_poll is None:
                         ready = await self._poll_adaptively()
                     elif self.busy_poll:
-                        ready = await self._poll_busily()
+                        ready = await self._poll_busily(self.busy_poll)
                     else:
                         await trio.lowlevel.wait_readable(epfd)
                         ready = poll(0)
@@ -160,9 +160,9 @@ class Reactor:
                 sock.close()
             watched.clear()
 
-    async def _poll_busily(self) -> list[tuple[int, int]]:
-        """The next events: look without sleeping for `busy_poll` seconds, then sleep."""
-        give_up = time.perf_counter() + self.busy_poll
+    async def _poll_busily(self, window: float) -> list[tuple[int, int]]:
+        """The next events: look without sleeping for `window` seconds, then sleep."""
+        give_up = time.perf_counter() + window
         while True:
             await trio.lowlevel.checkpoint()  # the other tasks run between looks
             ready = self._epoll.poll(0)
