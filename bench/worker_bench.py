@@ -6,75 +6,73 @@ Printed beside a bare `subprocess.run(["true"])` loop measured in the same run, 
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-import trio
-
 from bench.common import median, socket_dir
+from bench.floor import read_frame
 from controller import wire
-from controller.transport import listen_unix
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import accept, exchange, worker_argv
+from tests.helpers import worker_argv
 
 
 class MiniController:
-    """Answers pulses and wakes the driver when FETCH_ME arrives."""
+    """The controller's side of the worker protocol, blocking, in this process: main.sock
+    answered, SET_TASK and FETCH dialled. Plain sockets and no event loop, so that what is
+    measured is the worker (the real controller's cost is in e2e_bench)."""
 
     def __init__(self, sockdir: Path) -> None:
         self.sockdir = sockdir
-        self.worker_id = 0
-        self.ready = trio.Event()
-        self.fetch_me = trio.Event()
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(sockdir / "main.sock"))
+        self.listener.listen(64)
+        self.listener.settimeout(10)
 
-    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listener = listen_unix(self.sockdir / "main.sock", 64)
-        task_status.started()
-        async with trio.open_nursery() as nursery:
-            while True:
-                nursery.start_soon(self.answer, await accept(listener))
-
-    async def answer(self, conn: Any) -> None:
+    def pulse(self) -> int:
+        """Answer one pulse on main.sock; its type."""
+        conn, _ = self.listener.accept()
         with conn:
-            pulse, _ = await wire.recv_frame(conn, pb.WorkerPulse, timeout=5)
+            pulse = read_frame(conn, pb.WorkerPulse)
             resp = pb.PulseResponse(error=pb.CTRL_ERR_OK)
             if pulse.type == pb.PULSE_REGISTER:
-                self.worker_id = 1
                 resp.worker_id = 1
-            await wire.send_frame(conn, resp, timeout=5)
-            if pulse.type == pb.PULSE_OK:
-                self.ready.set()
-            elif pulse.type == pb.PULSE_FETCH_ME:
-                self.fetch_me.set()
+            conn.sendall(wire.encode_frame(resp))
+            return int(pulse.type)
+
+    def wait_for(self, kind: int) -> None:
+        while self.pulse() != kind:  # a periodic OK may come in between
+            pass
+
+    def dial(self, msg: pb.ControlMsg) -> pb.WorkerResponse:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(10)
+            conn.connect(str(self.sockdir / "1.sock"))
+            conn.sendall(wire.encode_frame(msg))
+            answer: pb.WorkerResponse = read_frame(conn, pb.WorkerResponse)
+            return answer
 
 
-async def drive(args: list[str], tasks: int) -> float:
+def drive(args: list[str], tasks: int) -> float:
     with socket_dir() as sockdir:
         ctl = MiniController(sockdir)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(ctl.serve)
-            cmd = worker_argv(sockdir, *args)
-            proc = subprocess.Popen(cmd)
-            try:
-                await ctl.ready.wait()
-                path = sockdir / "1.sock"
-                start = time.perf_counter()
-                for task_id in range(1, tasks + 1):
-                    ctl.fetch_me = trio.Event()
-                    msg = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=task_id)
-                    await exchange(path, msg, pb.WorkerResponse, b"", timeout=5)
-                    await ctl.fetch_me.wait()
-                    resp, _ = await exchange(
-                        path, pb.ControlMsg(type=pb.CTRL_FETCH), pb.WorkerResponse, timeout=5
-                    )
-                    assert resp.error == pb.WORKER_ERR_OK, resp
-                elapsed = time.perf_counter() - start
-            finally:
-                proc.terminate()
-                proc.wait()
-            nursery.cancel_scope.cancel()
+        proc = subprocess.Popen(worker_argv(sockdir, *args))
+        try:
+            ctl.wait_for(pb.PULSE_OK)
+            fetch = pb.ControlMsg(type=pb.CTRL_FETCH)
+            start = time.perf_counter()
+            for task_id in range(1, tasks + 1):
+                ctl.dial(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=task_id))
+                ctl.wait_for(pb.PULSE_FETCH_ME)
+                resp = ctl.dial(fetch)
+                assert resp.error == pb.WORKER_ERR_OK, resp
+            elapsed = time.perf_counter() - start
+        finally:
+            proc.terminate()
+            proc.wait()
+            ctl.listener.close()
     return tasks / elapsed
 
 
@@ -93,9 +91,9 @@ def main(rounds: int = 3) -> dict[str, Any]:
         "bare_true": [],
     }
     for _ in range(rounds):
-        runs["async_noop"].append(trio.run(drive, ["--handler", "worker.runner:anoop"], 3000))
-        runs["sync_noop"].append(trio.run(drive, ["--handler", "worker.runner:noop"], 3000))
-        runs["exec_true"].append(trio.run(drive, ["--exec", "true"], 300))
+        runs["async_noop"].append(drive(["--handler", "worker.runner:anoop"], 3000))
+        runs["sync_noop"].append(drive(["--handler", "worker.runner:noop"], 3000))
+        runs["exec_true"].append(drive(["--exec", "true"], 300))
         runs["bare_true"].append(bare_true(300))
     r = {name: round(median(values)) for name, values in runs.items()}
     print(

@@ -262,20 +262,22 @@ class WorkerShell:
     # ------------------------------------------------------------ control socket
 
     def _accept(self, listener: socket.socket, events: int) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except BlockingIOError:
-                return
-            Incoming(
-                self._reactor,
-                conn,
-                pb.ControlMsg,
-                self._on_control,
-                self._on_bad_control,
-                timeout=self.dial_timeout,
-                max_extra_size=self.max_extra_size,
-            )
+        # One per readiness event: the controller dials a worker one connection at a time,
+        # so a second accept would almost always fail with EAGAIN; the epoll set is
+        # level-triggered, so one more waiting is served in the next round.
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        Incoming(
+            self._reactor,
+            conn,
+            pb.ControlMsg,
+            self._on_control,
+            self._on_bad_control,
+            timeout=self.dial_timeout,
+            max_extra_size=self.max_extra_size,
+        )
 
     def _on_bad_control(self, conn: Incoming[pb.ControlMsg], exc: wire.RemoteProtocolError) -> None:
         log.warning("control socket: bad message: %s", exc)
