@@ -17,6 +17,7 @@ from bench import (
     plots,
     redis_bench,
     remote_bench,
+    speed_bench,
     worker_bench,
 )
 
@@ -34,6 +35,7 @@ def main() -> None:
     results["queued"] = controller_bench.bench_queued()
     results["worker"] = worker_bench.main()
     results["end_to_end"] = e2e_bench.main()
+    results["speed"] = speed_bench.main()
     results["floor"] = floor.main()
     results["http"] = http_bench.main()
     results["remote"] = remote_bench.main()

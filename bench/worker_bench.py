@@ -104,7 +104,8 @@ def main(rounds: int = 3) -> dict[str, Any]:
     print(
         f"one worker, --exec true: {r['exec_true']:,} tasks/s ({1e6 / r['exec_true']:.0f} us/task) "
         f"beside bare subprocess.run(['true']): {r['bare_true']:,}/s ({1e6 / r['bare_true']:.0f} us); "
-        f"the worker adds {1e6 / r['exec_true'] - 1e6 / r['bare_true']:.0f} us per task"
+        f"the worker adds {1e6 / r['exec_true'] - 1e6 / r['bare_true']:.0f} us per task; "
+        f"ratio {r['exec_true'] / r['bare_true']:.2f}x [target >= 0.8x]"
     )
     return r
 

@@ -36,7 +36,7 @@ from controller.calclink import (
 )
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobBook, JobState, udp_job_id
-from controller.transmissions import Address, Repeats, Seen
+from controller.transmissions import PLAIN_ACK, Address, Repeats, Seen
 
 log = logging.getLogger("controller.frontdoor")
 
@@ -181,7 +181,7 @@ class FrontDoor:
         if ptype != dg.WANT_ACK or txid is None:
             return out
         reply = dg.ack(txid, ack_params)
-        self.seen.remember(addr, txid, reply, now)
+        self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
         return [Send(reply, addr), *out]
 
     def _on_request(

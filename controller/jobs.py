@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from controller.core.model import Task, TaskState
 from controller.deadlines import Deadlines
@@ -89,7 +89,7 @@ class Job:
     result: bytes = b""
     error: str = ""
     failed_post: bool = False
-    log: list[str] = field(default_factory=list)
+    log: list[str] | None = None  # lines a poller sent (None until the first: most have none)
     ran_on: int = 0  # the worker that held it last (kept once it ended)
     task: Task | None = None  # the scheduler's record while the job is live
     final: JobState | None = None  # set once the job ended

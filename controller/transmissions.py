@@ -9,15 +9,19 @@ doubling intervals until the client acknowledges or the repeats run out.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+import math
 from dataclasses import dataclass
 
+from controller import datagram as dg
 from controller.deadlines import Deadlines
 
 Address = tuple[str, int]
 
 # How long a (sender, transmission_id) is remembered to answer repeats without acting twice.
 TRANSMISSION_MEMORY = 120.0
+# What `Seen` stores for an acknowledgement without params (the common one): it is
+# rebuilt from the transmission id for a repeat.
+PLAIN_ACK = b"ack"
 # Cap on remembered transmissions, so a flood of distinct ids cannot grow memory without bound.
 MAX_TRANSMISSIONS = 200_000
 # First interval between repeats of an unacknowledged success notification (then doubling).
@@ -25,35 +29,54 @@ NOTIFY_FIRST_INTERVAL = 0.5
 
 
 class Seen:
-    """Answers already given, kept TRANSMISSION_MEMORY seconds (at most MAX_TRANSMISSIONS)."""
+    """Answers already given, kept for at least TRANSMISSION_MEMORY seconds (and at most twice
+    that), MAX_TRANSMISSIONS at most.
+
+    Two generations: answers go into the new one; every TRANSMISSION_MEMORY (or once the
+    new one holds half of MAX_TRANSMISSIONS) the old generation is dropped whole and the
+    new one becomes the old. Forgetting costs nothing per entry, and an entry is a dict
+    slot and its key: there is one per request a client sends (an add_task per job), so
+    at 100,000 jobs queued this is memory that shows. A plain acknowledgement is stored
+    as `PLAIN_ACK` and rebuilt for a repeat.
+    """
 
     def __init__(self) -> None:
-        # Insertion order is expiry order: every entry lives the same time.
-        self._answers: OrderedDict[tuple[Address, int], tuple[float, bytes | None]] = OrderedDict()
+        self._new: dict[tuple[Address, int], bytes | None] = {}
+        self._old: dict[tuple[Address, int], bytes | None] = {}
+        self._turn_at = math.inf  # when the new generation becomes the old one
 
     def __len__(self) -> int:
-        return len(self._answers)
+        return len(self._new) + len(self._old)
 
     def get(self, addr: Address, txid: int) -> tuple[bytes | None] | None:
         """(the answer given, or None for silence) if this request was seen; else None."""
-        entry = self._answers.get((addr, txid))
-        return None if entry is None else (entry[1],)
+        key = (addr, txid)
+        if key in self._new:
+            answer = self._new[key]
+        elif key in self._old:
+            answer = self._old[key]
+        else:
+            return None
+        return (dg.ack(txid) if answer is PLAIN_ACK else answer,)
 
     def remember(self, addr: Address, txid: int, answer: bytes | None, now: float) -> None:
-        self._answers[(addr, txid)] = (now + TRANSMISSION_MEMORY, answer)
-        if len(self._answers) > MAX_TRANSMISSIONS:
-            self._answers.popitem(last=False)
+        if not self._new and not self._old:
+            self._turn_at = now + TRANSMISSION_MEMORY
+        self._new[(addr, txid)] = answer
+        if len(self._new) >= MAX_TRANSMISSIONS // 2:
+            self._turn(now)
 
     def expire(self, now: float) -> None:
-        answers = self._answers
-        while answers:
-            key, (until, _) = next(iter(answers.items()))
-            if until > now:
-                break
-            del answers[key]
+        if now >= self._turn_at:
+            self._turn(now)
 
     def next_deadline(self) -> float:
-        return next(iter(self._answers.values()))[0] if self._answers else float("inf")
+        return self._turn_at
+
+    def _turn(self, now: float) -> None:
+        self._old = self._new
+        self._new = {}
+        self._turn_at = now + TRANSMISSION_MEMORY if self._old else math.inf
 
 
 @dataclass(eq=False, slots=True)

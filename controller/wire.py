@@ -38,6 +38,10 @@ DEFAULT_MAX_EXTRA_SIZE: Final = 16 * 1024 * 1024
 # One receive call's size: a whole small frame arrives in one read, and a large
 # extra payload is copied in big pieces rather than byte by byte.
 RECEIVE_CHUNK: Final = 256 * 1024
+# The first read of a frame: nearly every frame is a few dozen bytes. Python allocates the
+# whole size before the call and shrinks it after; at 256 KiB that is an mmap, an mremap
+# and a munmap around every small frame (glibc's mmap threshold is 128 KiB).
+FIRST_READ: Final = 64 * 1024
 
 M = TypeVar("M", bound=Message)
 
@@ -261,7 +265,7 @@ class FrameReader(Generic[M]):
         decoder = self._decoder
         try:
             # MSG_DONTWAIT: an accepted socket needs no O_NONBLOCK (one ioctl less per accept).
-            data = sock.recv(RECEIVE_CHUNK if decoder is None else decoder.wanted(), _DONTWAIT)
+            data = sock.recv(FIRST_READ if decoder is None else decoder.wanted(), _DONTWAIT)
         except BlockingIOError:
             return None
         except OSError as exc:

@@ -396,6 +396,22 @@ def test_placement_timeout_both_sides_and_never_sent():
     assert dials(pulse(core, wid, 36.0)) == []
 
 
+def test_placement_timeout_once_for_a_task_queued_twice():
+    """BUSY puts the task back with a fresh placement time: the first deadline is stale and
+    does nothing, the second times it out, once."""
+    core = Core(timeout_task_placement=30)
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)
+    answer(core, a, pb.CTRL_SET_TASK, 10.0, error=pb.WORKER_ERR_BUSY, task_id=7)
+    assert core.scheduler.queued == 1
+    assert finished(core.expire(30.0)) == []
+    assert finished(core.expire(39.999)) == []
+    [done] = finished(core.expire(40.0))
+    assert done.state is TaskState.FAILED_POST
+    assert finished(core.expire(100.0)) == []
+    assert core.scheduler.queued == 0 and core.next_deadline() == float("inf")
+
+
 def test_next_deadline():
     core = Core(timeout_task_placement=30)
     assert core.next_deadline() == float("inf")

@@ -347,12 +347,18 @@ def test_records_kept_for_retention_after_ack_then_removed():
     assert len(sched.submitted) == 2
 
 
-def test_transmission_ids_forgotten_after_memory():
+def test_transmission_ids_remembered_for_one_memory_and_forgotten_after_two():
     fd, _sched = door()
-    fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    first = fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
     assert fd.next_deadline() == TRANSMISSION_MEMORY
     fd.expire(TRANSMISSION_MEMORY)
+    # Still answered as a repeat (the same acknowledgement, nothing queued again) ...
+    again = fd.datagram(packet(txid=1, task_id=5), CLIENT, TRANSMISSION_MEMORY + 1)
+    assert again == [first[0]] and fd.stats.duplicates == 1
+    assert fd.next_deadline() == 2 * TRANSMISSION_MEMORY
+    fd.expire(2 * TRANSMISSION_MEMORY)  # ... and gone one memory later
     assert fd.next_deadline() == float("inf")
+    assert fd.door.seen.get(CLIENT, 1) is None
 
 
 def test_retention_forgets_in_bounded_batches():

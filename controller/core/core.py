@@ -52,7 +52,7 @@ class Core:
         self.pulse = self.local.pulse
         self.dial_done = self.local.dial_done
         self.exited = self.local.exited
-        self.next_deadline = self.scheduler.deadlines.next
+        self.next_deadline = self.scheduler.next_deadline
         # Put back a task a previous run had accepted but not finished (see recovery.py).
         self.recover = self.recovery.recover
 

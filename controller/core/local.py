@@ -190,7 +190,7 @@ class LocalWorkers:
         if resp is None:
             # It may have taken the task before going silent: that counts as an attempt.
             task.attempts += 1
-            task.failed_on.add(worker.worker_id)
+            task.failed_on_worker(worker.worker_id)
             task.last_error = f"worker {worker.worker_id} did not answer SET_TASK"
             log.warning("worker %d: SET_TASK got no answer (%s)", worker.worker_id, ev.error)
             worker.task = None

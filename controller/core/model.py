@@ -10,7 +10,7 @@ enums are the generated protobuf ones, never copies.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from gen import worker_protocol_pb2 as pb
@@ -147,7 +147,7 @@ class Task:
     owner: object  # who submitted it (the front door's client address), opaque here
     state: TaskState = TaskState.QUEUED
     attempts: int = 0  # SET_TASKs that were (or may have been) accepted
-    failed_on: set[int] = field(default_factory=set)  # workers it failed on
+    failed_on: frozenset[int] = frozenset()  # workers it failed on (shared while empty)
     worker_id: int = 0  # holder while ASSIGNING / RUNNING
     queued_at: float = 0.0
     placement_deadline: float = 0.0
@@ -157,6 +157,10 @@ class Task:
 
     def advance(self, event: TaskEvent) -> None:
         self.state = next_task_state(self.state, event)
+
+    def failed_on_worker(self, worker_id: int) -> None:
+        """Remember a worker it failed on (a new set: rare, and an empty one costs nothing)."""
+        self.failed_on = self.failed_on | {worker_id}
 
 
 class WorkerKind(Protocol):

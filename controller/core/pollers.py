@@ -184,7 +184,7 @@ class Pollers:
                 "poller %s did not confirm job %d in time; placing it again", name, task.ref
             )
             task.attempts += 1  # it may have started it: one attempt used
-            task.failed_on.add(worker.worker_id)
+            task.failed_on_worker(worker.worker_id)
             task.last_error = f"poller {name} did not confirm within claim_timeout"
             worker.task = None
             sched.lost(worker, now, actions, cause="claim timeout")

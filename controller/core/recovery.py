@@ -44,7 +44,7 @@ class Recovery:
         sched = self.scheduler
         task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
         task.created_at = now
-        task.failed_on.update(failed_on)
+        task.failed_on = frozenset(failed_on)
         sched.tasks[ref] = task
         sched.next_ref = max(sched.next_ref, ref + 1)
         self._orphans.setdefault(task_id, []).append(task)

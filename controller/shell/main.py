@@ -21,9 +21,7 @@ from controller.journal import Journal, JournalError
 from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
-from controller.shell.http import HttpDoor
 from controller.shell.metrics import Metrics
-from controller.shell.redis_door import RedisDoor
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
@@ -159,14 +157,22 @@ async def run_controller(
     committer = None
     if journal is not None:
         committer = Committer(journal, on_committed=desk.write_ahead.release)
-    stream = RedisDoor(config, desk, shell) if config.redis is not None else None
+    # The HTTP and Redis doors' libraries (hypercorn, starlette, redis-py) are imported only
+    # when configured: together they are about 20 MB of a controller's memory.
+    stream = None
+    if config.redis is not None:
+        from controller.shell.redis_door import RedisDoor
+
+        stream = RedisDoor(config, desk, shell)
     notifier = Notifier()
-    await shell.bind()
-    door.bind()
     web = None
     if config.http_address is not None:
+        from controller.shell.http import HttpDoor
+
         web = HttpDoor(config, desk, shell)
-        web.bind()
+        web.bind()  # before main.sock appears: local workers, and tests, take that as ready
+    await shell.bind()
+    door.bind()
     if stream is not None:
         door.reports["redis"] = stream.status
         if web is not None:

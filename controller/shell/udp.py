@@ -23,6 +23,9 @@ from controller.shell.desk import JobDesk
 from controller.shell.timer import DeadlineTimer
 from controller.transmissions import NOTIFY_FIRST_INTERVAL
 
+# Senders whose address tuple is shared (then the cache starts again).
+ADDRESS_CACHE = 4096
+
 log = logging.getLogger("controller.udp")
 
 # Kernel buffers sized for bursts of thousands of datagrams between two event-loop turns.
@@ -83,6 +86,9 @@ class UdpDoor:
         shell.on_perform = self.perform
         self._sock: stdsocket.socket | None = None
         self._timer = DeadlineTimer(self.door.next_deadline, self._expire)
+        # One tuple per sender: recvfrom makes a new address (and host string) for every
+        # datagram, and a job and its transmission keep theirs for minutes.
+        self._addresses: dict[tuple[str, int], tuple[str, int]] = {}
         desk.doors["udp"] = self
 
     def bind(self) -> tuple[str, int]:
@@ -125,6 +131,7 @@ class UdpDoor:
         door = self.door
         apply = self.desk.apply
         now = trio.current_time()
+        addresses = self._addresses
         for _ in range(RECEIVE_BURST):
             try:
                 data, addr = sock.recvfrom(MAX_DATAGRAM)
@@ -133,7 +140,13 @@ class UdpDoor:
             except OSError as exc:  # e.g. an ICMP error for an earlier send
                 log.debug("recvfrom: %s", exc)
                 continue
-            apply(self, door.datagram(data, addr[:2], now), now)
+            sender = addr[:2]
+            known = addresses.get(sender)
+            if known is None:
+                if len(addresses) >= ADDRESS_CACHE:
+                    addresses.clear()
+                known = addresses[sender] = sender
+            apply(self, door.datagram(data, known, now), now)
         self._timer.poke()
 
     # ------------------------------------------------------------ the desk's side

@@ -1,0 +1,196 @@
+"""Where a no-op job's cost goes, and what the controller costs when it does nothing.
+
+- CPU per job of each process (controller, each worker, the client), from /proc,
+  over 10,000 jobs through the UDP door in the default layout.
+- System calls per job of the controller (`strace -c -f` over 3,000 jobs, when
+  strace is installed), beside the protocol's minimum.
+- The controller's CPU over 60 s idle with 2 workers pulsing.
+- The controller's memory with 100,000 jobs queued (journal on, no workers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
+from bench.e2e_bench import drive, start_controller
+from controller import datagram as dg
+from tests.helpers import free_udp_port
+
+# The controller's system calls per job that the protocol itself asks for: add_task in and
+# its ack out, notify_task out and its ack in (4); SET_TASK and FETCH dialled, each a
+# socket, connect, send, receive and close (10); FETCH_ME accepted, received, answered and
+# closed (4). The socket-owner check (a stat per dial) and the event waits come on top.
+PROTOCOL_MINIMUM = 18
+OWNER_CHECKS = 2
+
+
+def _workers_of(sockdir: Path, controller_pid: int) -> list[int]:
+    """The pids of the local workers the controller started on `sockdir`."""
+    found = subprocess.run(["pgrep", "-f", str(sockdir)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split() if int(pid) != controller_pid]
+
+
+def cpu_per_job(tasks: int = 10_000) -> dict[str, Any]:
+    """Microseconds of CPU per job of the controller, the workers together, and the client."""
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        proc = start_controller(sockdir, port, 2, {})
+        try:
+            trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
+            workers = _workers_of(sockdir, proc.pid)
+            pids = [proc.pid, *workers]
+            before = [process_cpu(pid) for pid in pids]
+            own = self_cpu()
+            rate, _ = trio.run(drive, port, tasks, 64, 1)
+            own = self_cpu() - own
+            spent = [process_cpu(pid) - b for pid, b in zip(pids, before, strict=True)]
+        finally:
+            proc.terminate()
+            proc.wait()
+    return {
+        "tasks_per_s": round(rate),
+        "controller_us": round(1e6 * spent[0] / tasks),
+        "workers_us": round(1e6 * sum(spent[1:]) / tasks),
+        "client_us": round(1e6 * own / tasks),
+    }
+
+
+def _strace_calls(path: Path) -> int:
+    """The total of calls in an `strace -c` summary."""
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if fields and fields[-1] == "total":
+            return int(fields[3])
+    raise ValueError(f"no total in {path}")
+
+
+def syscalls_per_job(tasks: int = 3000) -> dict[str, Any] | None:
+    """The controller's system calls per job under `strace -c -f`; None without strace."""
+    strace = shutil.which("strace")
+    if strace is None:
+        return None
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        proc = start_controller(sockdir, port, 2, {})
+        try:
+            trio.run(drive, port, 200, 8, 10_000_000)
+            out = sockdir / "strace.txt"
+            tracer = subprocess.Popen(
+                [strace, "-c", "-f", "-p", str(proc.pid), "-o", str(out)],
+                stderr=subprocess.DEVNULL,
+            )
+            time.sleep(0.5)  # strace attaches asynchronously
+            trio.run(drive, port, tasks, 64, 1)
+            tracer.terminate()
+            tracer.wait()
+            calls = _strace_calls(out)
+        except (OSError, ValueError):
+            return None  # not allowed to trace here
+        finally:
+            proc.terminate()
+            proc.wait()
+    return {"per_job": round(calls / tasks, 1), "protocol_minimum": PROTOCOL_MINIMUM}
+
+
+def idle_cpu(seconds: float = 60.0) -> dict[str, Any]:
+    """The controller's share of a core over `seconds` with 2 idle workers, after some work."""
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        proc = start_controller(sockdir, port, 2, {})
+        try:
+            trio.run(drive, port, 2000, 64, 1)  # jobs first: the poll window must close again
+            before, start = process_cpu(proc.pid), time.perf_counter()
+            time.sleep(seconds)
+            share = (process_cpu(proc.pid) - before) / (time.perf_counter() - start)
+        finally:
+            proc.terminate()
+            proc.wait()
+    return {"seconds": seconds, "core_share": round(share, 4)}
+
+
+def queued_memory(jobs: int = 100_000, window: int = 64) -> dict[str, Any]:
+    """The controller's RSS with `jobs` queued through the UDP door (journal on, no worker)."""
+    port = free_udp_port()
+    with socket_dir() as sockdir, tempfile.TemporaryDirectory() as tmp:
+        journal = str(Path(tmp) / "journal.sqlite3")
+        proc = start_controller(sockdir, port, 0, {"journal": journal})
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.settimeout(0.5)
+            server = ("127.0.0.1", port)
+            while not (sockdir / "s" / "main.sock").exists():
+                time.sleep(0.01)
+            base = rss_mb(proc.pid)
+            acked: set[int] = set()
+            sent = 0
+            while len(acked) < jobs:
+                while sent < jobs and sent - len(acked) < window:
+                    sent += 1
+                    params = {"task_id": sent, "data": f"payload-{sent}"}
+                    sock.sendto(dg.request("add_task", params, sent), server)
+                try:
+                    answer = dg.decode(sock.recv(65536))
+                except TimeoutError:  # a datagram lost: send the unacknowledged again
+                    for txid in range(1, sent + 1):
+                        if txid not in acked:
+                            params = {"task_id": txid, "data": f"payload-{txid}"}
+                            sock.sendto(dg.request("add_task", params, txid), server)
+                    continue
+                if answer is not None and answer.get("packet_type") == dg.IS_ACK:
+                    acked.add(int(answer["transmission_id"]))
+            sock.close()
+            rss = rss_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait()
+    return {"jobs": jobs, "rss_mb": round(rss, 1), "base_rss_mb": round(base, 1)}
+
+
+def main() -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    cpu = results["cpu"] = cpu_per_job()
+    print(
+        f"CPU per no-op job, default layout, 2 workers ({cpu['tasks_per_s']:,} jobs/s): "
+        f"controller {cpu['controller_us']} us, workers {cpu['workers_us']} us, "
+        f"client {cpu['client_us']} us",
+        flush=True,
+    )
+    calls = results["syscalls"] = syscalls_per_job()
+    if calls is None:
+        print("system calls per job: strace not installed or not allowed here (skipped)")
+    else:
+        print(
+            f"controller system calls per job (strace -c): {calls['per_job']} beside the "
+            f"protocol's minimum of {PROTOCOL_MINIMUM} (+{OWNER_CHECKS} socket-owner checks, "
+            "+ event waits)",
+            flush=True,
+        )
+    idle = results["idle"] = idle_cpu()
+    print(
+        f"controller idle for {idle['seconds']:g} s with 2 workers: "
+        f"{idle['core_share']:.2%} of a core [target: under 1%]",
+        flush=True,
+    )
+    memory = results["queued_memory"] = queued_memory()
+    print(
+        f"controller with {memory['jobs']:,} jobs queued (UDP door, journal on): "
+        f"{memory['rss_mb']} MB RSS ({memory['base_rss_mb']} MB before) [target: under 100 MB]",
+        flush=True,
+    )
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
