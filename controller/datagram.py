@@ -35,8 +35,14 @@ class BadPacket(Exception):
         self.message = message
 
 
+# One encoder for every datagram: json.dumps with arguments builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+# An acknowledgement without params, the most common datagram: the bytes json gives.
+_PLAIN_ACK = b'{"method":"ack","packet_type":%d,"transmission_id":%d}'
+
+
 def encode(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def parse_packet(data: bytes) -> dict[str, Any]:
@@ -84,6 +90,8 @@ def request(method: str, params: dict[str, Any], txid: int | None = None) -> byt
 
 
 def ack(txid: int, params: dict[str, Any] | None = None) -> bytes:
+    if not params and type(txid) is int:  # bool is an int json spells otherwise
+        return _PLAIN_ACK % (IS_ACK, txid)
     packet: dict[str, Any] = {"method": "ack", "packet_type": IS_ACK, "transmission_id": txid}
     if params:
         packet["params"] = params

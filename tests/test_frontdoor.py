@@ -8,7 +8,10 @@ import json
 import logging
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from controller import datagram as dg
 from controller.core.model import Task, TaskState
 from controller.datagram import MAX_INLINE_RESULT
 from controller.frontdoor import Delivered, FrontDoor, Send, Submit
@@ -429,3 +432,11 @@ def test_lone_surrogate_in_a_text_payload_is_taken_as_bytes_not_a_crash():
     [(ack, _)] = sent(fd.datagram(data, CLIENT, 0.0))
     assert "error" not in ack
     assert sched.submitted == [(5, "\ud800x".encode("utf-8", "surrogatepass"), CLIENT)]
+
+
+@given(st.one_of(st.integers(), st.booleans()))
+def test_plain_ack_is_the_json_of_the_ack_object(txid):
+    """The preformatted acknowledgement is byte for byte what json gives (bool included)."""
+    expected = {"method": "ack", "packet_type": dg.IS_ACK, "transmission_id": txid}
+    assert dg.ack(txid) == json.dumps(expected, separators=(",", ":")).encode()
+    assert json.loads(dg.ack(txid)) == expected
