@@ -160,44 +160,43 @@ class Reactor:
                 sock.close()
             watched.clear()
 
-    async def _poll_busily(self, window: float) -> list[tuple[int, int]]:
-        """The next events: look without sleeping for `window` seconds, then sleep."""
+    async def _look(self, window: float) -> list[tuple[int, int]]:
+        """Events that come within `window` seconds, looked for without sleeping ([]: none)."""
         give_up = time.perf_counter() + window
         while True:
             await trio.lowlevel.checkpoint()  # the other tasks run between looks
             ready = self._epoll.poll(0)
-            if ready:
+            if ready or time.perf_counter() >= give_up:
                 return ready
-            if time.perf_counter() >= give_up:
-                await trio.lowlevel.wait_readable(self._epoll.fileno())
-                return self._epoll.poll(0)
+
+    async def _poll_busily(self, window: float) -> list[tuple[int, int]]:
+        """The next events: look without sleeping for `window` seconds, then sleep."""
+        ready = await self._look(window)
+        if ready:
+            return ready
+        await trio.lowlevel.wait_readable(self._epoll.fileno())
+        return self._epoll.poll(0)
 
     async def _poll_adaptively(self) -> list[tuple[int, int]]:
-        """The next events: poll for the current window, then sleep; then size the window.
+        """The next events: look for the current window, then sleep; then size the window.
 
         The rule of Linux's KVM halt polling: a sleep no longer than the longest
         window could have been a poll, so the window grows (doubles); a longer
         one means events are far apart, and the window closes. Idle, or with
         jobs that take milliseconds, every sleep is long and nothing polls.
         """
-        epoll = self._epoll
         window = self._window
         if window:
-            give_up = time.perf_counter() + window
-            while True:
-                await trio.lowlevel.checkpoint()  # the other tasks run between looks
-                ready = epoll.poll(0)
-                if ready:
-                    return ready
-                if time.perf_counter() >= give_up:
-                    break
+            ready = await self._look(window)
+            if ready:
+                return ready
         asleep = time.perf_counter()
-        await trio.lowlevel.wait_readable(epoll.fileno())
+        await trio.lowlevel.wait_readable(self._epoll.fileno())
         if time.perf_counter() - asleep <= ADAPTIVE_MAX:
             self._window = min(ADAPTIVE_MAX, max(ADAPTIVE_START, 2 * window))
         else:
             self._window = 0.0
-        return epoll.poll(0)
+        return self._epoll.poll(0)
 
     async def _timer_task(self) -> None:
         timers = self._timers
