@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controller import datagram as dg
+from controller import transmissions
 from controller.core.model import Task, TaskState
 from controller.datagram import MAX_INLINE_RESULT
 from controller.frontdoor import Delivered, FrontDoor, Send, Submit
@@ -440,3 +441,15 @@ def test_plain_ack_is_the_json_of_the_ack_object(txid):
     expected = {"method": "ack", "packet_type": dg.IS_ACK, "transmission_id": txid}
     assert dg.ack(txid) == json.dumps(expected, separators=(",", ":")).encode()
     assert json.loads(dg.ack(txid)) == expected
+
+
+def test_request_memory_is_capped_under_a_flood_of_distinct_ids(monkeypatch):
+    """A flood of distinct transmission ids: never more than MAX_TRANSMISSIONS remembered,
+    and the newest are the ones kept."""
+    monkeypatch.setattr(transmissions, "MAX_TRANSMISSIONS", 100)
+    seen = transmissions.Seen()
+    for txid in range(1, 1001):
+        seen.remember(CLIENT, txid, transmissions.PLAIN_ACK, 0.0)
+        assert len(seen) <= 100
+    assert seen.get(CLIENT, 1000) == (dg.ack(1000),)
+    assert seen.get(CLIENT, 1) is None
