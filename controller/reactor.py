@@ -25,10 +25,13 @@ import select
 import socket
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import trio
 
 from controller.deadlines import Deadlines
+
+T = TypeVar("T")
 
 # The timer task looks at the heap at least this often (see _timer_task).
 TIMER_TICK = 0.5
@@ -66,6 +69,7 @@ class Reactor:
         """
         self.busy_poll = busy_poll
         self._window = 0.0  # the adaptive poll window now
+        self._threads = 0  # calls running in threads (see in_thread): no polling meanwhile
         self._epoll = select.epoll()
         self._watched: dict[int, tuple[socket.socket, Callable[[int], None]]] = {}
         self._last: set[int] = set()  # served after the others in each round
@@ -115,6 +119,28 @@ class Reactor:
         fd = sock.fileno()
         if self._watched.pop(fd, None) is not None:
             self._last.discard(fd)
+
+    @property
+    def threads_running(self) -> int:
+        """Calls running through `in_thread` (the reactor does not poll while any runs)."""
+        return self._threads
+
+    async def in_thread(
+        self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
+    ) -> T:
+        """`trio.to_thread.run_sync(fn, *args)`, with no polling until it returns.
+
+        A thread that runs Python needs the GIL, and a polling loop lets go of it only
+        for the microseconds of each system call, too briefly for a thread woken on
+        another CPU to take it: the thread waits for the interpreter's switch interval
+        (5 ms) instead. The Redis door's calls (redis-py packs and parses in Python) run
+        so; while one runs, the reactor sleeps between events and the thread gets the GIL.
+        """
+        self._threads += 1
+        try:
+            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel)
+        finally:
+            self._threads -= 1
 
     def call_at(self, when: float, callback: Callable[[float], None]) -> Timer:
         """Call `callback(now)` once the trio clock reaches `when`."""
@@ -166,14 +192,15 @@ class Reactor:
         while True:
             await trio.lowlevel.checkpoint()  # the other tasks run between looks
             ready = self._epoll.poll(0)
-            if ready or time.perf_counter() >= give_up:
+            if ready or self._threads or time.perf_counter() >= give_up:
                 return ready
 
     async def _poll_busily(self, window: float) -> list[tuple[int, int]]:
         """The next events: look without sleeping for `window` seconds, then sleep."""
-        ready = await self._look(window)
-        if ready:
-            return ready
+        if not self._threads:
+            ready = await self._look(window)
+            if ready:
+                return ready
         await trio.lowlevel.wait_readable(self._epoll.fileno())
         return self._epoll.poll(0)
 
@@ -186,7 +213,7 @@ class Reactor:
         jobs that take milliseconds, every sleep is long and nothing polls.
         """
         window = self._window
-        if window:
+        if window and not self._threads:
             ready = await self._look(window)
             if ready:
                 return ready

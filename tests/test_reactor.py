@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -296,3 +297,26 @@ async def test_adaptive_polling_opens_while_events_flow_and_closes_when_quiet(mo
             assert reactor.poll_window == 0
             assert len(box.items) == 21
             nursery.cancel_scope.cancel()
+
+
+async def test_in_thread_counts_its_calls_while_they_run_and_passes_results_and_errors():
+    """While a call runs in a thread the reactor does not poll (the thread needs the GIL):
+    the count says so, and it comes back to zero however the call ends."""
+    release = threading.Event()
+    async with trio.open_nursery() as nursery:
+        reactor = Reactor(busy_poll=None)
+        await nursery.start(reactor.run)
+        box = Box()
+
+        async def call() -> None:
+            box(await reactor.in_thread(lambda: release.wait(10) and "done"))
+
+        nursery.start_soon(call)
+        await wait_until(lambda: reactor.threads_running == 1, timeout=5)
+        release.set()
+        assert await box.wait() == "done"
+        assert reactor.threads_running == 0
+        with pytest.raises(ZeroDivisionError):
+            await reactor.in_thread(lambda: 1 / 0)
+        assert reactor.threads_running == 0
+        nursery.cancel_scope.cancel()

@@ -84,6 +84,7 @@ class RedisDoor:
         self.desk = desk
         self.book = desk.book
         self.core = shell.core
+        self.in_thread = shell.reactor.in_thread  # no polling while a Redis call runs
         self.entries: dict[str, list[str]] = {}  # job id -> its entries not yet acknowledged
         self.outbox: dict[str, Outcome] = {}  # job id -> outcome to write
         self.progress: dict[str, str] = {}  # job id -> live state to write
@@ -130,14 +131,12 @@ class RedisDoor:
         backoff = BACKOFF_FIRST
         while True:
             try:
-                answer = await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+                answer = await self.in_thread(fn, *args, abandon_on_cancel=True)
             except redis.RedisError as exc:
                 self._failed(exc)
                 if "NOGROUP" in str(exc):
                     with contextlib.suppress(redis.RedisError):
-                        await trio.to_thread.run_sync(
-                            self.calls.ensure_group, abandon_on_cancel=True
-                        )
+                        await self.in_thread(self.calls.ensure_group, abandon_on_cancel=True)
             else:
                 if self.down_since is not None:
                     log.warning(
