@@ -24,7 +24,7 @@ import trio
 from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
 from bench.e2e_bench import drive, start_controller
 from controller import datagram as dg
-from tests.helpers import free_udp_port
+from tests.helpers import free_udp_port, wait_for_condition
 
 # The controller's system calls per job that the protocol itself asks for: add_task in and
 # its ack out, notify_task out and its ack in (4); SET_TASK and FETCH dialled, each a
@@ -74,6 +74,15 @@ def _strace_calls(path: Path) -> int:
     raise ValueError(f"no total in {path}")
 
 
+def _traced(pid: int) -> bool:
+    """Whether a tracer (strace) has attached to every thread of `pid`."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("TracerPid:") and line.split()[1] == "0":
+                return False
+    return True
+
+
 def syscalls_per_job(tasks: int = 3000) -> dict[str, Any] | None:
     """The controller's system calls per job under `strace -c -f`; None without strace."""
     strace = shutil.which("strace")
@@ -89,7 +98,7 @@ def syscalls_per_job(tasks: int = 3000) -> dict[str, Any] | None:
                 [strace, "-c", "-f", "-p", str(proc.pid), "-o", str(out)],
                 stderr=subprocess.DEVNULL,
             )
-            time.sleep(0.5)  # strace attaches asynchronously
+            wait_for_condition(lambda: _traced(proc.pid), timeout=10)
             trio.run(drive, port, tasks, 64, 1)
             tracer.terminate()
             tracer.wait()
@@ -129,8 +138,7 @@ def queued_memory(jobs: int = 100_000, window: int = 64) -> dict[str, Any]:
             sock.bind(("127.0.0.1", 0))
             sock.settimeout(0.5)
             server = ("127.0.0.1", port)
-            while not (sockdir / "s" / "main.sock").exists():
-                time.sleep(0.01)
+            wait_for_condition(lambda: (sockdir / "s" / "main.sock").exists(), timeout=20)
             base = rss_mb(proc.pid)
             acked: set[int] = set()
             sent = 0

@@ -31,9 +31,6 @@ from controller.reactor import Reactor, Timer
 # A full listen backlog makes a non-blocking Unix connect fail with EAGAIN and no
 # completion event: retry after this pause until the timeout.
 CONNECT_RETRY = 0.001
-# Accepted sockets stay in blocking mode (no ioctl per accept): every call on them says
-# MSG_DONTWAIT instead.
-_DONTWAIT = socket.MSG_DONTWAIT
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 
@@ -180,6 +177,9 @@ class Outgoing(Generic[wire.M]):
 class Incoming(Generic[wire.M]):
     """One accepted connection: read a frame, hand it to `on_frame`, write the answer, close.
 
+    The socket may be left in blocking mode, as `accept` gives it: every call on it
+    says `wire.DONTWAIT`.
+
     `on_frame(conn, msg, extra)` answers with `conn.reply(data)`, now or later;
     `on_error(conn, exc)` hears about a bad or missing frame and may still
     `reply` when `exc.can_reply`. A peer that does not read its answer within
@@ -262,7 +262,7 @@ class Incoming(Generic[wire.M]):
     def _send(self, events: int) -> None:
         try:
             while self._out:
-                self._out = self._out[self.sock.send(self._out, _DONTWAIT) :]
+                self._out = self._out[self.sock.send(self._out, wire.DONTWAIT) :]
         except BlockingIOError:
             self._reactor.watch(self.sock, _OUT, self._send)
             self._rearm()

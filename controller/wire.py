@@ -241,7 +241,10 @@ async def _ready_by(
     return False
 
 
-_DONTWAIT = socket.MSG_DONTWAIT
+# Every receive and send on a connection's socket says this instead of relying on
+# O_NONBLOCK: sockets accepted by the controller and the worker stay in blocking mode,
+# which saves an ioctl per accept (controller/transport.py).
+DONTWAIT: Final = socket.MSG_DONTWAIT
 
 
 class FrameReader(Generic[M]):
@@ -264,8 +267,7 @@ class FrameReader(Generic[M]):
     def read(self, sock: socket.socket) -> tuple[M, bytes] | None:
         decoder = self._decoder
         try:
-            # MSG_DONTWAIT: an accepted socket needs no O_NONBLOCK (one ioctl less per accept).
-            data = sock.recv(FIRST_READ if decoder is None else decoder.wanted(), _DONTWAIT)
+            data = sock.recv(FIRST_READ if decoder is None else decoder.wanted(), DONTWAIT)
         except BlockingIOError:
             return None
         except OSError as exc:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,7 @@ async def test_big_request_and_answer_both_ways(sockdir: Path, listener, nursery
 
     def on_accept(events: int) -> None:
         conn, _ = listener.accept()
-        conn.setblocking(False)
+        # left blocking, as the controller and the worker leave what they accept
         Incoming(reactor, conn, pb.ControlMsg, on_frame, served, timeout=5, max_extra_size=8 << 20)
 
     reactor.watch(listener, select.EPOLLIN, on_accept)
@@ -132,7 +134,7 @@ async def test_incoming_that_never_completes_its_frame_times_out(
 ):
     reactor = await started(nursery)
     a, b = socket.socketpair()
-    a.setblocking(False)
+    # `a` stays blocking, like an accepted socket: Incoming must never block on it
     b.send(wire.encode_frame(REQUEST)[:2])  # half a frame, then silence
     errors = Box()
     start = trio.current_time()
@@ -144,10 +146,32 @@ async def test_incoming_that_never_completes_its_frame_times_out(
     b.close()
 
 
+async def test_incoming_from_a_peer_that_sends_nothing_does_not_block_the_loop(
+    nursery, autojump_clock
+):
+    """A connection whose peer sends nothing, on a socket left blocking as accepted ones
+    are: Incoming's first read returns at once (a blocking read would hang the reactor),
+    and the connection is dropped after `timeout`."""
+    reactor = await started(nursery)
+    a, b = socket.socketpair()
+    # A guard, so that a regression fails instead of hanging: a blocking read gives up
+    # after 2 s (SO_RCVTIMEO leaves Python's idea of the socket's mode alone).
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 2, 0))
+    errors = Box()
+    start_real, start = time.perf_counter(), trio.current_time()
+    Incoming(reactor, a, pb.ControlMsg, lambda *args: None, errors, timeout=3)
+    assert time.perf_counter() - start_real < 1.0
+    _, exc = await errors.wait()
+    assert isinstance(exc, wire.PeerTimeout)
+    assert trio.current_time() - start == pytest.approx(3.0, abs=0.01)
+    assert a.fileno() == -1
+    b.close()
+
+
 async def test_garbage_request_gets_an_error_answer(sockdir: Path, nursery):
     reactor = await started(nursery)
     a, b = socket.socketpair()
-    a.setblocking(False)
+    # `a` stays blocking, like an accepted socket: Incoming must never block on it
     b.send(b"\xff" * 11)  # a varint that never ends
 
     def answer(conn: Incoming[pb.ControlMsg], exc: wire.RemoteProtocolError) -> None:
@@ -222,7 +246,7 @@ async def test_busy_polling_reactor_serves_and_then_sleeps(
 
         def on_accept(events: int) -> None:
             conn, _ = listener.accept()
-            conn.setblocking(False)
+            # left blocking, as the controller and the worker leave what they accept
             Incoming(reactor, conn, pb.ControlMsg, on_frame, lambda *args: None, timeout=5)
 
         reactor.watch(listener, select.EPOLLIN, on_accept)  # the peer runs in the same reactor

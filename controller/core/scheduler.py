@@ -358,13 +358,13 @@ class Scheduler:
 
     # ------------------------------------------------------------ deadlines
 
-    def _placement_due(self, when: float, obj: Task, now: float, actions: list[Action]) -> None:
-        if obj.state is TaskState.QUEUED and obj.placement_deadline == when:
+    def _placement_due(self, when: float, task: Task, now: float, actions: list[Action]) -> None:
+        if task.state is TaskState.QUEUED and task.placement_deadline == when:
             self._queued -= 1
-            obj.advance(TaskEvent.PLACEMENT_TIMEOUT)
+            task.advance(TaskEvent.PLACEMENT_TIMEOUT)
             self.counters.failed_post += 1
             limit = f"{self.timeout_task_placement:g}"
-            self._finish(obj, actions, now, error=f"no free worker within {limit} s")
+            self._finish(task, actions, now, error=f"no free worker within {limit} s")
 
     def _running_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
         assert isinstance(obj, Task)

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_busy_poll,
         default=None,
         help="keep polling for this long after the last event before sleeping; 0: never; "
-        "auto (default): up to 200 while events come less than 200 us apart, never when "
+        "auto (default): up to 200 us while events come less than 200 us apart, never when "
         "idle or when jobs take milliseconds. A fixed value suits a controller on a CPU of "
         "its own (--cpus), which it keeps busy while jobs flow",
     )
