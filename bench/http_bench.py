@@ -16,12 +16,12 @@ import statistics
 import time
 from typing import Any
 
-import httpx
 import trio
 
 from bench.common import percentile, socket_dir
 from bench.e2e_bench import HANDLER, drive, ppe_rate
 from controller.client import AsyncClient, Client
+from controller.client.http import AsyncHttpPool
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import exchange, live_controller
 
@@ -55,15 +55,21 @@ def _blocking_throughput(url: str, jobs: int) -> float:
 
 async def _one_at_a_time(url: str, jobs: int) -> list[float]:
     out = []
-    async with httpx.AsyncClient(base_url=url, timeout=70) as http:
-        for _ in range(jobs):
-            start = time.perf_counter()
-            job = (await http.post("/job/", json={})).json()
-            if job["state"] != "finished":
-                job = (await http.get(f"/job/{job['id']}/", params={"wait": 60})).json()
-            out.append(time.perf_counter() - start)
-            assert job["state"] == "finished", job
+    http = _pool(url)
+    for _ in range(jobs):
+        start = time.perf_counter()
+        job = (await http.request("POST", "/job/", json={})).json()
+        if job["state"] != "finished":
+            job = (await http.request("GET", f"/job/{job['id']}/", query={"wait": 60})).json()
+        out.append(time.perf_counter() - start)
+        assert job["state"] == "finished", job
+    await http.aclose()
     return out
+
+
+def _pool(url: str) -> AsyncHttpPool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return AsyncHttpPool(host, int(port), timeout=120)
 
 
 async def _pulse_latency(sockdir: Any, pulses: int = 500) -> list[float]:
@@ -78,17 +84,18 @@ async def _pulse_latency(sockdir: Any, pulses: int = 500) -> list[float]:
 
 
 async def _with_open_waits(url: str, sockdir: Any, waits: int) -> list[float]:
-    limits = httpx.Limits(max_connections=waits + 10, max_keepalive_connections=waits + 10)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+    http = _pool(url)
+    try:
         ids = []
         for n in range(waits):
-            ids.append((await http.post("/job/", json={"id": f"held-{n}"})).json()["id"])
+            body = {"id": f"held-{n}"}
+            ids.append((await http.request("POST", "/job/", json=body)).json()["id"])
         opened = 0
 
         async def hold(job_id: str) -> None:
             nonlocal opened
             opened += 1
-            await http.get(f"/job/{job_id}/", params={"wait": 60})
+            await http.request("GET", f"/job/{job_id}/", query={"wait": 60})
 
         async with trio.open_nursery() as nursery:
             for job_id in ids:
@@ -98,6 +105,8 @@ async def _with_open_waits(url: str, sockdir: Any, waits: int) -> list[float]:
             await trio.sleep(0.5)  # let the requests reach the server and park
             samples = await _pulse_latency(sockdir)
             nursery.cancel_scope.cancel()
+    finally:
+        await http.aclose()
     return samples
 
 

@@ -17,11 +17,12 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit
 
-import httpx
 import trio
 
 from controller import datagram as dg
+from controller.client.http import AsyncHttpPool
 from worker.leaving import leave_on_signals
 from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
 
@@ -57,13 +58,14 @@ class Poller:
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
     ) -> None:
-        if not hub.startswith("http://"):
+        parts = urlsplit(hub)
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
             raise SetupError(f"--hub must be an http://HOST:PORT URL, got {hub!r}")
         self.hub = hub.rstrip("/")
+        self._where = (parts.hostname, parts.port)
         self.runner = runner
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        headers = {"Authorization": f"Bearer {read_token(token_file)}"} if token_file else {}
-        self._headers = headers
+        self._token = read_token(token_file) if token_file else None
         self.pulse_period = pulse_period
         self.drain_timeout = drain_timeout
         self._draining = False
@@ -71,15 +73,16 @@ class Poller:
         self._idle_scope = trio.CancelScope()  # the /ping/ in flight, if any
 
     async def run(self) -> int:
-        async with (
-            httpx.AsyncClient(
-                base_url=self.hub, headers=self._headers, timeout=PING_WAIT + 30
-            ) as http,
-            trio.open_nursery() as nursery,
-        ):
-            nursery.start_soon(self._signals, nursery.cancel_scope)
-            await self._loop(http)
-            nursery.cancel_scope.cancel()
+        host, port = self._where
+        http = AsyncHttpPool(host, port, token=self._token, timeout=PING_WAIT + 30)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signals, nursery.cancel_scope)
+                await self._loop(http)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await http.aclose()
         return 0
 
     async def _signals(self, scope: trio.CancelScope) -> None:
@@ -90,7 +93,7 @@ class Poller:
         self._idle_scope.cancel()  # an open /ping/ need not wait
         await trio.sleep_forever()  # run() ends when the loop has reported the running job
 
-    async def _loop(self, http: httpx.AsyncClient) -> None:
+    async def _loop(self, http: AsyncHttpPool) -> None:
         delay = RETRY_FIRST
         while not self._draining:
             job = None
@@ -103,24 +106,29 @@ class Poller:
                 delay = RETRY_FIRST
                 await self._work(http, job)
 
-    async def _ping(self, http: httpx.AsyncClient) -> dict[str, Any] | None:
+    async def _ping(self, http: AsyncHttpPool) -> dict[str, Any] | None:
+        query = {"worker": self.name, "wait": PING_WAIT}
         try:
-            resp = await http.get("/ping/", params={"worker": self.name, "wait": PING_WAIT})
-        except httpx.HTTPError as exc:
+            resp = await http.request("GET", "/ping/", query=query)
+        except OSError as exc:  # refused, reset, timed out
             self._unreachable(str(exc) or type(exc).__name__)
             return None
         self._back()
-        if resp.status_code == 204:
+        if resp.status == 204:
             return None
-        if resp.status_code != 200:
-            self._unreachable(f"/ping/ answered {resp.status_code}: {resp.text[:200]}")
+        if resp.status != 200:
+            self._unreachable(f"/ping/ answered {resp.status}: {resp.text[:200]}")
             return None
-        job: dict[str, Any] = resp.json()
+        try:
+            job: dict[str, Any] = resp.json()
+        except ValueError:
+            self._unreachable(f"/ping/ answered something not JSON: {resp.text[:200]}")
+            return None
         return job
 
-    async def _work(self, http: httpx.AsyncClient, job: dict[str, Any]) -> None:
+    async def _work(self, http: AsyncHttpPool, job: dict[str, Any]) -> None:
         job_id, task_id = job["id"], int(job["task_id"])
-        path = f"/job/{job_id}/"
+        path = f"/job/{quote(job_id, safe='')}/"
         if not await self._put(http, path, {"state": "working"}):
             return  # taken back before it started
         payload = dg.read_bytes(job, "payload") or b""
@@ -144,7 +152,7 @@ class Poller:
 
     async def _lease(
         self,
-        http: httpx.AsyncClient,
+        http: AsyncHttpPool,
         path: str,
         stderr: list[bytes],
         job_scope: trio.CancelScope,
@@ -161,20 +169,20 @@ class Poller:
                 job_scope.cancel()
                 return
 
-    async def _put(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> bool:
+    async def _put(self, http: AsyncHttpPool, path: str, body: dict[str, Any]) -> bool:
         """False when the controller says this poller no longer holds the job (409/404)."""
         body = {**body, "worker": self.name}
         while True:
             try:
-                resp = await http.put(path, json=body)
-            except httpx.HTTPError as exc:
+                resp = await http.request("PUT", path, json=body)
+            except OSError as exc:  # refused, reset, timed out
                 self._unreachable(str(exc) or type(exc).__name__)
                 await trio.sleep(RETRY_FIRST)
                 continue
             self._back()
-            if resp.status_code in (404, 409):
+            if resp.status in (404, 409):
                 return False
-            return resp.status_code < 400
+            return resp.status < 400
 
     def _unreachable(self, why: str) -> None:
         if self._reachable:

@@ -26,7 +26,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The library (and httpx) is loaded on first use, so that udp-client starts quickly.
+    # The library (and redis-py) is loaded on first use, so that udp-client starts quickly.
     if name in {"AsyncClient", "AsyncJob", "Client", "ControllerError", "Job", "JobFailed"}:
         from controller.client import api
 

@@ -24,10 +24,10 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 import anyio
-import httpx
 import redis
 
 from controller import datagram as dg
+from controller.client.http import Answer, AsyncHttpPool, HttpPool
 from controller.client.stream import RedisBackend
 from controller.client.udp import UdpBackend, UdpError
 
@@ -91,16 +91,25 @@ def _outcome(data: dict[str, Any]) -> bytes:
     raise JobFailed(str(data.get("id")), str(state), str(data.get("error", "")))
 
 
-def _check(resp: httpx.Response) -> dict[str, Any]:
+def _check(resp: Answer) -> dict[str, Any]:
     try:
         data = resp.json()
     except ValueError:
-        raise ControllerError(resp.status_code, resp.text[:200]) from None
-    if resp.status_code >= 400:
-        if resp.status_code == 404:
-            raise KeyError(data.get("message", "no such job"))
-        raise ControllerError(resp.status_code, str(data.get("message", "")))
+        raise ControllerError(resp.status, resp.text[:200]) from None
+    if resp.status >= 400:
+        message = data.get("message", "") if isinstance(data, dict) else ""
+        if resp.status == 404:
+            raise KeyError(message or "no such job")
+        raise ControllerError(resp.status, str(message))
     return data if isinstance(data, dict) else {}
+
+
+def _job_path(job_id: str) -> str:
+    return f"/job/{quote(job_id, safe='')}/"
+
+
+def _wait_query(wait: float) -> dict[str, str] | None:
+    return {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else None
 
 
 def _split(url: str) -> tuple[str, str, int]:
@@ -178,14 +187,11 @@ class Client:
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
         self.scheme, host, port = _split(url)
         self.timeout = timeout
-        self._http: httpx.Client | None = None
+        self._http: HttpPool | None = None
         self._udp_backend: UdpBackend | None = None
         self._redis: RedisBackend | None = None
         if self.scheme == "http":
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            self._http = httpx.Client(
-                base_url=f"http://{host}:{port}", headers=headers, timeout=MAX_WAIT + timeout
-            )
+            self._http = HttpPool(host, port, token=token, timeout=MAX_WAIT + timeout)
         elif self.scheme == "redis":
             self._redis = RedisBackend(url, timeout)
         else:
@@ -210,7 +216,7 @@ class Client:
     ) -> Job:
         data = _payload(payload)
         if self._http is not None:
-            resp = self._http.post("/job/", json=_body(data, name, id))
+            resp = self._http.request("POST", "/job/", json=_body(data, name, id))
             return Job(self, _check(resp))
         if self._redis is not None:
             with _redis_errors():
@@ -234,21 +240,21 @@ class Client:
             if data is None:
                 raise KeyError(f"no job {id!r}")
             return Job(self, data)
-        return Job(self, _check(self._need_http().get(f"/job/{quote(id, safe='')}/")))
+        return Job(self, _check(self._need_http().request("GET", _job_path(id))))
 
     def cancel(self, id: str) -> Job:
         if self._redis is not None:
             with _redis_errors():
                 self._redis.cancel(id)
             return self.get(id)
-        resp = self._need_http().put(f"/job/{quote(id, safe='')}/", json={"state": "canceled"})
-        if resp.status_code == 409:  # it ended already: its final state is the answer
+        resp = self._need_http().request("PUT", _job_path(id), json={"state": "canceled"})
+        if resp.status == 409:  # it ended already: its final state is the answer
             return self.get(id)
         return Job(self, _check(resp))
 
     # ------------------------------------------------------------ for Job
 
-    def _need_http(self) -> httpx.Client:
+    def _need_http(self) -> HttpPool:
         if self._http is None:
             raise ValueError(_NO_SUCH_REQUEST)
         return self._http
@@ -270,8 +276,7 @@ class Client:
                     data = self._redis.wait(job.id, time.monotonic() + wait)
             return data if data is not None else {"id": job.id, "state": "pending"}
         if self._http is not None:
-            params = {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else {}
-            return _check(self._http.get(f"/job/{quote(job.id, safe='')}/", params=params))
+            return _check(self._http.request("GET", _job_path(job.id), query=_wait_query(wait)))
         udp = self._udp()
         if wait <= 0:
             found = udp.peek(job._task_id)
@@ -338,13 +343,10 @@ class AsyncClient:
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
         self.scheme, host, port = _split(url)
-        self._http: httpx.AsyncClient | None = None
+        self._http: AsyncHttpPool | None = None
         self._sync: Client | None = None
         if self.scheme == "http":
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            self._http = httpx.AsyncClient(
-                base_url=f"http://{host}:{port}", headers=headers, timeout=MAX_WAIT + timeout
-            )
+            self._http = AsyncHttpPool(host, port, token=token, timeout=MAX_WAIT + timeout)
         else:
             self._sync = Client(url, token=token, timeout=timeout)
 
@@ -370,7 +372,7 @@ class AsyncClient:
             )
             return AsyncJob(self, {"id": job.id}, job)
         assert self._http is not None
-        resp = await self._http.post("/job/", json=_body(_payload(payload), name, id))
+        resp = await self._http.request("POST", "/job/", json=_body(_payload(payload), name, id))
         return AsyncJob(self, _check(resp))
 
     async def get(self, id: str) -> AsyncJob:
@@ -384,17 +386,16 @@ class AsyncClient:
             job = await anyio.to_thread.run_sync(self._sync.cancel, id)
             return AsyncJob(self, {"id": job.id}, job)
         http = self._need_http()
-        resp = await http.put(f"/job/{quote(id, safe='')}/", json={"state": "canceled"})
-        if resp.status_code == 409:
+        resp = await http.request("PUT", _job_path(id), json={"state": "canceled"})
+        if resp.status == 409:
             return await self.get(id)
         return AsyncJob(self, _check(resp))
 
-    def _need_http(self) -> httpx.AsyncClient:
+    def _need_http(self) -> AsyncHttpPool:
         if self._http is None:
             raise ValueError(_NO_SUCH_REQUEST)
         return self._http
 
     async def _get_json(self, job_id: str, wait: float) -> dict[str, Any]:
-        params = {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else {}
-        resp = await self._need_http().get(f"/job/{quote(job_id, safe='')}/", params=params)
-        return _check(resp)
+        query = _wait_query(wait)
+        return _check(await self._need_http().request("GET", _job_path(job_id), query=query))
