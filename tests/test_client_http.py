@@ -9,11 +9,14 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from controller.client.http import AsyncHttpPool, HttpPool
+from controller.client.http import AsyncHttpPool, HttpPool, _Exchange
 from tests.helpers import free_tcp_port
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
@@ -240,3 +243,96 @@ async def test_async_errors_and_a_cancelled_request_leaves_no_kept_connection():
     port = free_tcp_port()
     with pytest.raises(ConnectionRefusedError, match=f"http://127.0.0.1:{port}"):
         await AsyncHttpPool("127.0.0.1", port).request("GET", "/health/")
+
+
+# ---------------------------------------------------------------- the codec, by property
+
+
+def _answer_bytes(status: int, body: bytes, framing: str, cuts: list[int], interim: bool) -> bytes:
+    head = b"HTTP/1.1 100 Continue\r\n\r\n" if interim else b""
+    head += b"HTTP/1.1 %d Whatever\r\nServer: x\r\n" % status
+    if framing == "length":
+        return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    if framing == "close":
+        return head + b"Connection: close\r\n\r\n" + body
+    out = head + b"Transfer-Encoding: chunked\r\n\r\n"
+    at = 0
+    for cut in [*sorted(set(cuts)), len(body)]:
+        if cut > at:
+            out += b"%x;ext=1\r\n%s\r\n" % (cut - at, body[at:cut])
+            at = cut
+    return out + b"0\r\nTrailer: yes\r\n\r\n"
+
+
+def _feed_in_pieces(data: bytes, splits: list[int], method: str = "GET") -> Any:
+    exchange = _Exchange()
+    exchange.request(method, "/x/", b"Host: h:1\r\n", b"")
+    at = 0
+    for split in [*sorted(set(splits)), len(data)]:
+        if split > at:
+            answer = exchange.feed(data[at:split])
+            if answer is not None:
+                return answer
+            at = split
+    return exchange.feed(b"")  # the end of the stream
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    status=st.sampled_from([200, 201, 400, 404, 409, 500]),
+    body=st.binary(max_size=300),
+    framing=st.sampled_from(["length", "chunked", "close"]),
+    cuts=st.lists(st.integers(0, 300), max_size=5),
+    splits=st.lists(st.integers(0, 700), max_size=8),
+    interim=st.booleans(),
+)
+def test_any_framing_in_any_pieces_gives_the_same_answer(
+    status, body, framing, cuts, splits, interim
+):
+    data = _answer_bytes(status, body, framing, [c for c in cuts if c < len(body)], interim)
+    answer = _feed_in_pieces(data, splits)
+    assert (answer.status, answer.body) == (status, body)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=400), st.lists(st.integers(0, 400), max_size=4))
+def test_bytes_from_a_peer_raise_only_connection_error(data, splits):
+    for prefix in (
+        b"",
+        b"HTTP/1.1 200 OK\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+    ):
+        with contextlib.suppress(ConnectionError):
+            _feed_in_pieces(prefix + data, splits)
+
+
+def test_no_body_answers_and_what_ends_a_kept_connection():
+    assert _feed_in_pieces(b"HTTP/1.1 204 No Content\r\n\r\n", []).body == b""
+    assert _feed_in_pieces(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", [], "HEAD").body == b""
+    for head, keep in (
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", False),
+    ):
+        exchange = _Exchange()
+        exchange.request("GET", "/", b"", b"")
+        assert exchange.feed(head) is not None
+        assert exchange.reusable() is keep, head
+    for bad, why in (
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "Transfer-Encoding"),
+        (b"HTTP/1.1 200 OK\r\n bad header\r\n\r\n", "header"),
+        (b"HTTP/1.1 101 Switching\r\n\r\n", "status 101"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "no CRLF"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20_000, "head over"),
+    ):
+        with pytest.raises(ConnectionError, match=why):
+            _feed_in_pieces(bad, [])
+    with pytest.raises(ValueError, match="request target"):
+        _Exchange().request("GET", "/a b", b"", b"")
+    with pytest.raises(ValueError, match="token"):
+        HttpPool("127.0.0.1", 1, token="two\r\nX-Injected: 1")

@@ -1,13 +1,16 @@
-"""HTTP/1.1 for the client library and the poller: keep-alive connections on h11.
+"""HTTP/1.1 for the client library and the poller: requests over kept connections.
 
 `HttpPool` (blocking, shared by threads) and `AsyncHttpPool` (anyio: asyncio or
 trio) send a request and return the whole answer as an `Answer` (status and
 body bytes). Both keep idle connections for the next request, so a job's
-`POST` and its `GET ?wait=` cost no TCP handshake. The protocol is h11's
-sans-IO state machine (`_Exchange`); the two pools only move its bytes.
+`POST` and its `GET ?wait=` cost no TCP handshake. `_Exchange` is the protocol,
+sans-IO: the bytes of a request, then the answer's framing (Content-Length,
+chunked, or until close); the two pools only move its bytes.
 
 Why not httpx: it spent ~550 us of CPU per request here, more than the
-controller's server side; this layer spends ~100 (bench/http_bench.py).
+controller's server side. Why not h11: its validating state machine cost
+~47 us per exchange, a third of a poller's CPU; this one costs ~8
+(docs/design-notes.md, "The Python client").
 
 A kept connection the server has closed meanwhile (its keep-alive timeout) is
 noticed before use by a non-blocking peek, and a request on a reused
@@ -31,7 +34,6 @@ from urllib.parse import urlencode
 
 import anyio
 import anyio.abc
-import h11
 
 # A job object with a payload and a result of max_extra_size (16 MiB) each, base64,
 # fits with room for a raised limit; a longer answer is a broken or foreign server.
@@ -65,61 +67,171 @@ class _Stale(ConnectionError):
 
 
 class _Exchange:
-    """One request and its answer on an h11 connection (sans-IO)."""
+    """One request and its answer on a kept connection (sans-IO): `request` gives the bytes
+    to send, `feed` takes what came back until the answer is whole.
 
-    def __init__(self, conn: h11.Connection) -> None:
-        self._conn = conn
-        self._status = 0
-        self._body: list[bytes] = []
-        self._size = 0
+    The answer's framing is HTTP/1.1's: a Content-Length, chunks, or (no length, no
+    chunks) everything until the server closes; 1xx interim answers are skipped; 204
+    and 304 have no body. Malformed bytes raise ConnectionError and nothing else.
+    """
+
+    __slots__ = (
+        "_body",
+        "_buf",
+        "_chunk_at",
+        "_framing",
+        "_length",
+        "_method",
+        "_status",
+        "got_bytes",
+        "keep",
+    )
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._status = 0  # 0 until the head is read
+        self._framing = ""  # "length", "chunked" or "close"
+        self._length = 0
+        self._body = bytearray()
+        self._chunk_at = 0  # where the next chunk's size line starts in _buf
+        self._method = ""
         self.got_bytes = False
+        self.keep = True  # whether the connection may serve the next request
 
-    def request(
-        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
-    ) -> bytes:
-        send = self._conn.send
-        if body or method in ("POST", "PUT"):
-            headers = [*headers, ("Content-Length", str(len(body)))]
-        out = send(h11.Request(method=method, target=target, headers=headers)) or b""
-        if body:
-            out += send(h11.Data(data=body)) or b""
-        return out + (send(h11.EndOfMessage()) or b"")
+    def request(self, method: str, target: str, headers: bytes, body: bytes) -> bytes:
+        """`headers`: complete header lines, each ending in CRLF."""
+        if not target.startswith("/") or any(c in target for c in " \r\n"):
+            raise ValueError(f"not a request target: {target!r}")
+        self._method = method
+        length = b"Content-Length: %d\r\n" % len(body) if body or method in ("POST", "PUT") else b""
+        return b"%s %s HTTP/1.1\r\n%s%s\r\n%s" % (
+            method.encode("ascii"),
+            target.encode("ascii"),
+            headers,
+            length,
+            body,
+        )
 
     def feed(self, data: bytes) -> Answer | None:
         """Bytes read (b"" at the end of the stream); the answer once it is whole."""
         if data:
             self.got_bytes = True
-        conn = self._conn
-        conn.receive_data(data)
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                if not data:  # the end of the stream inside an answer
-                    raise self._closed() from None
-                raise ConnectionError(f"a malformed HTTP answer: {exc}") from None
-            if event is h11.NEED_DATA:
+            self._buf += data
+        while self._status == 0 or 100 <= self._status < 200:
+            self._status = 0
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > MAX_HEAD:
+                    raise ConnectionError(f"an HTTP answer's head over {MAX_HEAD} bytes")
                 if not data:
                     raise self._closed()
                 return None
-            if isinstance(event, h11.Response):
-                self._status = event.status_code
-            elif isinstance(event, h11.Data):
-                self._size += len(event.data)
-                if self._size > MAX_ANSWER:
-                    raise ConnectionError(f"an HTTP answer over {MAX_ANSWER} bytes")
-                self._body.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return Answer(self._status, b"".join(self._body))
-            elif isinstance(event, h11.ConnectionClosed):
-                raise self._closed()
+            head = bytes(self._buf[:end])
+            del self._buf[: end + 4]
+            self._read_head(head)
+        return self._read_body(not data)
 
     def reusable(self) -> bool:
-        conn = self._conn
-        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            conn.start_next_cycle()
-            return True
-        return False
+        """Whether the connection may carry the next request (the answer was whole)."""
+        return self.keep
+
+    def _read_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        version, _, rest = lines[0].partition(b" ")
+        code = rest[:3]
+        if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+            raise ConnectionError(f"a malformed HTTP answer: {lines[0][:80]!r}")
+        self._status = status = int(code)
+        if status < 100 or status == 101:
+            raise ConnectionError(f"an HTTP answer with status {status}")
+        connection = b""
+        length = -1
+        chunked = False
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name != name.strip():
+                raise ConnectionError(f"a malformed HTTP header: {line[:80]!r}")
+            name = name.lower()
+            value = value.strip()
+            if name == b"content-length":
+                if not value.isdigit() or (length >= 0 and int(value) != length):
+                    raise ConnectionError(f"a malformed Content-Length: {value[:40]!r}")
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.lower().rsplit(b",", 1)[-1].strip() == b"chunked"
+                if not chunked:
+                    raise ConnectionError(f"an unknown Transfer-Encoding: {value[:40]!r}")
+            elif name == b"connection":
+                connection = value.lower()
+        if status < 200:
+            return  # interim: the real answer follows
+        if version == b"HTTP/1.0":
+            self.keep = b"keep-alive" in connection
+        elif b"close" in connection:
+            self.keep = False
+        if status in (204, 304) or self._method == "HEAD":
+            self._framing, self._length = "length", 0
+        elif chunked:
+            self._framing = "chunked"
+        elif length >= 0:
+            if length > MAX_ANSWER:
+                raise ConnectionError(f"an HTTP answer over {MAX_ANSWER} bytes")
+            self._framing, self._length = "length", length
+        else:
+            self._framing, self.keep = "close", False
+
+    def _read_body(self, ended: bool) -> Answer | None:
+        buf = self._buf
+        if self._framing == "length":
+            if len(buf) < self._length:
+                if ended:
+                    raise self._closed()
+                return None
+            if len(buf) > self._length:
+                self.keep = False  # bytes nobody asked for: the connection is not trusted
+            return Answer(self._status, bytes(buf[: self._length]))
+        if self._framing == "close":
+            if len(buf) > MAX_ANSWER:
+                raise ConnectionError(f"an HTTP answer over {MAX_ANSWER} bytes")
+            return Answer(self._status, bytes(buf)) if ended else None
+        while True:  # chunked: size line, data, CRLF; a 0 size, trailers, an empty line
+            at = self._chunk_at
+            eol = buf.find(b"\r\n", at)
+            if eol < 0:
+                if len(buf) - at > MAX_HEAD:
+                    raise ConnectionError("a malformed chunk size line")
+                break
+            size_text = bytes(buf[at:eol]).split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise ConnectionError(f"a malformed chunk size: {size_text[:20]!r}") from None
+            if size_text.startswith((b"-", b"+")):
+                raise ConnectionError(f"a malformed chunk size: {size_text[:20]!r}")
+            if size == 0:
+                trailers = buf.find(b"\r\n", eol + 2)
+                while trailers >= 0 and trailers != eol + 2:  # skip trailer lines
+                    eol = trailers
+                    trailers = buf.find(b"\r\n", eol + 2)
+                if trailers < 0:
+                    if len(buf) - at > MAX_HEAD:
+                        raise ConnectionError("HTTP trailers too long")
+                    break
+                if len(buf) > trailers + 2:
+                    self.keep = False
+                return Answer(self._status, bytes(self._body))
+            if len(self._body) + size > MAX_ANSWER:
+                raise ConnectionError(f"an HTTP answer over {MAX_ANSWER} bytes")
+            start = eol + 2
+            if len(buf) < start + size + 2:
+                break
+            if buf[start + size : start + size + 2] != b"\r\n":
+                raise ConnectionError("a malformed chunk: no CRLF after its data")
+            self._body += buf[start : start + size]
+            self._chunk_at = start + size + 2
+        if ended:
+            raise self._closed()
+        return None
 
     def _closed(self) -> ConnectionError:
         if self.got_bytes:
@@ -151,24 +263,26 @@ class _Base:
         self.timeout = timeout
         self.where = f"http://{host}:{port}"
         netloc = f"[{host}]" if ":" in host else host
-        self._headers = [("Host", f"{netloc}:{port}"), ("Accept", "application/json")]
+        head = f"Host: {netloc}:{port}\r\nAccept: application/json\r\n"
         if token:
-            self._headers.append(("Authorization", f"Bearer {token}"))
-        self._json_headers = [*self._headers, ("Content-Type", "application/json")]
+            if not (token.isascii() and token.isprintable()) or " " in token:
+                raise ValueError("a token is printable ASCII without spaces")
+            head += f"Authorization: Bearer {token}\r\n"
+        self._head = head.encode("ascii")
+        self._json_head = self._head + b"Content-Type: application/json\r\n"
 
-    def _headers_for(self, body: bytes) -> list[tuple[str, str]]:
-        return self._json_headers if body else self._headers
+    def _headers_for(self, body: bytes) -> bytes:
+        return self._json_head if body else self._head
 
 
 class _Kept:
-    """A blocking connection: its socket, its h11 state, when it was last used, and the
-    timeout its socket options hold."""
+    """A blocking connection: its socket, when it was last used, and the timeout its socket
+    options hold."""
 
-    __slots__ = ("h11", "since", "sock", "timeout")
+    __slots__ = ("since", "sock", "timeout")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.since = 0.0
         self.timeout = -1.0
         self.set_timeout(timeout)
@@ -209,7 +323,7 @@ class HttpPool(_Base):
         while True:
             kept, reused = self._take(limit)
             sock = kept.sock
-            exchange = _Exchange(kept.h11)
+            exchange = _Exchange()
             try:
                 kept.set_timeout(limit)
                 sock.sendall(exchange.request(method, target, headers, body))
@@ -271,13 +385,12 @@ class HttpPool(_Base):
 
 
 class _AsyncKept:
-    """An async connection: its stream, its h11 state, when it was last used, its fd."""
+    """An async connection: its stream, when it was last used, its fd."""
 
-    __slots__ = ("fd", "h11", "since", "stream")
+    __slots__ = ("fd", "since", "stream")
 
     def __init__(self, stream: anyio.abc.SocketStream) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.since = 0.0
         self.fd = stream.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
 
@@ -306,7 +419,7 @@ class AsyncHttpPool(_Base):
         while True:
             kept, reused = await self._take(limit)
             stream = kept.stream
-            exchange = _Exchange(kept.h11)
+            exchange = _Exchange()
             try:
                 with anyio.fail_after(limit):
                     await stream.send(exchange.request(method, target, headers, body))
