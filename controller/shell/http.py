@@ -1,4 +1,4 @@
-"""The HTTP job API and status page: Starlette on Hypercorn's trio server, in the controller's loop.
+"""The HTTP job API and status page: an ASGI app on hypercorn's trio server, in our loop.
 
 Every handler runs in the controller's own trio loop, so it reads the job book
 and calls the job desk directly: no threads, no locks, no copies. What a body
@@ -21,20 +21,24 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.run import worker_serve
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, Response
-from starlette.routing import Route
 
 from controller import httpapi
 from controller.config import Config
 from controller.core import HandOut
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
+from controller.shell.asgi import (
+    ClientDisconnect,
+    Request,
+    Response,
+    Router,
+    error_response,
+    html_response,
+    json_response,
+)
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
-from controller.shell.http_access import Gate, error_response, json_response, read_tokens
+from controller.shell.http_access import Gate, read_tokens
 from controller.shell.openapi import OPENAPI
 from controller.shell.statuspage import render_status_page
 
@@ -75,23 +79,14 @@ class HttpDoor:
         self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
         tokens = read_tokens(config.http_token_file) if config.http_token_file else None
-        routes = []
-        for path, endpoint, methods in (
+        routes = [
             ("/health/", self.health, ["GET"]),
             ("/job/", self.jobs, ["GET", "POST"]),
-            ("/job/{job_id}/", self.job, ["GET", "PUT", "DELETE"]),
             ("/ping/", self.ping, ["GET"]),
             ("/openapi.json", self.openapi, ["GET"]),
             ("/", self.status_page, ["GET"]),
-        ):
-            routes.append(Route(path, endpoint, methods=methods))
-            if path.endswith("/") and path != "/":  # the same path without the slash, no redirect
-                routes.append(Route(path.rstrip("/"), endpoint, methods=methods))
-        app = Starlette(
-            routes=routes,
-            exception_handlers={HTTPException: self._http_error},
-        )
-        app.router.redirect_slashes = False
+        ]  # each also without its trailing slash (no redirect), and /job/{id}/:
+        app = Router(routes, self.job, ["GET", "PUT", "DELETE"])
         self.gate = Gate(app, config.allowed_clients, tokens)
         desk.on_finished = self.job_ended
         self.pollers = core.pollers
@@ -165,13 +160,6 @@ class HttpDoor:
             event.set()
 
     # ------------------------------------------------------------ endpoints
-
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        message = {404: "no such path", 405: "method not allowed here"}.get(
-            exc.status_code, str(exc.detail)
-        )
-        return error_response(exc.status_code, message)
 
     async def health(self, request: Request) -> Response:
         uptime = trio.current_time() - self.started_at
@@ -312,7 +300,7 @@ class HttpDoor:
                 if waiter.job is None:  # nothing came: the poller is idle no more
                     self.execute(self.pollers.gave_up(worker, trio.current_time()))
         if waiter.job is None:
-            return Response(status_code=204)
+            return Response(status=204)
         return self._job_response(waiter.job, 200)
 
     async def openapi(self, request: Request) -> Response:
@@ -325,7 +313,7 @@ class HttpDoor:
             self.core, self.book, now, self.counters, self.gate.refused, redis
         )
         # errors="replace": a name a client sent may hold a lone surrogate.
-        return HTMLResponse(html.encode("utf-8", "replace"))
+        return html_response(html.encode("utf-8", "replace"))
 
     # ------------------------------------------------------------ helpers
 
@@ -337,7 +325,7 @@ class HttpDoor:
         return job
 
     async def _body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
+        declared = request.header(b"content-length")
         too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         chunks = []
         size = 0

@@ -1,25 +1,16 @@
 """Who may use the HTTP door: `allowed_clients` (403 on every path) and bearer tokens
-(401 on every path but /health/), as an ASGI middleware in front of the app; and the
-JSON answers both use."""
+(401 on every path but /health/), as an ASGI middleware in front of the app."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from starlette.responses import Response
-
-from controller import httpapi
 from controller.frontdoor import cached_allowed
+from controller.shell.asgi import Receive, Scope, Send, error_response
 from controller.shell.core_shell import StartupError
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 def read_tokens(path: Path) -> frozenset[str]:
@@ -35,14 +26,6 @@ def read_tokens(path: Path) -> frozenset[str]:
     if not tokens:
         raise StartupError(f"http_token_file {path}: no token in it (one a line)")
     return tokens
-
-
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(httpapi.dumps(body), status_code=status, media_type="application/json")
-
-
-def error_response(status: int, message: str) -> Response:
-    return json_response({"code": status, "message": message}, status)
 
 
 class Gate:
@@ -77,7 +60,7 @@ class Gate:
         if needs_token and not self._token_ok(scope):
             self.refused += 1
             refusal = error_response(401, "a valid 'Authorization: Bearer <token>' is needed")
-            refusal.headers["WWW-Authenticate"] = "Bearer"
+            refusal.headers.append((b"www-authenticate", b"Bearer"))
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)

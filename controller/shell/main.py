@@ -157,7 +157,7 @@ async def run_controller(
     committer = None
     if journal is not None:
         committer = Committer(journal, on_committed=desk.write_ahead.release)
-    # The HTTP and Redis doors' libraries (hypercorn, starlette, redis-py) are imported only
+    # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
     # when configured: together they are about 20 MB of a controller's memory.
     stream = None
     if config.redis is not None:

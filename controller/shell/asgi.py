@@ -1,0 +1,173 @@
+"""The little of ASGI the HTTP door needs: a request, a response, and a router.
+
+Six paths, each also without its trailing slash, and `/job/{id}/`: an exact
+dict lookup, then the one pattern. Starlette did this before; its layers
+(error and exception middlewares, the router's regex per route, a wrapper
+around every `send`) cost ~6% of the controller's CPU per request with the
+door busy, which is the door's ceiling (docs/design-notes.md, "The HTTP door").
+A handler that raises is logged and answered 500 with the JSON error object;
+the lifespan protocol is answered so that hypercorn starts and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl
+
+from controller import httpapi
+
+log = logging.getLogger("controller.http")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# The one pattern path: /job/{id}/ (and /job/{id}).
+JOB_PREFIX = "/job/"
+
+
+class ClientDisconnect(Exception):
+    """The client went away before its request body ended."""
+
+
+class Request:
+    """One HTTP request: method, path parameters, query, headers and the body as a stream."""
+
+    __slots__ = ("_query", "_receive", "method", "path_params", "scope")
+
+    def __init__(self, scope: Scope, receive: Receive, path_params: dict[str, str]) -> None:
+        self.scope = scope
+        self._receive = receive
+        self.method: str = scope["method"]
+        self.path_params = path_params
+        self._query: dict[str, str] | None = None
+
+    @property
+    def query_params(self) -> dict[str, str]:
+        """The query's parameters (the last of a repeated name, as Starlette's did)."""
+        if self._query is None:
+            text = self.scope["query_string"].decode("latin-1")
+            self._query = dict(parse_qsl(text, keep_blank_values=True))
+        return self._query
+
+    def header(self, name: bytes) -> str | None:
+        """A request header by its lower-case name."""
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return bytes(value).decode("latin-1")
+        return None
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; ClientDisconnect if the client leaves first."""
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect
+            body = message.get("body", b"")
+            if body:
+                yield body
+            if not message.get("more_body", False):
+                return
+
+
+class Response:
+    """A whole answer: status, body and headers (content-length and -type added)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        status: int = 200,
+        media_type: str | None = None,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        self.body = body
+        self.status = status
+        bodiless = status < 200 or status in (204, 304)
+        head = [] if bodiless else [(b"content-length", b"%d" % len(body))]
+        if media_type is not None:
+            head.append((b"content-type", media_type.encode("latin-1")))
+        head.extend(headers)
+        self.headers = head
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(httpapi.dumps(body), status, "application/json")
+
+
+def error_response(status: int, message: str) -> Response:
+    return json_response({"code": status, "message": message}, status)
+
+
+def html_response(html: bytes) -> Response:
+    return Response(html, 200, "text/html; charset=utf-8")
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class Router:
+    """ASGI app: paths to endpoints, each with the methods it takes (HEAD where GET is)."""
+
+    def __init__(
+        self,
+        routes: Sequence[tuple[str, Endpoint, Sequence[str]]],
+        job_endpoint: Endpoint,
+        job_methods: Sequence[str],
+    ) -> None:
+        self._exact: dict[str, tuple[Endpoint, frozenset[str]]] = {}
+        for path, endpoint, methods in routes:
+            entry = (endpoint, _with_head(methods))
+            self._exact[path] = entry
+            if path.endswith("/") and path != "/":  # the same path without the slash
+                self._exact[path[:-1]] = entry
+        self._job = (job_endpoint, _with_head(job_methods))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        params: dict[str, str] = {}
+        entry = self._exact.get(path)
+        if entry is None and path.startswith(JOB_PREFIX):
+            job_id = path[len(JOB_PREFIX) :]
+            if job_id.endswith("/"):
+                job_id = job_id[:-1]
+            if job_id and "/" not in job_id:
+                entry = self._job
+                params = {"job_id": job_id}
+        if entry is None:
+            response = error_response(404, "no such path")
+        elif scope["method"] not in entry[1]:
+            response = error_response(405, "method not allowed here")
+        else:
+            try:
+                response = await entry[0](Request(scope, receive, params))
+            except Exception:
+                log.exception("%s %s failed", scope["method"], path[:200])
+                response = error_response(500, "the controller failed here: see its log")
+        await response(scope, receive, send)
+
+
+def _with_head(methods: Sequence[str]) -> frozenset[str]:
+    return frozenset([*methods, "HEAD"] if "GET" in methods else methods)
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        kind = message["type"]
+        await send({"type": f"{kind}.complete"})
+        if kind == "lifespan.shutdown":
+            return
