@@ -263,7 +263,7 @@ class _Base:
         self.timeout = timeout
         self.where = f"http://{host}:{port}"
         netloc = f"[{host}]" if ":" in host else host
-        head = f"Host: {netloc}:{port}\r\nAccept: application/json\r\n"
+        head = f"Host: {netloc}:{port}\r\n"
         if token:
             if not (token.isascii() and token.isprintable()) or " " in token:
                 raise ValueError("a token is printable ASCII without spaces")

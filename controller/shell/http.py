@@ -134,6 +134,7 @@ class HttpDoor:
         host = f"[{address.host}]" if ":" in address.host else address.host
         hc.bind = [f"{host}:{address.port}"]
         hc.keep_alive_timeout = IDLE_TIMEOUT
+        hc.include_server_header = False  # a header per answer that tells nobody anything
         hc.accesslog = None
         server_log = logging.getLogger("controller.http.server")
         server_log.setLevel(logging.WARNING)  # its "Running on ..." repeats our own line
