@@ -115,14 +115,17 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class Router:
-    """ASGI app: paths to endpoints, each with the methods it takes (HEAD where GET is)."""
+    """ASGI app: paths to endpoints, each with the methods it takes (HEAD where GET is);
+    `gate(scope)` may refuse a request first (its answer, or None)."""
 
     def __init__(
         self,
         routes: Sequence[tuple[str, Endpoint, Sequence[str]]],
         job_endpoint: Endpoint,
         job_methods: Sequence[str],
+        gate: Callable[[Scope], Response | None] = lambda scope: None,
     ) -> None:
+        self._gate = gate
         self._exact: dict[str, tuple[Endpoint, frozenset[str]]] = {}
         for path, endpoint, methods in routes:
             entry = (endpoint, _with_head(methods))
@@ -136,6 +139,10 @@ class Router:
             await _lifespan(receive, send)
             return
         if scope["type"] != "http":
+            return
+        refusal = self._gate(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
         path: str = scope["path"]
         params: dict[str, str] = {}

@@ -86,8 +86,8 @@ class HttpDoor:
             ("/openapi.json", self.openapi, ["GET"]),
             ("/", self.status_page, ["GET"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
-        app = Router(routes, self.job, ["GET", "PUT", "DELETE"])
-        self.gate = Gate(app, config.allowed_clients, tokens)
+        self.gate = Gate(config.allowed_clients, tokens)
+        self.app = Router(routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal)
         desk.on_finished = self.job_ended
         self.pollers = core.pollers
 
@@ -121,7 +121,7 @@ class HttpDoor:
         host, port = self.address()
         log.info("HTTP job API and status page on http://%s:%d/", host, port)
         await worker_serve(
-            ASGIWrapper(self.gate),  # type: ignore[arg-type]
+            ASGIWrapper(self.app),  # type: ignore[arg-type]
             self._hypercorn_config(),
             sockets=self._sockets,
             task_status=task_status,
