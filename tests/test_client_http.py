@@ -336,3 +336,14 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
         _Exchange().request("GET", "/a b", b"", b"")
     with pytest.raises(ValueError, match="token"):
         HttpPool("127.0.0.1", 1, token="two\r\nX-Injected: 1")
+
+
+async def test_the_client_library_raises_builtins_for_an_unreachable_controller():
+    from controller.client import AsyncClient, Client
+
+    port = free_tcp_port()
+    with Client(f"http://127.0.0.1:{port}") as client, pytest.raises(ConnectionRefusedError):
+        client.submit(b"x")
+    async with AsyncClient(f"http://127.0.0.1:{port}") as aclient:
+        with pytest.raises(ConnectionRefusedError, match=f"127.0.0.1:{port}"):
+            await aclient.get("some-id")
