@@ -271,8 +271,26 @@ class _Base:
         self._head = head.encode("ascii")
         self._json_head = self._head + b"Content-Type: application/json\r\n"
 
-    def _headers_for(self, body: bytes) -> bytes:
-        return self._json_head if body else self._head
+    def _prepare(
+        self, path: str, json: Any, query: dict[str, Any] | None, timeout: float | None
+    ) -> tuple[str, bytes, bytes, float]:
+        """A request's target, header lines, body and timeout."""
+        body = _encode(json)
+        limit = self.timeout if timeout is None else timeout
+        return _target(path, query), self._json_head if body else self._head, body, limit
+
+    def _failure(
+        self, exc: BaseException, reused: bool, exchange: _Exchange, limit: float
+    ) -> OSError | None:
+        """What a failed exchange raises; None: send it again on a new connection (a reused
+        one the server had closed before it read the request)."""
+        # A blocking socket's SO_RCVTIMEO/SO_SNDTIMEO running out is EAGAIN.
+        timed_out = isinstance(exc, TimeoutError | BlockingIOError)
+        if timed_out:
+            return TimeoutError(f"{self.where}: no answer within {limit:g} s")
+        if reused and not exchange.got_bytes:
+            return None
+        return _reason(exc, self.where)
 
 
 class _Kept:
@@ -316,10 +334,7 @@ class HttpPool(_Base):
         query: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> Answer:
-        target = _target(path, query)
-        body = _encode(json)
-        headers = self._headers_for(body)
-        limit = self.timeout if timeout is None else timeout
+        target, headers, body, limit = self._prepare(path, json, query, timeout)
         while True:
             kept, reused = self._take(limit)
             sock = kept.sock
@@ -330,15 +345,12 @@ class HttpPool(_Base):
                 answer = None
                 while answer is None:
                     answer = exchange.feed(sock.recv(READ_SIZE))
-            except (ConnectionError, OSError) as exc:
+            except OSError as exc:  # ConnectionError, TimeoutError and the like
                 sock.close()
-                # SO_RCVTIMEO/SO_SNDTIMEO running out is EAGAIN
-                timed_out = isinstance(exc, TimeoutError | BlockingIOError)
-                if reused and not exchange.got_bytes and not timed_out:
-                    continue  # the server had closed it: a new connection
-                if timed_out:
-                    raise TimeoutError(f"{self.where}: no answer within {limit:g} s") from None
-                raise _reason(exc, self.where) from None
+                failure = self._failure(exc, reused, exchange, limit)
+                if failure is None:
+                    continue
+                raise failure from None
             except BaseException:
                 sock.close()
                 raise
@@ -412,10 +424,7 @@ class AsyncHttpPool(_Base):
         query: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> Answer:
-        target = _target(path, query)
-        body = _encode(json)
-        headers = self._headers_for(body)
-        limit = self.timeout if timeout is None else timeout
+        target, headers, body, limit = self._prepare(path, json, query, timeout)
         while True:
             kept, reused = await self._take(limit)
             stream = kept.stream
@@ -430,13 +439,12 @@ class AsyncHttpPool(_Base):
                         except anyio.EndOfStream:
                             data = b""
                         answer = exchange.feed(data)
-            except (ConnectionError, OSError, anyio.BrokenResourceError) as exc:
+            except (OSError, anyio.BrokenResourceError) as exc:
                 await anyio.aclose_forcefully(stream)
-                if reused and not exchange.got_bytes and not isinstance(exc, TimeoutError):
-                    continue  # the server had closed it: a new connection
-                if isinstance(exc, TimeoutError):
-                    raise TimeoutError(f"{self.where}: no answer within {limit:g} s") from None
-                raise _reason(exc, self.where) from None
+                failure = self._failure(exc, reused, exchange, limit)
+                if failure is None:
+                    continue
+                raise failure from None
             except BaseException:  # cancelled mid-exchange: the connection is in no known state
                 await anyio.aclose_forcefully(stream)
                 raise
