@@ -146,3 +146,14 @@ def test_empty_token_file_is_refused(tmp_path):
     token.write_text("\n")
     proc = run("-m", "worker", "--hub", "http://127.0.0.1:9", "--token-file", str(token))
     assert proc.returncode == 2 and "holds no token" in proc.stderr
+
+
+def test_the_controller_loads_optional_doors_libraries_only_when_configured():
+    # hypercorn (HTTP), redis-py (Redis) and prometheus_client (metrics) are imported by
+    # the door that uses them: a controller without them starts lighter (~15 MB of RSS).
+    code = (
+        "import sys, controller.shell.main\n"
+        "print(sorted(m for m in ('hypercorn', 'redis', 'prometheus_client') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
