@@ -20,9 +20,9 @@ block.
 
 from __future__ import annotations
 
+import _socket
 import math
 import select
-import socket
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -71,7 +71,7 @@ class Reactor:
         self._window = 0.0  # the adaptive poll window now
         self._threads = 0  # calls running in threads (see in_thread): no polling meanwhile
         self._epoll = select.epoll()
-        self._watched: dict[int, tuple[socket.socket, Callable[[int], None]]] = {}
+        self._watched: dict[int, tuple[_socket.socket, Callable[[int], None]]] = {}
         self._last: set[int] = set()  # served after the others in each round
         self._timers: Deadlines[Timer] = Deadlines()
         self._wake = trio.Event()
@@ -84,7 +84,7 @@ class Reactor:
 
     def watch(
         self,
-        sock: socket.socket,
+        sock: _socket.socket,
         events: int,
         callback: Callable[[int], None],
         *,
@@ -105,7 +105,7 @@ class Reactor:
             self._epoll.register(fd, events)
         self._watched[fd] = (sock, callback)
 
-    def unwatch(self, sock: socket.socket) -> None:
+    def unwatch(self, sock: _socket.socket) -> None:
         """Stop watching `sock` (before it is closed)."""
         fd = sock.fileno()
         if self._watched.pop(fd, None) is not None:
@@ -113,7 +113,7 @@ class Reactor:
             if not self._epoll.closed:
                 self._epoll.unregister(fd)
 
-    def forget(self, sock: socket.socket) -> None:
+    def forget(self, sock: _socket.socket) -> None:
         """Stop watching `sock`, which the caller closes right away: closing it takes it out
         of the epoll set, so this saves an epoll_ctl call."""
         fd = sock.fileno()

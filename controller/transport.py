@@ -16,6 +16,7 @@ next turn), so callers never see themselves re-entered.
 
 from __future__ import annotations
 
+import _socket
 import os
 import select
 import socket
@@ -35,6 +36,18 @@ _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 
 Result = tuple[wire.M, bytes] | wire.RemoteProtocolError | OSError
+
+
+# accept(2) giving the new descriptor: the C method socket.accept wraps (typeshed omits it).
+_accept_fd: Callable[[socket.socket], tuple[int, object]] = socket.socket._accept  # type: ignore[attr-defined]
+
+
+def accept_unix(listener: socket.socket) -> _socket.socket:
+    """One connection from a Unix listener, as the low-level socket type (socket.accept's
+    Python wrapper costs per connection), left blocking: `Incoming` uses MSG_DONTWAIT.
+    BlockingIOError when none is waiting."""
+    fd, _ = _accept_fd(listener)
+    return _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
 
 
 def listen_unix(path: Path, backlog: int, mode: int = 0o660) -> socket.socket:
@@ -92,7 +105,8 @@ class Outgoing(Generic[wire.M]):
         self._timeout = timeout
         now = trio.current_time()
         self._deadline = now + timeout
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        # The low-level type: socket.socket's Python wrapper costs per connection.
+        self._sock = _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         self._started = False
         self._timer = reactor.call_at(self._deadline, self._on_timer)
         self._connect(now)
@@ -203,7 +217,7 @@ class Incoming(Generic[wire.M]):
     def __init__(
         self,
         reactor: Reactor,
-        sock: socket.socket,
+        sock: _socket.socket,
         request_type: type[wire.M],
         on_frame: Callable[[Incoming[wire.M], wire.M, bytes], None],
         on_error: Callable[[Incoming[wire.M], wire.RemoteProtocolError], None],

@@ -19,6 +19,7 @@ sockets themselves.
 
 from __future__ import annotations
 
+import _socket
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Final, Generic, NoReturn, TypeVar
@@ -264,7 +265,7 @@ class FrameReader(Generic[M]):
         self._max_extra = max_extra_size
         self._decoder: FrameDecoder[M] | None = None  # only once a frame comes in pieces
 
-    def read(self, sock: socket.socket) -> tuple[M, bytes] | None:
+    def read(self, sock: _socket.socket) -> tuple[M, bytes] | None:
         decoder = self._decoder
         try:
             data = sock.recv(FIRST_READ if decoder is None else decoder.wanted(), DONTWAIT)

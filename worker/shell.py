@@ -26,7 +26,7 @@ import trio
 
 from controller import wire
 from controller.reactor import Reactor
-from controller.transport import Incoming, Outgoing, Result, exchange, listen_unix
+from controller.transport import Incoming, Outgoing, Result, accept_unix, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
 from worker.runner import Runner, TaskFailed
@@ -266,7 +266,7 @@ class WorkerShell:
         # so a second accept would almost always fail with EAGAIN; the epoll set is
         # level-triggered, so one more waiting is served in the next round.
         try:
-            conn, _ = listener.accept()
+            conn = accept_unix(listener)
         except BlockingIOError:
             return
         Incoming(

@@ -9,6 +9,7 @@ through `on_finished` and `on_progress` (the job desk, or a test).
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import errno
 import functools
@@ -44,7 +45,7 @@ from controller.reactor import Reactor
 from controller.shell.durability import WriteAhead
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
-from controller.transport import Incoming, Outgoing, Result, listen_unix
+from controller.transport import Incoming, Outgoing, Result, accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")
@@ -60,7 +61,7 @@ class StartupError(Exception):
     """The controller cannot start; the message is for the operator (exit status 2)."""
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+def peer_credentials(sock: _socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, gid = _PEERCRED.unpack(raw)
@@ -234,12 +235,12 @@ class CoreShell:
         assert sock is not None
         while True:
             try:
-                conn, _ = sock.accept()
+                conn = accept_unix(sock)
             except BlockingIOError:
                 return
             self._serve_pulse(conn)
 
-    def _serve_pulse(self, conn: socket.socket) -> None:
+    def _serve_pulse(self, conn: _socket.socket) -> None:
         cfg = self.config
         pid, uid, gid = peer_credentials(conn)
         if not self._allowed(uid, gid):
