@@ -1,6 +1,7 @@
-"""The client's HTTP layer (controller/client/http.py) against scripted servers: kept
-connections, a server that closed one meanwhile, answers cut short or malformed, silence,
-refusal. Blocking and async (trio and asyncio) alike."""
+"""The client's HTTP layer (controller/client/http.py, httpwire.py) against scripted
+servers: kept connections, a server that closed one meanwhile, answers cut short or
+malformed, silence, refusal; blocking and async (trio and asyncio) alike. And the codec
+by property: any framing cut anywhere, random bytes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.client.http import AsyncHttpPool, HttpPool, _Exchange
+from controller.client.http import AsyncHttpPool, HttpPool
+from controller.client.httpwire import Exchange
 from tests.helpers import free_tcp_port
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
@@ -265,7 +267,7 @@ def _answer_bytes(status: int, body: bytes, framing: str, cuts: list[int], inter
 
 
 def _feed_in_pieces(data: bytes, splits: list[int], method: str = "GET") -> Any:
-    exchange = _Exchange()
+    exchange = Exchange()
     exchange.request(method, "/x/", b"Host: h:1\r\n", b"")
     at = 0
     for split in [*sorted(set(splits)), len(data)]:
@@ -316,7 +318,7 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
         (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", True),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", False),
     ):
-        exchange = _Exchange()
+        exchange = Exchange()
         exchange.request("GET", "/", b"", b"")
         assert exchange.feed(head) is not None
         assert exchange.reusable() is keep, head
@@ -333,7 +335,7 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
         with pytest.raises(ConnectionError, match=why):
             _feed_in_pieces(bad, [])
     with pytest.raises(ValueError, match="request target"):
-        _Exchange().request("GET", "/a b", b"", b"")
+        Exchange().request("GET", "/a b", b"", b"")
     with pytest.raises(ValueError, match="token"):
         HttpPool("127.0.0.1", 1, token="two\r\nX-Injected: 1")
 
