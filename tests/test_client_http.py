@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import resource
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -17,7 +19,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.client.http import AsyncHttpPool, HttpPool
+from controller.client.http import AsyncHttpPool, HttpPool, _peer_closed
 from controller.client.httpwire import Exchange
 from tests.helpers import free_tcp_port
 
@@ -349,3 +351,21 @@ async def test_the_client_library_raises_builtins_for_an_unreachable_controller(
     async with AsyncClient(f"http://127.0.0.1:{port}") as aclient:
         with pytest.raises(ConnectionRefusedError, match=f"127.0.0.1:{port}"):
             await aclient.get("some-id")
+
+
+def test_a_kept_connection_is_checked_whatever_its_descriptor_number():
+    # select() cannot take descriptors over 1023; a busy client has them.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} leaves no descriptor over 1023 to test")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    ours, theirs = socket.socketpair()
+    high = os.dup2(ours.fileno(), 1500)
+    try:
+        assert _peer_closed(high) is False  # open, nothing to read: reusable
+        theirs.close()
+        assert _peer_closed(high) is True  # the other end closed it
+    finally:
+        os.close(high)
+        ours.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -121,6 +121,19 @@ async def test_post_with_an_existing_id_returns_it_and_runs_nothing_again(sockdi
         assert ctl.executions == {b"once": 1}
 
 
+async def test_head_is_answered_as_get_without_a_body(sockdir):
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        job = (await http.post("/job/", json={"id": "head-1", "payload": "x"})).json()
+        await http.get("/job/head-1/", params={"wait": 10})
+        before = (await http.get("/job/head-1/")).json()
+        for path in ("/job/head-1/", "/job/", "/health/", "/"):
+            resp = await http.head(path)
+            assert resp.status_code == 200 and resp.content == b"", path
+            assert int(resp.headers["content-length"]) > 0, path
+        assert (await http.get("/job/head-1/")).json() == before  # nothing was changed
+        assert job["id"] == "head-1"
+
+
 async def test_binary_payload_and_result_travel_as_base64(sockdir):
     async with http_controller(sockdir) as ctl, client(ctl.url) as http:
         data = base64.b64encode(b"\xff\x00\xfe").decode()

@@ -46,10 +46,12 @@ MAX_IDLE = 64
 
 def _peer_closed(fd: int) -> bool:
     """Whether the server closed an idle kept connection (or wrote to it unasked): it is
-    readable then (one poll)."""
+    readable then (one poll; poll, not select, which fails for descriptors over 1023)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     try:
-        return bool(select.select([fd], [], [], 0)[0])
-    except (OSError, ValueError):
+        return bool(poller.poll(0))
+    except OSError:
         return True
 
 
@@ -106,11 +108,13 @@ class _Kept:
         """The timeout as SO_RCVTIMEO/SO_SNDTIMEO on a blocking socket: Python's own socket
         timeout would poll() before every send and recv, a system call each."""
         if timeout != self.timeout:
+            self.timeout = timeout
+            # 0 would mean "no timeout" to the kernel; past 10^6 s is as good as none.
+            timeout = min(max(timeout, 0.001), 1e6)
             whole = int(timeout)
             value = struct.pack("ll", whole, int((timeout - whole) * 1e6))
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-            self.timeout = timeout
 
 
 class HttpPool(_Base):

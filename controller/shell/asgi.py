@@ -41,7 +41,9 @@ class Request:
     def __init__(self, scope: Scope, receive: Receive, path_params: dict[str, str]) -> None:
         self.scope = scope
         self._receive = receive
-        self.method: str = scope["method"]
+        method: str = scope["method"]
+        # HEAD is answered as GET is (hypercorn leaves the body out).
+        self.method = "GET" if method == "HEAD" else method
         self.path_params = path_params
         self._query: dict[str, str] | None = None
 
