@@ -128,6 +128,7 @@ def test_controller_busy_poll_default_is_adaptive():
     ("args", "said"),
     [
         (["--hub", "ftp://ctl:8080"], "--hub must be an http://HOST:PORT URL"),
+        (["--hub", "http://ctl:8080/api/"], "--hub must be an http://HOST:PORT URL"),
         (["--hub", "http://127.0.0.1:9", "--token-file", "/no/such/token"], "/no/such/token"),
         (["--udp", "nohostport"], "expected HOST:PORT"),
         (["--udp", "h:99999"], "expected HOST:PORT"),
@@ -141,11 +142,14 @@ def test_remote_worker_bad_flags_are_one_line_and_exit_2(args, said):
     assert said in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_empty_token_file_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "said"), [("\n", "holds no token"), ("s\u00e9cret\n", "printable ASCII")]
+)
+def test_unusable_token_file_is_refused(tmp_path, text, said):
     token = tmp_path / "token"
-    token.write_text("\n")
+    token.write_text(text, encoding="utf-8")
     proc = run("-m", "worker", "--hub", "http://127.0.0.1:9", "--token-file", str(token))
-    assert proc.returncode == 2 and "holds no token" in proc.stderr
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_controller_loads_optional_doors_libraries_only_when_configured():

@@ -44,6 +44,8 @@ def read_token(path: str) -> str:
         raise SetupError(f"--token-file {path}: {exc}") from None
     if not lines:
         raise SetupError(f"--token-file {path}: it holds no token")
+    if not (lines[0].isascii() and lines[0].isprintable()):
+        raise SetupError(f"--token-file {path}: a token is printable ASCII")
     return lines[0]
 
 
@@ -59,7 +61,12 @@ class Poller:
         drain_timeout: float = 30.0,
     ) -> None:
         parts = urlsplit(hub)
-        if parts.scheme != "http" or not parts.hostname or not parts.port:
+        if (
+            parts.scheme != "http"
+            or not parts.hostname
+            or not parts.port
+            or parts.path not in ("", "/")
+        ):
             raise SetupError(f"--hub must be an http://HOST:PORT URL, got {hub!r}")
         self.hub = hub.rstrip("/")
         self._where = (parts.hostname, parts.port)
