@@ -369,3 +369,20 @@ def test_a_kept_connection_is_checked_whatever_its_descriptor_number():
         os.close(high)
         ours.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_forked_child_does_not_use_its_parents_kept_connections():
+    with keep_alive_server() as server:
+        pool = HttpPool("127.0.0.1", server.port, timeout=5)
+        assert pool.request("GET", "/health/").status == 200  # one connection kept
+        pid = os.fork()
+        if pid == 0:  # the child: its own connection, or exit 1
+            try:
+                ok = pool.request("GET", "/health/").status == 200
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert pool.request("GET", "/health/").status == 200  # the parent's still serves
+        pool.close()
+    assert server.accepted == 2  # the parent's connection, and the child's own

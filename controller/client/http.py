@@ -21,6 +21,7 @@ Failures raise `OSError`s: `ConnectionError` (refused, reset, closed early),
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -125,6 +126,7 @@ class HttpPool(_Base):
         self._idle: list[_Kept] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
 
     def request(
         self,
@@ -166,6 +168,8 @@ class HttpPool(_Base):
             kept.sock.close()
 
     def _take(self, timeout: float) -> tuple[_Kept, bool]:
+        if self._pid != os.getpid():
+            self._forked()
         now = time.monotonic()
         while True:
             with self._lock:
@@ -186,6 +190,15 @@ class HttpPool(_Base):
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Kept(sock, timeout), False
+
+    def _forked(self) -> None:
+        """In a child after fork(): the kept connections are the parent's (two processes
+        on one connection would read each other's answers); close this process's copies."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()  # a fork may copy it held by a thread that is gone
+        idle, self._idle = self._idle, []
+        for kept in idle:
+            kept.sock.close()
 
     def _give_back(self, kept: _Kept, exchange: Exchange) -> None:
         if exchange.reusable():
