@@ -342,6 +342,24 @@ async def test_silent_connection_is_closed_and_harms_nobody(sockdir):
         await silent.aclose()
 
 
+async def test_a_kept_alive_connection_is_closed_after_the_idle_time(sockdir):
+    async with http_controller(sockdir) as ctl:
+        host, port = ctl.url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        answers = b""
+        for sent in range(1, 4):  # requests half a second apart keep it open
+            await stream.send_all(b"GET /health/ HTTP/1.1\r\nHost: x\r\n\r\n")
+            while answers.count(b'"uptime"') < sent:
+                answers += await stream.receive_some()
+            await trio.sleep(0.5)
+        idle_from = trio.current_time()
+        with trio.fail_after(IDLE_TIMEOUT + 5):
+            while await stream.receive_some():
+                pass  # until the server closes it
+        assert trio.current_time() - idle_from >= IDLE_TIMEOUT - 1.0  # not at once
+        await stream.aclose()
+
+
 async def test_client_gone_mid_body_is_refused_quietly(sockdir, caplog):
     """Found by `make chaos`: half a body then a closed connection raised out of the app."""
     async with http_controller(sockdir) as ctl, client(ctl.url) as http:

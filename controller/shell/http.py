@@ -27,6 +27,7 @@ from controller.config import Config
 from controller.core import HandOut
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
+from controller.shell import keepalive
 from controller.shell.asgi import (
     ClientDisconnect,
     Request,
@@ -90,6 +91,7 @@ class HttpDoor:
         self.app = Router(routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal)
         desk.on_finished = self.job_ended
         self.pollers = core.pollers
+        self._idle_timer = keepalive.install()
 
     # ------------------------------------------------------------ serving
 
@@ -133,7 +135,8 @@ class HttpDoor:
         hc = HypercornConfig()
         host = f"[{address.host}]" if ":" in address.host else address.host
         hc.bind = [f"{host}:{address.port}"]
-        hc.keep_alive_timeout = IDLE_TIMEOUT
+        # hypercorn's own keep-alive wait starts after keepalive.GRACE idle (keepalive.py)
+        hc.keep_alive_timeout = IDLE_TIMEOUT - (keepalive.GRACE if self._idle_timer else 0.0)
         hc.include_server_header = False  # a header per answer that tells nobody anything
         hc.accesslog = None
         server_log = logging.getLogger("controller.http.server")

@@ -1,0 +1,106 @@
+"""hypercorn's keep-alive timer at one task per connection instead of one per request.
+
+hypercorn's trio `TCPServer` keeps an idle timer per connection as a `SingleTask`
+(hypercorn/typing.py: `restart(task_group, action)`, `stop()`): `restart` when
+the connection turns idle, `stop` when a request comes. Its `TrioSingleTask`
+starts a new task for every `restart` (`nursery.start`) and cancels it at the
+next `stop`, so every request costs a task started and one cancelled. With the
+HTTP door busy that was ~20% of the controller's CPU, and the controller's one
+thread is the door's ceiling (docs/design-notes.md, "The HTTP door").
+
+`IdleTimer` keeps the protocol with one watching task per connection: `stop`
+and `restart` only move a deadline, and the watcher, waking about once per
+`GRACE`, looks at it. Once the connection has been idle for `GRACE` seconds, it
+runs hypercorn's own `action` (which waits the keep-alive timeout, or the
+server's end, and closes the connection); a request meanwhile cancels that. So an idle connection is
+closed after `GRACE` plus hypercorn's `keep_alive_timeout`: the HTTP door sets
+the latter to its idle time minus `GRACE`.
+
+`install()` puts it in place of hypercorn's class, only when that is the class
+hypercorn's TCPServer uses (the versions pyproject.toml allows); otherwise
+hypercorn's own stays, slower but correct.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+log = logging.getLogger("controller.http")
+
+# Idle this long before hypercorn's own keep-alive wait starts: the watcher wakes about
+# once per GRACE per connection, whatever the request rate.
+GRACE = 1.0
+
+
+class IdleTimer:
+    """hypercorn's `SingleTask` for the keep-alive timeout: one watching task per connection
+    at a time."""
+
+    def __init__(self) -> None:
+        self._deadline = math.inf  # idle since GRACE before this; inf: a request runs
+        self._watching = False
+        self._restarts = 0
+        self._acting: trio.CancelScope | None = None  # hypercorn's action, once running
+
+    async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
+        """The connection is idle from now (opened, or a request ended)."""
+        self._interrupt()
+        self._deadline = trio.current_time() + GRACE
+        self._restarts += 1
+        if not self._watching:
+            self._watching = True
+            task_group.spawn(self._watch, action)
+
+    async def stop(self) -> None:
+        """A request came: the connection is not idle."""
+        self._interrupt()
+        self._deadline = math.inf
+
+    def _interrupt(self) -> None:
+        if self._acting is not None:
+            self._acting.cancel()
+            self._acting = None
+
+    async def _watch(self, action: Callable[[], Awaitable[None]]) -> None:
+        try:
+            while True:
+                deadline = self._deadline
+                if deadline == math.inf:  # a request runs
+                    seen = self._restarts
+                    await trio.sleep(GRACE)
+                    if self._deadline == math.inf and self._restarts == seen:
+                        # Busy all along, or the connection ended mid-request (hypercorn
+                        # then never restarts): leave, so as not to hold its task group
+                        # open; the next restart starts another watcher.
+                        return
+                elif trio.current_time() < deadline:
+                    await trio.sleep_until(deadline)  # then look again: it may have moved
+                else:
+                    with trio.CancelScope() as self._acting:  # idle for GRACE: hypercorn's wait
+                        await action()
+                        return  # it closed the connection
+                    # cancelled by a request: look again
+        finally:
+            self._watching = False
+
+
+def install() -> bool:
+    """Use IdleTimer for hypercorn's trio TCPServer; False (and hypercorn's own timer) when
+    this hypercorn does not have the class it replaces."""
+    try:
+        from hypercorn.trio import tcp_server, worker_context
+    except ImportError:
+        return False
+    current = getattr(tcp_server, "TrioSingleTask", None)
+    if current is IdleTimer:
+        return True
+    if current is None or current is not getattr(worker_context, "TrioSingleTask", None):
+        log.warning("this hypercorn has no TrioSingleTask to replace: its own idle timer stays")
+        return False
+    tcp_server.TrioSingleTask = IdleTimer  # type: ignore[assignment,attr-defined]
+    return True
