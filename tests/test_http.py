@@ -360,6 +360,31 @@ async def test_a_kept_alive_connection_is_closed_after_the_idle_time(sockdir):
         await stream.aclose()
 
 
+def _tasks() -> int:
+    """Tasks alive in this trio run (the in-process controller's included)."""
+    count = 0
+    nurseries = list(trio.lowlevel.current_root_task().child_nurseries)
+    while nurseries:
+        for task in nurseries.pop().child_tasks:
+            count += 1
+            nurseries.extend(task.child_nurseries)
+    return count
+
+
+async def test_clients_leaving_mid_request_leave_no_task_behind(sockdir):
+    # The keep-alive timer's watcher must not hold a connection's tasks once it is gone.
+    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "held"})  # it runs at once: its ?wait= answers
+        await http.get("/health/")
+        host, port = ctl.url.removeprefix("http://").rsplit(":", 1)
+        before = _tasks()
+        for _ in range(50):
+            stream = await trio.open_tcp_stream(host, int(port))
+            await stream.send_all(b"GET /job/held/?wait=60 HTTP/1.1\r\nHost: x\r\n\r\n")
+            await stream.aclose()  # gone before the answer
+        await wait_until(lambda: _tasks() <= before, timeout=IDLE_TIMEOUT + 5)
+
+
 async def test_client_gone_mid_body_is_refused_quietly(sockdir, caplog):
     """Found by `make chaos`: half a body then a closed connection raised out of the app."""
     async with http_controller(sockdir) as ctl, client(ctl.url) as http:
