@@ -100,8 +100,9 @@ async def test_other_paths_are_404(path):
 
 
 async def test_wrong_method_is_405_and_head_goes_where_get_does():
-    status, _, answer = await call("PATCH", "/job/")
+    status, headers, answer = await call("PATCH", "/job/")
     assert (status, answer["message"]) == (405, "method not allowed here")
+    assert headers[b"allow"] == b"GET, HEAD, POST"  # RFC 9110: a 405 says what is
     assert (await call("POST", "/health/"))[0] == 405
     status, _, answer = await call("HEAD", "/health/")
     assert status == 200 and answer["method"] == "GET"  # the endpoint answers it as a GET

@@ -129,6 +129,8 @@ def test_controller_busy_poll_default_is_adaptive():
     [
         (["--hub", "ftp://ctl:8080"], "--hub must be an http://HOST:PORT URL"),
         (["--hub", "http://ctl:8080/api/"], "--hub must be an http://HOST:PORT URL"),
+        (["--hub", "http://ctl:99999"], "--hub must be an http://HOST:PORT URL"),
+        (["--hub", "http://ctl:port"], "--hub must be an http://HOST:PORT URL"),
         (["--hub", "http://127.0.0.1:9", "--token-file", "/no/such/token"], "/no/such/token"),
         (["--udp", "nohostport"], "expected HOST:PORT"),
         (["--udp", "h:99999"], "expected HOST:PORT"),

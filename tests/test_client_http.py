@@ -19,9 +19,15 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.client.http import AsyncHttpPool, HttpPool, _peer_closed
+from controller.client.http import (
+    AsyncHttpPool,
+    HttpPool,
+    _peer_closed,
+    http_address,
+    token_problem,
+)
 from controller.client.httpwire import Exchange
-from tests.helpers import free_tcp_port
+from tests.helpers import free_tcp_port, wait_until
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 Script = Callable[[socket.socket, int], None]
@@ -226,12 +232,16 @@ def test_async_pool_under_asyncio():
 
 
 async def test_async_errors_and_a_cancelled_request_leaves_no_kept_connection():
+    after_first: dict[int, bytes] = {}  # what each silent connection got after its request
+
     def script(conn: socket.socket, n: int) -> None:
         read_request(conn)
         if n == 1:
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{")
-            return
-        conn.recv(1)  # silent until the client goes
+        elif n in (2, 3):  # silent: a second request here would mean it was kept
+            after_first[n] = conn.recv(65536)  # b"" once the client closes it
+        else:
+            conn.sendall(OK)
 
     with serving(script) as server:
         pool = AsyncHttpPool("127.0.0.1", server.port, timeout=5)
@@ -242,11 +252,29 @@ async def test_async_errors_and_a_cancelled_request_leaves_no_kept_connection():
         with trio.move_on_after(0.2) as scope:
             await pool.request("GET", "/health/")
         assert scope.cancelled_caught
+        assert (await pool.request("GET", "/health/")).status == 200  # on a new connection
+        await wait_until(lambda: len(after_first) == 2)
         await pool.aclose()
-    assert server.accepted == 3
+    assert server.accepted == 4
+    assert after_first == {2: b"", 3: b""}  # the timed-out and the cancelled one: closed
     port = free_tcp_port()
     with pytest.raises(ConnectionRefusedError, match=f"http://127.0.0.1:{port}"):
         await AsyncHttpPool("127.0.0.1", port).request("GET", "/health/")
+
+
+def test_urls_and_tokens_that_cannot_be_used_are_value_errors():
+    from controller.client import Client
+
+    assert http_address("http://ctl.example:8080/") == ("ctl.example", 8080)
+    assert http_address("http://[::1]:8080") == ("::1", 8080)
+    for bad in ("http://h:99999", "http://h:abc", "http://h", "https://h:1", "http://h:1/api"):
+        with pytest.raises(ValueError, match="http://HOST:PORT"):
+            http_address(bad)
+    for bad in ("http://h:99999", "udp://h:abc", "redis://h:abc/0"):
+        with pytest.raises(ValueError, match="expected http://HOST:PORT"):
+            Client(bad)
+    assert token_problem("s3cret-token") == ""
+    assert token_problem("two words") and token_problem("s\u00e9cret")
 
 
 # ---------------------------------------------------------------- the codec, by property
@@ -331,6 +359,9 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
         (b"HTTP/1.1 200 OK\r\n bad header\r\n\r\n", "header"),
         (b"HTTP/1.1 101 Switching\r\n\r\n", "status 101"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+2\r\nok\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "no CRLF"),
         (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20_000, "head over"),
     ):

@@ -17,12 +17,12 @@ import os
 import socket
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import trio
 
 from controller import datagram as dg
-from controller.client.http import AsyncHttpPool
+from controller.client.http import AsyncHttpPool, http_address, token_problem
 from worker.leaving import leave_on_signals
 from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
 
@@ -44,8 +44,9 @@ def read_token(path: str) -> str:
         raise SetupError(f"--token-file {path}: {exc}") from None
     if not lines:
         raise SetupError(f"--token-file {path}: it holds no token")
-    if not (lines[0].isascii() and lines[0].isprintable()):
-        raise SetupError(f"--token-file {path}: a token is printable ASCII")
+    why = token_problem(lines[0])
+    if why:
+        raise SetupError(f"--token-file {path}: {why}")
     return lines[0]
 
 
@@ -60,16 +61,11 @@ class Poller:
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
     ) -> None:
-        parts = urlsplit(hub)
-        if (
-            parts.scheme != "http"
-            or not parts.hostname
-            or not parts.port
-            or parts.path not in ("", "/")
-        ):
-            raise SetupError(f"--hub must be an http://HOST:PORT URL, got {hub!r}")
+        try:
+            self._where = http_address(hub)
+        except ValueError:
+            raise SetupError(f"--hub must be an http://HOST:PORT URL, got {hub!r}") from None
         self.hub = hub.rstrip("/")
-        self._where = (parts.hostname, parts.port)
         self.runner = runner
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self._token = read_token(token_file) if token_file else None

@@ -114,13 +114,17 @@ def _wait_query(wait: float) -> dict[str, str] | None:
 
 def _split(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
-    if parts.scheme == "redis" and parts.hostname:
-        return parts.scheme, parts.hostname, parts.port or 6379
-    if parts.scheme not in ("http", "udp") or not parts.hostname or not parts.port:
+    try:
+        port = parts.port
+    except ValueError:  # out of range, or not a number
+        port = -1
+    if parts.scheme == "redis" and parts.hostname and port != -1:
+        return parts.scheme, parts.hostname, port or 6379
+    if parts.scheme not in ("http", "udp") or not parts.hostname or not port or port == -1:
         raise ValueError(
             f"expected http://HOST:PORT, udp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}"
         )
-    return parts.scheme, parts.hostname, parts.port
+    return parts.scheme, parts.hostname, port
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import struct
 import threading
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
@@ -56,6 +57,25 @@ def _peer_closed(fd: int) -> bool:
         return True
 
 
+def token_problem(token: str) -> str:
+    """Why `token` cannot be sent as a bearer token ("" when it can): it goes in a header."""
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        return "a token is printable ASCII without spaces"
+    return ""
+
+
+def http_address(url: str) -> tuple[str, int]:
+    """(host, port) of `http://HOST:PORT` (a trailing slash allowed); ValueError otherwise."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # out of range, or not a number
+        port = None
+    if parts.scheme != "http" or not parts.hostname or not port or parts.path not in ("", "/"):
+        raise ValueError(f"expected an http://HOST:PORT URL, got {url!r}")
+    return parts.hostname, port
+
+
 class _Base:
     def __init__(self, host: str, port: int, *, token: str | None, timeout: float) -> None:
         self.host = host
@@ -65,8 +85,9 @@ class _Base:
         netloc = f"[{host}]" if ":" in host else host
         head = f"Host: {netloc}:{port}\r\n"
         if token:
-            if not (token.isascii() and token.isprintable()) or " " in token:
-                raise ValueError("a token is printable ASCII without spaces")
+            why = token_problem(token)
+            if why:
+                raise ValueError(why)
             head += f"Authorization: Bearer {token}\r\n"
         self._head = head.encode("ascii")
         self._json_head = self._head + b"Content-Type: application/json\r\n"

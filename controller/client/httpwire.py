@@ -17,6 +17,8 @@ from urllib.parse import urlencode
 # A job object with a payload and a result of max_extra_size (16 MiB) each, base64,
 # fits with room for a raised limit; a longer answer is a broken or foreign server.
 MAX_ANSWER = 256 * 1024 * 1024
+# What a chunk size may be written with.
+_HEX = b"0123456789abcdefABCDEF"
 # The most an answer's status line and headers may take.
 MAX_HEAD = 64 * 1024
 
@@ -174,12 +176,10 @@ class Exchange:
                     raise ConnectionError("a malformed chunk size line")
                 break
             size_text = bytes(buf[at:eol]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ConnectionError(f"a malformed chunk size: {size_text[:20]!r}") from None
-            if size_text.startswith((b"-", b"+")):
+            # Hex digits only: int() would also take "0x1f", "1_f" and a sign.
+            if not size_text or size_text.strip(_HEX):
                 raise ConnectionError(f"a malformed chunk size: {size_text[:20]!r}")
+            size = int(size_text, 16)
             if size == 0:
                 trailers = buf.find(b"\r\n", eol + 2)
                 while trailers >= 0 and trailers != eol + 2:  # skip trailer lines

@@ -160,6 +160,7 @@ class Router:
             response = error_response(404, "no such path")
         elif scope["method"] not in entry[1]:
             response = error_response(405, "method not allowed here")
+            response.headers.append((b"allow", ", ".join(sorted(entry[1])).encode("ascii")))
         else:
             try:
                 response = await entry[0](Request(scope, receive, params))
