@@ -56,9 +56,10 @@ BACKOFF_FIRST = 0.1
 BACKOFF_CAP = 5.0
 # At most one "still unreachable" log line per this many seconds.
 LOG_INTERVAL = 30.0
-# A writer with fewer outcomes than this waits up to WRITE_GATHER_WAIT seconds for more.
-WRITE_GATHER = 16
-WRITE_GATHER_WAIT = 0.002
+# While other held jobs are live, every write waits up to WRITE_GATHER_WAIT seconds for this
+# many outcomes (a lone job's outcome is written at once).
+WRITE_GATHER = 32
+WRITE_GATHER_WAIT = 0.005
 # How often the lag and pending count are read (and stopped consumers' entries looked for).
 KEEP_INTERVAL = 1.0
 
@@ -301,7 +302,8 @@ class RedisDoor:
 
     async def _write_loop(self) -> None:
         while True:
-            await self._work.wait()
+            if not (self.outbox or self.progress):
+                await self._work.wait()
             self._work = trio.Event()
             if len(self.outbox) < WRITE_GATHER and len(self.entries) > len(self.outbox):
                 # Other held jobs are still running: one round trip for several outcomes.
@@ -309,7 +311,7 @@ class RedisDoor:
                     while len(self.outbox) < WRITE_GATHER:
                         await self._work.wait()
                         self._work = trio.Event()
-            while self.outbox or self.progress:
+            if self.outbox or self.progress:
                 outcomes = dict(itertools.islice(self.outbox.items(), WRITE_BATCH))
                 for job_id in outcomes:
                     del self.outbox[job_id]
