@@ -350,6 +350,7 @@ class RedisServer:
     directory: Path
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
+    extra: tuple[str, ...] = ()  # more redis-server arguments (--requirepass, --unixsocket)
 
     @property
     def url(self) -> str:
@@ -362,7 +363,7 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
         argv += ["--dir", str(self.directory), "--save", "", "--appendonly", "yes"]
-        argv += ["--logfile", str(self.directory / "redis.log")]
+        argv += ["--logfile", str(self.directory / "redis.log"), *self.extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for_condition(lambda: self.ping() or self.proc is None or self.proc.poll() is not None)
         assert self.ping(), (self.directory / "redis.log").read_text(errors="replace")[-2000:]
@@ -371,7 +372,7 @@ class RedisServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
                 sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
+                return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # -NOAUTH: a password
         except OSError:
             return False
 
@@ -387,8 +388,9 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(tmp: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp / "redis")
+def redis_server(tmp: Path, *extra: str) -> Iterator[RedisServer]:
+    """A redis-server in tmp/redis, with `extra` arguments; stopped at the end."""
+    server = RedisServer(tmp / "redis", extra=extra)
     server.start()
     try:
         yield server

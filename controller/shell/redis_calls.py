@@ -1,16 +1,18 @@
-"""The Redis stream door's calls to Redis: everything here runs in a worker thread.
+"""The Redis stream door's calls to Redis, and the arguments and answers of its scripts.
 
-redis-py is blocking, so `controller/shell/redis_door.py` calls these through
-`trio.to_thread.run_sync`; this class holds the connection pool and the
-scripts of controller/streams.py, and no state of the door's (what it holds,
-what waits to be written): arguments in, answers out. The one exception is the
-XAUTOCLAIM cursor, which only the door's keeper task moves.
+The door's busy calls, the scripts of controller/streams.py that read new
+entries and write outcomes, go through a link (controller/shell/redis_link.py);
+this class builds their arguments and reads their answers. Its other calls
+(blocking reads, claims, group set-up, lag) are blocking redis-py calls that
+`controller/shell/redis_door.py` runs in a worker thread. It holds the
+connection pool and no state of the door's (what it holds, what waits to be
+written): arguments in, answers out. The one exception is the XAUTOCLAIM
+cursor, which only the door's keeper task moves.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,6 @@ import redis
 
 from controller import streams
 from controller.config import RedisSettings
-from controller.httpapi import rfc3339
 
 log = logging.getLogger("controller.redis")
 
@@ -60,9 +61,6 @@ class StreamCalls:
         self.redis = redis.Redis.from_url(
             settings.url, socket_connect_timeout=5, socket_timeout=READ_BLOCK_MS / 1000 + 10
         )
-        self._outcomes = self.redis.register_script(streams.OUTCOMES_SCRIPT)
-        self._read = self.redis.register_script(streams.READ_SCRIPT)
-        self._progress = self.redis.register_script(streams.PROGRESS_SCRIPT)
         self._claim_cursor = "0-0"
 
     def close(self) -> None:
@@ -94,17 +92,22 @@ class StreamCalls:
             self.redis.xack(self.stream, self.group, *deleted)
         return self.with_states(raw), raw[-1][0].decode()
 
-    def read_new(self, count: int) -> list[Entry]:
-        """New entries with their hashes' states: in one script while entries are waiting,
-        else by a blocking read (then the states in a second round trip)."""
-        waiting: Any = self._read(keys=[self.stream], args=[self.group, self.consumer, count])
-        if waiting:
-            entries = []
-            for entry_id, flat, state in waiting:
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                eid = entry_id.decode()
-                entries.append(Entry(eid, fields, state.decode(), self.job_id(eid, fields)))
-            return entries
+    def read_request(self, count: int) -> tuple[list[Any], list[Any]]:
+        """Keys and arguments of `streams.READ_SCRIPT`: up to `count` new entries, no waiting."""
+        return [self.stream], [self.group, self.consumer, count]
+
+    def entries_of(self, waiting: Sequence[Any]) -> list[Entry]:
+        """The entries in an answer of `streams.READ_SCRIPT`."""
+        entries = []
+        for entry_id, flat, state in waiting:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            eid = entry_id.decode()
+            entries.append(Entry(eid, fields, state.decode(), self.job_id(eid, fields)))
+        return entries
+
+    def read_blocking(self, count: int) -> list[Entry]:
+        """New entries, waiting up to READ_BLOCK_MS for the first; then their hashes' states
+        (a second round trip)."""
         answer: Any = self.redis.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=READ_BLOCK_MS
         )
@@ -135,21 +138,17 @@ class StreamCalls:
             return given.decode("utf-8", "replace")
         return streams.entry_job_id(self.stream, entry_id)
 
-    def write(
-        self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], progress: dict[str, str]
-    ) -> None:
-        # Scripts are called one by one: a pipeline would ask SCRIPT EXISTS on every execute.
-        stamp = rfc3339(time.time())
-        for job_id, state in progress.items():  # rare: jobs live for over a second
-            self._progress(keys=[streams.job_key(job_id)], args=[state, stamp])
-        if outcomes:
-            keys = [streams.results_stream(self.stream), self.stream]
-            args: list[Any] = [self.group, stamp, self.retention_ms]
-            for job_id, outcome in outcomes.items():
-                keys.append(streams.job_key(job_id))
-                acked = acks[job_id]
-                args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
-            self._outcomes(keys=keys, args=args)
+    def outcomes_request(
+        self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], stamp: str
+    ) -> tuple[list[Any], list[Any]]:
+        """Keys and arguments of `streams.OUTCOMES_SCRIPT` for these outcomes and entries."""
+        keys = [streams.results_stream(self.stream), self.stream]
+        args: list[Any] = [self.group, stamp, self.retention_ms]
+        for job_id, outcome in outcomes.items():
+            keys.append(streams.job_key(job_id))
+            acked = acks[job_id]
+            args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
+        return keys, args
 
     def refresh(self, held: list[str], live: list[str]) -> list[str]:
         """Re-claim our entries for ourselves (their idle time starts again), and read the

@@ -28,7 +28,7 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -37,11 +37,12 @@ import trio
 from controller import streams
 from controller.config import Config
 from controller.frontdoor import DoorAction, Send
-from controller.httpapi import ID_RULE, valid_id
+from controller.httpapi import ID_RULE, rfc3339, valid_id
 from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.redis_calls import WRITE_BATCH, Entry, Outcome, StreamCalls
+from controller.shell.redis_link import link_for
 
 log = logging.getLogger("controller.redis")
 
@@ -60,6 +61,8 @@ LOG_INTERVAL = 30.0
 # many outcomes (a lone job's outcome is written at once).
 WRITE_GATHER = 32
 WRITE_GATHER_WAIT = 0.005
+# Seconds a script's answer may take before its connection is given up as broken.
+ANSWER_TIMEOUT = 10.0
 # How often the lag and pending count are read (and stopped consumers' entries looked for).
 KEEP_INTERVAL = 1.0
 
@@ -82,6 +85,7 @@ class RedisDoor:
             )
         except ValueError as exc:
             raise StartupError(f"redis url {streams.shown_url(settings.url)!r}: {exc}") from None
+        self.link = link_for(settings.url, shell.reactor, ANSWER_TIMEOUT, self.calls.redis)
         self.desk = desk
         self.book = desk.book
         self.core = shell.core
@@ -120,10 +124,19 @@ class RedisDoor:
                 nursery.start_soon(self._listen_loop)
                 task_status.started()
         finally:
+            self.link.close()
             self.calls.close()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a blocking Redis call in a thread; while Redis fails, retry with backoff.
+        """A blocking Redis call in a thread, retried as `_retrying` says."""
+        return await self._retrying(lambda: self.in_thread(fn, *args, abandon_on_cancel=True))
+
+    async def _script(self, source: str, keys: list[Any], args: list[Any]) -> Any:
+        """A script of controller/streams.py through the link, retried as `_retrying` says."""
+        return await self._retrying(lambda: self.link.script(source, keys, args))
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`await call()`; while Redis fails, retry with backoff.
 
         Any Redis error is ridden out this way, not only a lost connection: a Redis that
         refuses commands (read-only replica, out of memory, `stream` of the wrong type)
@@ -132,7 +145,7 @@ class RedisDoor:
         backoff = BACKOFF_FIRST
         while True:
             try:
-                answer = await self.in_thread(fn, *args, abandon_on_cancel=True)
+                answer = await call()
             except redis.RedisError as exc:
                 self._failed(exc)
                 if "NOGROUP" in str(exc):
@@ -212,7 +225,12 @@ class RedisDoor:
                 self._reread = False
                 await self._take_own()
                 continue
-            batch = await self._call(self.calls.read_new, want)
+            keys, args = self.calls.read_request(want)
+            waiting = await self._script(streams.READ_SCRIPT, keys, args)
+            if waiting:
+                batch = self.calls.entries_of(waiting)
+            else:  # none: wait for the next in a blocking read
+                batch = await self._call(self.calls.read_blocking, want)
             self._take(batch, claimed=False)
 
     async def _take_own(self) -> None:
@@ -317,7 +335,13 @@ class RedisDoor:
                     del self.outbox[job_id]
                 progress, self.progress = self.progress, {}
                 acks = {job_id: list(self.entries.get(job_id, ())) for job_id in outcomes}
-                await self._call(self.calls.write, outcomes, acks, progress)
+                stamp = rfc3339(time.time())
+                for job_id, word in progress.items():  # rare: jobs live for over a second
+                    key = streams.job_key(job_id)
+                    await self._script(streams.PROGRESS_SCRIPT, [key], [word, stamp])
+                if outcomes:
+                    keys, args = self.calls.outcomes_request(outcomes, acks, stamp)
+                    await self._script(streams.OUTCOMES_SCRIPT, keys, args)
                 self._written(outcomes, acks)
 
     def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[str]]) -> None:
