@@ -1,9 +1,12 @@
 """The Redis stream door (DESIGN.md section 10): one queue for several controllers, one per host.
 
 redis-py is a blocking (or asyncio) client, and the controller runs on trio, so
-every Redis call (controller/shell/redis_calls.py) runs in a worker thread
-(`trio.to_thread.run_sync`); the state (which entries this controller holds,
-which outcomes wait to be written) lives in the trio loop alone, so nothing is
+the door's Redis calls (controller/shell/redis_calls.py) run in a worker thread
+(`trio.to_thread.run_sync`), except the two made per batch of jobs under load
+(new entries, outcomes), which go on a connection served by the loop itself
+(controller/shell/redis_link.py; a thread call costs several times more while
+the loop is busy). The state (which entries this controller holds, which
+outcomes wait to be written) lives in the trio loop alone, so nothing is
 shared with a thread but the call's arguments and its answer. Four tasks:
 
 - the reader takes only as many entries as it can start soon (idle workers
