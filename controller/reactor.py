@@ -126,16 +126,25 @@ class Reactor:
         return self._threads
 
     async def in_thread(
-        self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
+        self,
+        fn: Callable[..., T],
+        *args: object,
+        abandon_on_cancel: bool = False,
+        mostly_waits: bool = False,
     ) -> T:
         """`trio.to_thread.run_sync(fn, *args)`, with no polling until it returns.
 
         A thread that runs Python needs the GIL, and a polling loop lets go of it only
         for the microseconds of each system call, too briefly for a thread woken on
         another CPU to take it: the thread waits for the interpreter's switch interval
-        (5 ms) instead. The Redis door's calls (redis-py packs and parses in Python) run
-        so; while one runs, the reactor sleeps between events and the thread gets the GIL.
+        (5 ms) instead. So while such a call runs, the reactor sleeps between events and
+        the thread gets the GIL. A call that `mostly_waits` (seconds in one system call,
+        then a little Python whose delay does not matter, as the Redis door's cancel
+        listener) does not stop polling: while it counted, a controller with a Redis
+        door never polled at all.
         """
+        if mostly_waits:
+            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel)
         self._threads += 1
         try:
             return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel)

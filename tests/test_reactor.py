@@ -343,4 +343,22 @@ async def test_in_thread_counts_its_calls_while_they_run_and_passes_results_and_
         with pytest.raises(ZeroDivisionError):
             await reactor.in_thread(lambda: 1 / 0)
         assert reactor.threads_running == 0
+        # A call that mostly waits is not counted: the reactor may poll meanwhile.
+        release.clear()
+        entered = threading.Event()
+        waited = Box()
+
+        def wait_in_thread() -> str:
+            entered.set()
+            release.wait(10)
+            return "waited"
+
+        async def call_waiting() -> None:
+            waited(await reactor.in_thread(wait_in_thread, mostly_waits=True))
+
+        nursery.start_soon(call_waiting)
+        await wait_until(entered.is_set, timeout=5)
+        assert reactor.threads_running == 0
+        release.set()
+        assert await waited.wait() == "waited"
         nursery.cancel_scope.cancel()

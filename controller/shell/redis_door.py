@@ -130,9 +130,12 @@ class RedisDoor:
             self.link.close()
             self.calls.close()
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """A blocking Redis call in a thread, retried as `_retrying` says."""
-        return await self._retrying(lambda: self.in_thread(fn, *args, abandon_on_cancel=True))
+    async def _call(self, fn: Callable[..., T], *args: Any, mostly_waits: bool = False) -> T:
+        """A blocking Redis call in a thread, retried as `_retrying` says (`mostly_waits`: see
+        `Reactor.in_thread`)."""
+        return await self._retrying(
+            lambda: self.in_thread(fn, *args, abandon_on_cancel=True, mostly_waits=mostly_waits)
+        )
 
     async def _script(self, source: str, keys: list[Any], args: list[Any]) -> Any:
         """A script of controller/streams.py through the link, retried as `_retrying` says."""
@@ -416,7 +419,7 @@ class RedisDoor:
         try:
             await self._call(pubsub.subscribe, streams.cancel_channel(self.settings.stream))
             while True:
-                ids = await self._call(self.calls.heard, pubsub)
+                ids = await self._call(self.calls.heard, pubsub, mostly_waits=True)
                 for job_id in ids:
                     self._cancel(job_id)
         finally:
