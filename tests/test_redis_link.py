@@ -4,6 +4,7 @@ answers, AUTH and SELECT, Unix sockets, and every failure as redis-py's exceptio
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Iterator
@@ -62,9 +63,18 @@ async def test_many_callers_get_their_own_answers(server: RedisServer, nursery) 
         for n in range(200):
             callers.start_soon(ask, n)
     assert answers == {n: [f"k{n}".encode(), str(n).encode()] for n in range(200)}
-    # A payload larger than one read, both ways.
-    big = bytes(range(256)) * 4096
+    # A payload larger than a socket buffer, both ways (sent and read in many pieces).
+    big = bytes(range(256)) * 32768
+    asked: list[int] = []
+    watch = link._watch
+
+    def spy(events: int) -> None:
+        asked.append(events)
+        watch(events)
+
+    link._watch = spy  # type: ignore[method-assign]
     assert await link.script(ECHO, ["big"], [big]) == [b"big", big]
+    assert select.EPOLLOUT in {events & select.EPOLLOUT for events in asked}  # it waited to send
     link.close()
 
 

@@ -82,7 +82,8 @@ class LoopLink:
         self.timeout = timeout
         self._sock: _socket.socket | None = None
         self._reader = self._new_reader()
-        self._out = b""
+        self._out = bytearray()  # commands not yet sent whole
+        self._sent = 0  # bytes of _out already sent
         self._events = 0
         self._waiting: collections.deque[_Waiter] = collections.deque()
         self._connecting = trio.Lock()
@@ -191,14 +192,19 @@ class LoopLink:
         if sock is None:
             return
         try:
-            sent = sock.send(self._out)
+            with memoryview(self._out) as view, view[self._sent :] as rest:
+                self._sent += sock.send(rest)
         except BlockingIOError:
-            sent = 0
+            pass
         except OSError as exc:
             self._broken(redis.exceptions.ConnectionError(f"writing to Redis: {exc}"))
             return
-        self._out = self._out[sent:]
-        self._watch(_IN | _OUT if self._out else _IN)
+        if self._sent == len(self._out):  # all sent (offsets, not copies: a big write
+            self._out.clear()  # goes out in many pieces)
+            self._sent = 0
+            self._watch(_IN)
+        else:
+            self._watch(_IN | _OUT)
 
     def _on_ready(self, events: int) -> None:
         if events & _OUT:
@@ -232,7 +238,8 @@ class LoopLink:
             self.reactor.forget(self._sock)
             self._sock.close()
             self._sock = None
-        self._out = b""
+        self._out.clear()
+        self._sent = 0
         while self._waiting:
             waiter = self._waiting.popleft()
             waiter.answer = error
