@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -320,3 +321,37 @@ def test_a_bad_redis_url_stops_the_start_with_a_clear_message(tmp_path):
     assert done.returncode == 2
     assert "controller: redis url 'http://:***@127.0.0.1:6379/0'" in done.stderr
     assert "pw" not in done.stderr
+
+
+OPENSSL = shutil.which("openssl")
+
+
+@pytest.mark.skipif(OPENSSL is None, reason="openssl is not installed (it makes the test's cert)")
+def test_a_tls_redis_serves_the_door_through_redis_py_in_threads(tmp_path):
+    """rediss:// is not spoken by the loop's link: the same scripts go through redis-py in a
+    thread, and jobs run and report as over redis://."""
+    assert OPENSSL is not None
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    make_cert = [OPENSSL, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    make_cert += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
+    make_cert += ["-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(make_cert, check=True, capture_output=True)
+    tls_port = free_tcp_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    tls += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    with redis_server(tmp_path, *tls) as server:
+        url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+        with live_controller(tmp_path, "--workers", "1", redis={"url": url}) as ctl:
+            r = redis.Redis.from_url(url)
+            for n in range(20):
+                r.xadd("jobs", {"payload": f"tls {n}", "id": f"tls-{n}"})
+            plain = redis.Redis.from_url(server.url)  # the same server, to look
+            wait_for_condition(lambda: len(results_for(plain, "tls-19")) == 1, timeout=30)
+            for n in range(20):
+                job = plain.hgetall(f"job:tls-{n}")
+                assert job[b"state"] == b"finished" and job[b"result"] == f"tls {n}".encode()
+            wait_for_condition(lambda: group(plain)["pending"] == 0)
+            status = json.loads(run_udp_client(ctl.udp_port, "status", "--json").stdout)
+            assert status["redis"]["connected"] is True and status["redis"]["read"] == 20
+            r.close()
+            plain.close()
