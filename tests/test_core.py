@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controller.core import (
     Core,
@@ -474,3 +476,40 @@ def test_cancel_a_task_on_a_local_worker_restarts_that_worker(accepted):
     assert core.counters.worker_losses == {"its job was canceled": 1}
     # Its late answers change nothing.
     assert finished(answer(core, wid, pb.CTRL_SET_TASK, 0.3, task_id=7)) == []
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 5), st.sampled_from([1.0, 3.0, 30.0]), st.booleans()),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_placement_deadlines_in_order_or_not_each_fire_once_and_on_time(steps):
+    """Tasks queued with varying timeouts (so that some deadlines come out of order and go to
+    the heap, the rest to the in-order deques): with no worker, each times out exactly once,
+    at the first expire at or after its deadline, earliest first."""
+    core = Core(timeout_task_placement=30)
+    now = 0.0
+    deadline: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    for n, (gap, timeout, look) in enumerate(steps, start=1):
+        now += gap
+        core.scheduler.timeout_task_placement = timeout
+        task, _ = core.submit(n, b"", None, now)
+        deadline[task.ref] = now + timeout
+        if look:
+            got = finished(core.expire(now))
+            assert [deadline[d.ref] for d in got] == sorted(deadline[d.ref] for d in got)
+            for done in got:
+                assert done.ref not in ended and deadline[done.ref] <= now
+                ended[done.ref] = now
+            due = {ref for ref, when in deadline.items() if when <= now}
+            assert due == set(ended)
+        assert core.next_deadline() == min(
+            (when for ref, when in deadline.items() if ref not in ended), default=float("inf")
+        )
+    for done in finished(core.expire(now + 100)):
+        assert done.ref not in ended
+        ended[done.ref] = now + 100
+    assert set(ended) == set(deadline) and core.next_deadline() == float("inf")
