@@ -8,7 +8,7 @@ import json
 import logging
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from controller import datagram as dg
@@ -453,3 +453,29 @@ def test_request_memory_is_capped_under_a_flood_of_distinct_ids(monkeypatch):
         assert len(seen) <= 100
     assert seen.get(CLIENT, 1000) == (dg.ack(1000),)
     assert seen.get(CLIENT, 1) is None
+
+
+_hosts = st.one_of(
+    st.ip_addresses(v=4).map(str),
+    st.ip_addresses(v=6).map(str),
+    st.sampled_from(["127.0.0.1", "::7f00:1", "::ffff:127.0.0.1", "fe80::1%eth0", "fe80::1%lo"]),
+)
+_requests = st.tuples(
+    st.tuples(_hosts, st.integers(0, 65535)),
+    st.one_of(st.integers(0, 2**64 - 1), st.integers(-5, 5), st.integers(2**64 - 2, 2**70)),
+)
+
+
+@given(st.lists(_requests, min_size=1, max_size=30, unique=True), st.lists(_requests, max_size=30))
+@example([(("127.0.0.1", 9), 5), (("::7f00:1", 9), 5), (("127.0.0.1", 9), 2**64 + 5)], [])
+def test_request_memory_keeps_every_sender_and_id_apart(remembered, others):
+    """Each (sender, transmission id) is its own entry, whatever the address family, scope,
+    port or id (in or out of 64 bits): no two share one, and none is found that was not kept."""
+    seen = transmissions.Seen()
+    for n, (addr, txid) in enumerate(remembered):
+        seen.remember(addr, txid, f"answer {n}".encode(), 0.0)
+    for n, (addr, txid) in enumerate(remembered):
+        assert seen.get(addr, txid) == (f"answer {n}".encode(),)
+    for addr, txid in others:
+        if (addr, txid) not in remembered:
+            assert seen.get(addr, txid) is None
