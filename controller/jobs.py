@@ -122,13 +122,14 @@ class Job:
 
 
 class JobBook:
-    """Every job by id and by ref, and the retention deadlines of finished ones."""
+    """Every job by id, and the retention deadlines of finished ones. (A job is found by its
+    ref only while live, and then its scheduler task names its id: no second index, which
+    cost ~52 bytes a job.)"""
 
     def __init__(self, *, result_retention: float = 3600.0) -> None:
         self.result_retention = result_retention
         self.wall_offset = 0.0  # wall-clock seconds = now + wall_offset
         self._by_id: dict[str, Job] = {}
-        self._by_ref: dict[int, Job] = {}
         self._deadlines: Deadlines[Job] = Deadlines()
         self.next_deadline = self._deadlines.next
 
@@ -141,20 +142,16 @@ class JobBook:
     def get(self, job_id: str) -> Job | None:
         return self._by_id.get(job_id)
 
-    def by_ref(self, ref: int) -> Job | None:
-        return self._by_ref.get(ref)
-
     def add(self, job: Job) -> Job:
         """Record a new job (its id must not be taken: doors check with `get` first)."""
         if job.id in self._by_id:
             raise ValueError(f"job {job.id!r} already exists")
         self._by_id[job.id] = job
-        self._by_ref[job.ref] = job
         return job
 
     def finish(
         self,
-        ref: int,
+        job_id: str,
         state: JobState,
         now: float,
         *,
@@ -162,8 +159,8 @@ class JobBook:
         error: str = "",
         failed_post: bool = False,
     ) -> Job | None:
-        """The job ended: keep its outcome. None for an unknown ref or an ended job."""
-        job = self._by_ref.get(ref)
+        """The job ended: keep its outcome. None for an unknown or an ended job."""
+        job = self._by_id.get(job_id)
         if job is None or job.final is not None:
             return None
         task = job.task
@@ -225,6 +222,5 @@ class JobBook:
             if self._by_id.get(job.id) is not job or job.expires_at != when:
                 continue
             del self._by_id[job.id]
-            self._by_ref.pop(job.ref, None)
             gone.append(job)
         return gone

@@ -69,7 +69,7 @@ class Door:
 
     def finish(self, ref, state, result, error, now):
         job = self.book.finish(
-            ref,
+            self.tasks[ref].owner,
             _FINAL[state],
             now,
             result=result,

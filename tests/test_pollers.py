@@ -25,7 +25,7 @@ def test_a_waiting_poller_gets_the_next_job_and_finishes_it():
     c = core()
     assert c.pollers.ping("p1", 0.0) == []  # nothing pending: it waits
     task, actions = c.submit(9, b"in", "job-9", 1.0)
-    assert hand_outs(actions) == [HandOut("p1", task.ref)]
+    assert hand_outs(actions) == [HandOut("p1", task.ref, "job-9")]
     c.pollers.handed("p1", 1.0)
     assert c.pollers.holds("p1", task.ref) and not c.pollers.holds("p2", task.ref)
     c.pollers.working("p1", task.ref, 2.0)

@@ -298,6 +298,7 @@ class HandOut:
 
     name: str
     ref: int
+    owner: object  # the task's owner: for the desk's tasks, the job's id
 
 
 @dataclass(frozen=True, slots=True)

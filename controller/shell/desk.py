@@ -203,7 +203,7 @@ class JobDesk:
     def finished(self, action: TaskFinished) -> None:
         now = trio.current_time()
         job = self.book.finish(
-            action.ref,
+            str(action.owner),  # the desk queues every task with its job's id as owner
             _FINAL[action.state],
             now,
             result=action.result,

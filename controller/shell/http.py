@@ -149,7 +149,7 @@ class HttpDoor:
         """The scheduler placed a job on a poller: answer its waiting /ping/ with it."""
         now = trio.current_time()
         waiter = self._pings.pop(action.name, None)
-        job = self.book.by_ref(action.ref)
+        job = self.book.get(str(action.owner))
         if waiter is None or job is None:
             self.execute(self.pollers.undeliverable(action.name, now))
             return
