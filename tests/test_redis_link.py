@@ -156,11 +156,13 @@ def _clients_blocked(server: RedisServer) -> int:
 async def test_a_silent_or_garbled_server_is_a_broken_connection(nursery) -> None:
     reactor = await started(nursery)
     with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)  # a link that never connects fails the test, not hangs it
         port = listener.getsockname()[1]
         accepted: list[socket.socket] = []
 
         def serve(answer: bytes) -> None:
             conn, _ = listener.accept()
+            conn.settimeout(10)
             accepted.append(conn)
             conn.recv(65536)
             if answer:
@@ -177,6 +179,17 @@ async def test_a_silent_or_garbled_server_is_a_broken_connection(nursery) -> Non
         with pytest.raises(redis.ConnectionError, match="garbage"):
             await link.script(ECHO, ["a"], ["b"])
         thread.join()
+        # Two answers to one command: the caller gets the first, and the connection is
+        # dropped, so the next command goes on a new one (not answered by the stray second).
+        thread = threading.Thread(target=serve, args=(b"+OK\r\n+STRAY\r\n",))
+        thread.start()
+        assert await link.call("PING") == b"OK"
+        thread.join()
+        thread = threading.Thread(target=serve, args=(b"+PONG\r\n",))
+        thread.start()
+        assert await link.call("PING") == b"PONG"
+        thread.join()
+        assert len(accepted) == 4
         for conn in accepted:
             conn.close()
 
