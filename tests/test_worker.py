@@ -18,7 +18,7 @@ import trio.lowlevel
 from controller import wire
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeController
-from tests.helpers import reap, send_raw
+from tests.helpers import reap, send_raw, wait_until
 from worker.runner import SetupError, TaskFailed, build_runner, handler_runner, run_command
 from worker.shell import EXIT_RESTART, WorkerShell, promised_next_pulse
 
@@ -323,8 +323,17 @@ async def test_cancelled_exec_job_kills_its_whole_process_group(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(shell_pid, 0)  # killed and reaped by the worker
     # The orphaned sleep is killed with the group; init reaps it (a zombie until then).
+    # SIGKILL takes effect when the process next runs, so it may still be running (R) for a
+    # moment: wait, with a deadline, for it to be dead.
     stat = Path(f"/proc/{sleep_pid}/stat")
-    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    def dead() -> bool:
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    await wait_until(dead, timeout=5)
 
 
 async def test_exec_job_feeds_a_large_payload_and_reads_a_large_result():
