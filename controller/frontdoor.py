@@ -36,7 +36,7 @@ from controller.calclink import (
 )
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobBook, JobState, udp_job_id
-from controller.transmissions import PLAIN_ACK, Address, Repeats, Seen
+from controller.transmissions import PLAIN_ACK, TRANSMISSION_MEMORY, Address, Repeats, Seen
 
 log = logging.getLogger("controller.frontdoor")
 
@@ -107,6 +107,11 @@ class FrontDoor:
         self.max_payload = max_payload
         self.stats = FrontDoorStats()
         self.seen = Seen()
+        # An accepted add_task is not remembered in `seen`: its job is in the book, which
+        # answers the copies (acknowledged again, acting on nothing; the outcome sent again
+        # once the job ended) for as long as the job is kept, longer than `seen` would keep
+        # it unless result_retention is shorter than TRANSMISSION_MEMORY. ~92 bytes a job.
+        self._book_dedups = book.result_retention >= TRANSMISSION_MEMORY
         self.repeats = Repeats(notify_retries, first_txid)
         # Calculators' traffic (heartbeat, completed_task, acks of perform_task); None: no
         # calculator is listened to.
@@ -181,7 +186,8 @@ class FrontDoor:
         if ptype != dg.WANT_ACK or txid is None:
             return out
         reply = dg.ack(txid, ack_params)
-        self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
+        if not (self._book_dedups and packet.get("method") == "add_task"):
+            self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
         return [Send(reply, addr), *out]
 
     def _on_request(

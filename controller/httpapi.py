@@ -226,7 +226,7 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
         "worker": worker,
         "info_url": job.info_url,
         "download_url": job.download_url,
-        "log": list(job.log or ()),
+        "log": job.log,
         "error": job.error,
         "failed_post": job.failed_post,
     }

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.core.model import Task, TaskState
 from controller.deadlines import Deadlines
@@ -73,6 +73,24 @@ def udp_job_id(host: str, port: int, task_id: int) -> str:
 
 
 @dataclass(eq=False, slots=True)
+class JobNotes:
+    """What a person gave a job or was told about it, kept apart from `Job` because most
+    jobs have none of it: one field where four cost 24 bytes on every queued job."""
+
+    name: str = ""
+    info_url: str = ""
+    download_url: str = ""
+    log: list[str] = field(default_factory=list)
+
+
+def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobNotes | None:
+    """The notes for a new job (None when it has none)."""
+    if not (name or info_url or download_url):
+        return None
+    return JobNotes(name, info_url, download_url)
+
+
+@dataclass(eq=False, slots=True)
 class Job:
     id: str
     ref: int  # the scheduler's and the journal's handle
@@ -80,21 +98,40 @@ class Job:
     door: str  # "udp", "http", "redis"
     key: object  # the door's own handle: a UDP job's client address
     payload: bytes = b""
-    name: str = ""
-    info_url: str = ""
-    download_url: str = ""
+    notes: JobNotes | None = None  # name, links, log lines: None for most (UDP, Redis) jobs
     added_at: float = 0.0  # trio clock
     updated_at: float = 0.0
     attempts: int = 0
     result: bytes = b""
     error: str = ""
     failed_post: bool = False
-    log: list[str] | None = None  # lines a poller sent (None until the first: most have none)
     ran_on: int = 0  # the worker that held it last (kept once it ended)
     task: Task | None = None  # the scheduler's record while the job is live
     final: JobState | None = None  # set once the job ended
     expires_at: float = 0.0  # 0: kept until its outcome is delivered
     delivered: bool = False  # the submitter has the outcome (or repeats ran out)
+
+    @property
+    def name(self) -> str:
+        return self.notes.name if self.notes is not None else ""
+
+    @property
+    def info_url(self) -> str:
+        return self.notes.info_url if self.notes is not None else ""
+
+    @property
+    def download_url(self) -> str:
+        return self.notes.download_url if self.notes is not None else ""
+
+    @property
+    def log(self) -> list[str]:
+        """The lines pollers sent about it (a copy)."""
+        return list(self.notes.log) if self.notes is not None else []
+
+    def add_log(self, line: str) -> None:
+        if self.notes is None:
+            self.notes = JobNotes()
+        self.notes.log.append(line)
 
     @property
     def state(self) -> JobState:

@@ -363,6 +363,23 @@ def test_task_timeout_both_sides():
     assert a not in core.workers and core.queued == 1
 
 
+def test_one_deadline_field_serves_both_clocks_without_mixing_them():
+    """A task keeps one deadline: the placement one while queued, task_timeout's while
+    running. A stale one of either kind does nothing, even at the very same instant."""
+    core = Core(task_timeout=10, timeout_task_placement=5)
+    a = ready_worker(core)
+    core.submit(1, b"x", None, 0.0)  # placement deadline 5.0
+    answer(core, a, pb.CTRL_SET_TASK, 1.0, task_id=1)  # running: deadline 11.0
+    for t in (2.0, 3.0, 4.0, 5.0):
+        pulse(core, a, t, task_id=1)
+    assert core.expire(5.0) == []  # the placement deadline is stale: it runs
+    core.handle(WorkerExited(a), 6.0)  # back in the queue: placement deadline 11.0
+    actions = core.expire(11.0)  # both fire now: only the placement one is its own
+    assert dials(actions, pb.CTRL_RESTART) == []
+    [done] = finished(actions)
+    assert done.state is TaskState.FAILED_POST and core.next_deadline() == float("inf")
+
+
 def test_max_retries_then_error():
     core = Core(max_retries=2)
     workers = [ready_worker(core) for _ in range(3)]

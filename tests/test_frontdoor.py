@@ -352,7 +352,9 @@ def test_records_kept_for_retention_after_ack_then_removed():
 
 
 def test_transmission_ids_remembered_for_one_memory_and_forgotten_after_two():
-    fd, _sched = door()
+    # A retention shorter than the memory: an add_task is remembered too (the book would
+    # forget the job before a late copy could come).
+    fd, _sched = door(result_retention=TRANSMISSION_MEMORY / 2)
     first = fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
     assert fd.next_deadline() == TRANSMISSION_MEMORY
     fd.expire(TRANSMISSION_MEMORY)
@@ -363,6 +365,26 @@ def test_transmission_ids_remembered_for_one_memory_and_forgotten_after_two():
     fd.expire(2 * TRANSMISSION_MEMORY)  # ... and gone one memory later
     assert fd.next_deadline() == float("inf")
     assert fd.door.seen.get(CLIENT, 1) is None
+
+
+def test_an_add_task_that_made_a_job_is_answered_by_the_book_not_remembered():
+    fd, sched = door()  # result_retention 3600 s: the job outlives any transmission memory
+    [first] = fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    assert len(fd.door.seen) == 0 and fd.next_deadline() == float("inf")
+    # A copy (the acknowledgement was lost) finds the job: acknowledged again, acts on nothing.
+    again = fd.datagram(packet(txid=1, task_id=5), CLIENT, 3 * TRANSMISSION_MEMORY)
+    assert again == [first] and len(sched.submitted) == 1 and fd.stats.duplicates == 1
+    # Once the job ended, a copy is acknowledged and its outcome sent again (the client
+    # drops a repeated notification, DESIGN.md section 5).
+    finish(fd, 1, result=b"r", now=1.0)
+    [(ack, _), (note, _)] = sent(fd.datagram(packet(txid=1, task_id=5), CLIENT, 2.0))
+    assert ack == json.loads(first.data)
+    assert note["method"] == "notify_task" and note["params"]["result"] == "r"
+    assert len(sched.submitted) == 1 and len(fd.door.seen) == 0
+    # Requests that made no job are still remembered: a refused add_task, a get_task.
+    fd.datagram(packet(txid=2, task_id=0), CLIENT, 2.0)
+    fd.datagram(packet("get_task", txid=3, task_id=5), CLIENT, 2.0)
+    assert len(fd.door.seen) == 2
 
 
 def test_retention_forgets_in_bounded_batches():

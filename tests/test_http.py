@@ -237,12 +237,17 @@ async def test_delete_cancels_drops_payload_and_takes_no_put(sockdir):
         assert ctl.shell.core.queued == 0
 
 
-async def test_log_lines_are_appended(sockdir):
-    async with http_controller(sockdir) as ctl, client(ctl.url) as http:
-        await http.post("/job/", json={"id": "l"})
+async def test_log_lines_are_appended_and_links_kept(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        links = {"info_url": "https://example.org/i", "download_url": "https://example.org/d"}
+        await http.post("/job/", json={"id": "l", "name": "n", **links})
         await http.put("/job/l/", json={"log": "one"})
         job = (await http.put("/job/l/", json={"log": "two"})).json()
-        assert job["log"] == ["one", "two"]
+        assert job["log"] == ["one", "two"] and job["name"] == "n"
+        assert {key: job[key] for key in links} == links
+        bare = (await http.post("/job/", json={"id": "b"})).json()
+        assert bare["name"] == bare["info_url"] == bare["download_url"] == ""
+        assert bare["log"] == [] and ctl.desk.book.get("b").notes is None
 
 
 @pytest.mark.parametrize(

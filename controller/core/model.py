@@ -150,8 +150,10 @@ class Task:
     failed_on: frozenset[int] = frozenset()  # workers it failed on (shared while empty)
     worker_id: int = 0  # holder while ASSIGNING / RUNNING
     queued_at: float = 0.0
-    placement_deadline: float = 0.0
-    running_deadline: float = 0.0  # task_timeout; 0 = none
+    # While queued: its timeout_task_placement; while running: its task_timeout (0: none).
+    # One field for both (a task is never both), and a deadline fires only if it is still
+    # the task's one and the task is in the state it was set for.
+    deadline: float = 0.0
     last_error: str = ""
     created_at: float = 0.0
 

@@ -261,7 +261,7 @@ class Scheduler:
     ) -> None:
         left = self.timeout_task_placement if placement_left is None else max(0.0, placement_left)
         task.queued_at = now
-        task.placement_deadline = when = now + left
+        task.deadline = when = now + left
         whens = self._when_in_order
         if not whens or when >= whens[-1]:
             whens.append(when)
@@ -330,7 +330,6 @@ class Scheduler:
         was_running = task.state is not TaskState.ASSIGNING
         task.advance(TaskEvent.REQUEUE)
         task.worker_id = 0
-        task.running_deadline = 0.0
         self.enqueue(task, now, front=True)
         if was_running:
             actions.append(progress(task))
@@ -370,13 +369,13 @@ class Scheduler:
 
     def start_clock(self, task: Task, now: float) -> None:
         """The task runs from now on: arm its task_timeout (callers check there is one)."""
-        task.running_deadline = now + self.task_timeout
-        self.at(task.running_deadline, self._running_due, task)
+        task.deadline = now + self.task_timeout
+        self.at(task.deadline, self._running_due, task)
 
     # ------------------------------------------------------------ deadlines
 
     def _placement_due(self, when: float, task: Task, now: float, actions: list[Action]) -> None:
-        if task.state is TaskState.QUEUED and task.placement_deadline == when:
+        if task.state is TaskState.QUEUED and task.deadline == when:
             self._queued -= 1
             task.advance(TaskEvent.PLACEMENT_TIMEOUT)
             self.counters.failed_post += 1
@@ -385,7 +384,7 @@ class Scheduler:
 
     def _running_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
         assert isinstance(obj, Task)
-        if obj.state is TaskState.RUNNING and obj.running_deadline == when:
+        if obj.state is TaskState.RUNNING and obj.deadline == when:
             worker = self.workers[obj.worker_id]
             log.warning(
                 "task %d ran longer than task_timeout %g s on worker %d; restarting it",

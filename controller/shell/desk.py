@@ -23,7 +23,7 @@ import trio
 from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Send, Submit
-from controller.jobs import Job, JobBook, JobState
+from controller.jobs import Job, JobBook, JobState, notes_of
 from controller.journal import Journal, Recovered
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
@@ -150,9 +150,10 @@ class JobDesk:
         them may hand it out at once); with `journal_first` they wait until it is on disk
         (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
         task, actions = self.scheduling.queue(task_id, payload, job_id)
-        job = Job(job_id, task.ref, task_id, door, key, payload, added_at=now, updated_at=now)
-        for name, value in details.items():
-            setattr(job, name, value)
+        notes = notes_of(**details)
+        job = Job(
+            job_id, task.ref, task_id, door, key, payload, notes, added_at=now, updated_at=now
+        )
         job.task = task
         self.book.add(job)
         if self.journal is not None:
@@ -257,7 +258,7 @@ class JobDesk:
                 door=row.door,
                 key=key,
                 payload=row.payload,
-                name=row.name,
+                notes=notes_of(row.name),
                 added_at=row.added_at - self.book.wall_offset,
                 updated_at=now,
                 attempts=row.attempts,

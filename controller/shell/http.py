@@ -270,9 +270,7 @@ class HttpDoor:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
             self.execute(actions)
         if update.log is not None:
-            if job.log is None:
-                job.log = []
-            job.log.append(update.log)
+            job.add_log(update.log)
             job.updated_at = trio.current_time()
         return self._job_response(job, 200)
 
