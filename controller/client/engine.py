@@ -1,27 +1,34 @@
 """The UDP client engine: jobs through the front door over one socket, under trio.
 
-One UDP socket; a receiver task routes acknowledgements to the request that
-waits for them (by transmission_id) and notifications to the task that waits
-for them (by task_id), acknowledging every copy and reporting each outcome
-once. Requests are repeated with a doubling interval until acknowledged. A
-task whose notification seems lost is asked about with get_task; a result too
-large for one datagram is read with get_result.
-The datagram format is controller/datagram.py, shared with the front door.
+One UDP socket and one receiver task that does the work as datagrams come in:
+an acknowledgement moves its request on, a notification is acknowledged
+(every copy) and ends its job, reported once through a callback, and the
+next job of a batch is sent from there. No task, event or cancel scope per
+job: a round trip costs its datagrams and the Python between them
+(docs/design-notes.md, "The UDP client engine"). What waits on the clock is
+a deadline served by one timer task: requests repeated with a doubling
+interval until acknowledged, get_task for a job whose notification seems
+lost, the session's timeout. A result too large for one datagram is read
+with get_result. The datagram format is controller/datagram.py, shared with
+the front door.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import math
 import socket as stdsocket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from controller import datagram as dg
+from controller.deadlines import Deadlines
 
 # udp-client's exit statuses: success, job error or failed_post, usage error, no answer.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -30,8 +37,13 @@ RESEND_FIRST = 0.2
 RESEND_MAX = 2.0
 # With no notification this long after the acknowledgement, ask with get_task (then again).
 POLL_AFTER = 3.0
-# Datagrams handled in a row before the receiver lets the tasks it woke run.
+# Datagrams handled in a row before the receiver lets other tasks run.
 RECEIVE_BURST = 64
+# The timer task wakes at most this often: what it serves is due in 0.2 s or more.
+TIMER_TICK = 0.01
+
+Answered = Callable[[dict[str, Any] | None], None]  # the acknowledgement, or None: no answer
+Report = Callable[["Outcome"], None]
 
 
 @dataclass
@@ -49,18 +61,56 @@ class Outcome:
         return EXIT_TIMEOUT if self.status == "timeout" else EXIT_FAILED
 
 
-@dataclass
-class _Waiter:
-    event: trio.Event = field(default_factory=trio.Event)
-    packet: dict[str, Any] | None = None
+class _Request:
+    """One request, sent again until acknowledged or its deadline passes."""
+
+    __slots__ = ("answered", "at", "data", "deadline", "interval", "txid")
+
+    def __init__(self, txid: int, data: bytes, deadline: float, answered: Answered) -> None:
+        self.txid = txid
+        self.data = data
+        self.deadline = deadline
+        self.answered = answered
+        self.interval = RESEND_FIRST
+        self.at = 0.0  # when it is sent again
+
+
+class _Job:
+    """One task from add_task to its outcome."""
+
+    __slots__ = (
+        "deadline",
+        "poll_at",
+        "report",
+        "request",
+        "result",
+        "settled",
+        "size",
+        "started",
+        "task_id",
+    )
+
+    def __init__(self, task_id: int, started: float, deadline: float, report: Report) -> None:
+        self.task_id = task_id
+        self.started = started
+        self.deadline = deadline
+        self.report = report
+        self.request: _Request | None = None  # the one request of its in flight
+        self.settled = False  # its outcome is known (later notifications are repeats)
+        self.poll_at = math.inf  # when to ask get_task
+        self.result = bytearray()  # a large result, read in chunks
+        self.size = 0
 
 
 class UdpSession:
-    """Runs tasks through one bound UDP socket; `receive()` must run beside `run_task`.
+    """Runs tasks through one bound UDP socket; `receive()` must run beside `run_task`,
+    `run_many` and `request`.
 
     The socket is a plain stdlib socket used without blocking: sending never
     waits (a datagram the kernel cannot take is lost, and repeated like any
     other), and `receive` drains every datagram that is there before it waits.
+    Outcomes are reported from the receiver (or timer) task: `run_many`'s
+    `on_outcome` must not block.
     """
 
     def __init__(self, sock: stdsocket.socket, server: tuple[str, int], timeout: float) -> None:
@@ -70,10 +120,21 @@ class UdpSession:
         self.timeout = timeout
         self.duplicates = 0
         self._txid = itertools.count(int(time.time() * 1000))
-        self._acks: dict[int, _Waiter] = {}
-        self._notes: dict[int, _Waiter] = {}
+        self._requests: dict[int, _Request] = {}  # by transmission_id
+        self._jobs: dict[int, _Job] = {}  # by task_id, until their outcome is reported
+        self._deadlines: Deadlines[_Request | _Job] = Deadlines()
+        self._timer_at = math.inf  # when the timer task wakes next
+        self._timer_wake = trio.Event()
+
+    # ------------------------------------------------------------ the tasks beside
 
     async def receive(self) -> None:
+        """Read and act on every datagram, and serve the timers, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._timers)
+            await self._read()
+
+    async def _read(self) -> None:
         sock = self.sock
         burst = 0
         while True:
@@ -87,23 +148,158 @@ class UdpSession:
                 continue  # an ICMP error from an earlier send: the repeats deal with it
             burst += 1
             if burst % RECEIVE_BURST == 0:
-                await trio.lowlevel.checkpoint()  # let the waiting tasks run
+                await trio.lowlevel.checkpoint()  # let the other tasks run
             packet = dg.decode(data)
             if packet is None:
                 continue
             if packet.get("packet_type") == dg.IS_ACK:
-                waiter = self._acks.get(packet.get("transmission_id"))  # type: ignore[arg-type]
-                if waiter is not None and not waiter.event.is_set():
-                    waiter.packet = packet
-                    waiter.event.set()
+                txid = packet.get("transmission_id")
+                request = self._requests.pop(txid, None) if isinstance(txid, int) else None
+                if request is not None:
+                    request.answered(packet)
             elif packet.get("method") == "notify_task":
                 self._on_notify(packet)
+
+    async def _timers(self) -> None:
+        deadlines = self._deadlines
+        while True:
+            now = trio.current_time()
+            while (due := deadlines.pop_due(now)) is not None:
+                when, item = due
+                if isinstance(item, _Request):
+                    self._request_due(item, when, now)
+                else:
+                    self._poll_due(item, when, now)
+            self._timer_at = max(deadlines.next(), now + TIMER_TICK)
+            with trio.move_on_at(self._timer_at):
+                await self._timer_wake.wait()
+            self._timer_wake = trio.Event()
+
+    def _arm(self, when: float, item: _Request | _Job) -> None:
+        self._deadlines.push(when, item)
+        if when < self._timer_at:
+            self._timer_wake.set()
+
+    # ------------------------------------------------------------ requests
 
     def _send(self, data: bytes) -> None:
         # A datagram the kernel refuses (full buffer, unreachable) is lost like any
         # other: requests are repeated, and a lost ack brings the notification again.
         with contextlib.suppress(OSError):
             self.sock.sendto(data, self.server)
+
+    def _request(
+        self, method: str, params: dict[str, Any], deadline: float, answered: Answered
+    ) -> _Request:
+        """Send until acknowledged; `answered(ack)` then, or `answered(None)` at the deadline."""
+        txid = next(self._txid)
+        request = _Request(txid, dg.request(method, params, txid), deadline, answered)
+        self._requests[txid] = request
+        self._send(request.data)
+        request.at = min(deadline, trio.current_time() + request.interval)
+        self._arm(request.at, request)
+        return request
+
+    def _request_due(self, request: _Request, when: float, now: float) -> None:
+        if self._requests.get(request.txid) is not request or request.at != when:
+            return  # answered or dropped since
+        if now >= request.deadline:
+            del self._requests[request.txid]
+            request.answered(None)
+            return
+        self._send(request.data)
+        request.interval = min(request.interval * 2, RESEND_MAX)
+        request.at = min(request.deadline, now + request.interval)
+        self._arm(request.at, request)
+
+    def _drop(self, request: _Request | None) -> None:
+        if request is not None:
+            self._requests.pop(request.txid, None)
+
+    async def request(
+        self, method: str, params: dict[str, Any], deadline: float
+    ) -> dict[str, Any] | None:
+        """Send until acknowledged; the acknowledgement, or None at the deadline."""
+        answer: list[dict[str, Any] | None] = []
+        event = trio.Event()
+
+        def answered(ack: dict[str, Any] | None) -> None:
+            answer.append(ack)
+            event.set()
+
+        request = self._request(method, params, deadline, answered)
+        try:
+            await event.wait()
+        finally:
+            self._drop(request)
+        return answer[0]
+
+    # ------------------------------------------------------------ jobs
+
+    def _start(self, task_id: int, payload: dict[str, Any], report: Report) -> _Job | None:
+        """Submit `task_id`; `report(outcome)` once it has one (from the engine's tasks).
+        None, and nothing sent, when this session runs a task of that id already."""
+        if task_id in self._jobs:
+            return None
+        now = trio.current_time()
+        job = self._jobs[task_id] = _Job(task_id, now, now + self.timeout, report)
+        job.request = self._request(
+            "add_task",
+            {"task_id": task_id, **payload},
+            job.deadline,
+            functools.partial(self._added, job),
+        )
+        return job
+
+    def _added(self, job: _Job, ack: dict[str, Any] | None) -> None:
+        job.request = None
+        if job.settled:
+            return
+        if ack is None:
+            self._finish(
+                job, Outcome(job.task_id, "timeout", error="add_task was not acknowledged")
+            )
+            return
+        err = ack.get("error")
+        if err is not None:
+            if not isinstance(err, dict):
+                err = {"code": err}
+            message = f"{err.get('code')}: {err.get('message', '')}"
+            self._finish(job, Outcome(job.task_id, "refused", error=message))
+            return
+        self._wait_for_notification(job, trio.current_time())
+
+    def _wait_for_notification(self, job: _Job, now: float) -> None:
+        job.poll_at = min(job.deadline, now + POLL_AFTER)
+        self._arm(job.poll_at, job)
+
+    def _poll_due(self, job: _Job, when: float, now: float) -> None:
+        if self._jobs.get(job.task_id) is not job or job.settled or job.poll_at != when:
+            return
+        if job.request is not None:
+            return  # a get_task is out: its answer decides
+        if now >= job.deadline:
+            self._finish(job, Outcome(job.task_id, "timeout", error="no notification in time"))
+            return
+        job.request = self._request(
+            "get_task",
+            {"task_id": job.task_id},
+            job.deadline,
+            functools.partial(self._polled, job),
+        )
+
+    def _polled(self, job: _Job, ack: dict[str, Any] | None) -> None:
+        job.request = None
+        if job.settled:
+            return
+        if ack is None:
+            self._finish(job, Outcome(job.task_id, "timeout", error="no notification in time"))
+            return
+        params = ack.get("params")
+        if isinstance(params, dict) and params.get("status") in ("success", "error", "failed_post"):
+            self._settle(job, dict(params))  # a late notification now counts as a repeat
+        else:
+            self._wait_for_notification(job, trio.current_time())
 
     def _on_notify(self, packet: dict[str, Any]) -> None:
         txid = packet.get("transmission_id")
@@ -113,55 +309,91 @@ class UdpSession:
         if not isinstance(params, dict):
             return
         task_id = params.get("task_id")
-        waiter = self._notes.get(task_id) if isinstance(task_id, int) else None
-        if waiter is None or waiter.event.is_set():
+        job = self._jobs.get(task_id) if isinstance(task_id, int) else None
+        if job is None or job.settled:
             self.duplicates += 1  # a repeat of an outcome already reported
             return
-        waiter.packet = params
-        waiter.event.set()
+        self._settle(job, params)
 
-    async def request(
-        self, method: str, params: dict[str, Any], deadline: float
-    ) -> dict[str, Any] | None:
-        """Send until acknowledged; the acknowledgement, or None at the deadline."""
-        txid = next(self._txid)
-        data = dg.request(method, params, txid)
-        waiter = _Waiter()
-        self._acks[txid] = waiter
-        interval = RESEND_FIRST
-        try:
-            while trio.current_time() < deadline:
-                self._send(data)
-                with trio.move_on_at(min(deadline, trio.current_time() + interval)):
-                    await waiter.event.wait()
-                    return waiter.packet
-                interval = min(interval * 2, RESEND_MAX)
-            return None
-        finally:
-            del self._acks[txid]
+    def _settle(self, job: _Job, params: dict[str, Any]) -> None:
+        """Its outcome is known (notification or get_task): report it, reading a large
+        result first."""
+        job.settled = True
+        self._drop(job.request)  # an add_task not yet acknowledged, or a get_task
+        job.request = None
+        status = params.get("status")
+        if status != "success":
+            self._finish(job, Outcome(job.task_id, str(status), error=str(params.get("error", ""))))
+            return
+        inline = dg.read_bytes(params, "result")
+        if inline is not None:
+            self._finish(job, Outcome(job.task_id, "success", inline))
+            return
+        size = params.get("result_size", 0)
+        job.size = size if isinstance(size, int) else 0
+        self._next_chunk(job)
+
+    def _next_chunk(self, job: _Job) -> None:
+        if len(job.result) >= job.size:
+            self._finish(job, Outcome(job.task_id, "success", bytes(job.result)))
+            return
+        params = {"task_id": job.task_id, "offset": len(job.result), "length": dg.MAX_CHUNK}
+        job.request = self._request(
+            "get_result", params, job.deadline, functools.partial(self._chunk, job)
+        )
+
+    def _chunk(self, job: _Job, ack: dict[str, Any] | None) -> None:
+        job.request = None
+        if self._jobs.get(job.task_id) is not job:
+            return
+        if ack is None or "error" in ack:
+            self._finish(job, Outcome(job.task_id, "timeout", error="could not read the result"))
+            return
+        params = ack.get("params")
+        chunk = (dg.read_bytes(params, "result") if isinstance(params, dict) else None) or b""
+        if not chunk:  # the controller has no more than this
+            job.size = len(job.result)
+        job.result += chunk
+        self._next_chunk(job)
+
+    def _finish(self, job: _Job, outcome: Outcome) -> None:
+        job.settled = True
+        self._drop(job.request)
+        job.request = None
+        if self._jobs.get(job.task_id) is job:
+            del self._jobs[job.task_id]
+        if outcome.status not in ("timeout", "refused"):
+            outcome.latency = trio.current_time() - job.started
+        job.report(outcome)
+
+    def _abandon(self, job: _Job) -> None:
+        """Stop following a job whose caller went away (nothing is reported)."""
+        job.settled = True
+        self._drop(job.request)
+        job.request = None
+        if self._jobs.get(job.task_id) is job:
+            del self._jobs[job.task_id]
+
+    # ------------------------------------------------------------ the API
 
     async def run_task(self, task_id: int, payload: dict[str, Any]) -> Outcome:
-        start = trio.current_time()
-        deadline = start + self.timeout
-        waiter = _Waiter()
-        self._notes[task_id] = waiter
+        """Run one task to its outcome."""
+        outcome: list[Outcome] = []
+        event = trio.Event()
+
+        def report(done: Outcome) -> None:
+            outcome.append(done)
+            event.set()
+
+        job = self._start(task_id, payload, report)
+        if job is None:
+            return _already_running(task_id)
         try:
-            ack = await self.request("add_task", {"task_id": task_id, **payload}, deadline)
-            if ack is None:
-                return Outcome(task_id, "timeout", error="add_task was not acknowledged")
-            if "error" in ack:
-                err = ack["error"]
-                return Outcome(
-                    task_id, "refused", error=f"{err.get('code')}: {err.get('message', '')}"
-                )
-            params = await self._await_outcome(task_id, waiter, deadline)
-            if params is None:
-                return Outcome(task_id, "timeout", error="no notification in time")
-            outcome = await self._outcome(task_id, params, deadline)
-            outcome.latency = trio.current_time() - start
-            return outcome
+            await event.wait()
         finally:
-            self._notes.pop(task_id, None)
+            if not outcome:
+                self._abandon(job)
+        return outcome[0]
 
     async def run_many(
         self,
@@ -172,57 +404,59 @@ class UdpSession:
     ) -> None:
         """Run every task, `window` at a time, reporting each outcome as it comes.
 
-        A fixed set of `window` runners takes the ids in turn: no task and no
-        limiter per id.
+        Each outcome sends the next task from the receiver, at once. An exception
+        from `on_outcome` stops the batch and is raised here.
         """
+        window = max(1, window)
         ids = iter(task_ids)
+        live: dict[int, _Job] = {}
+        failed: list[BaseException] = []
+        all_done = trio.Event()
+        filling = False
+        exhausted = False
 
-        async def runner() -> None:
-            for task_id in ids:
-                on_outcome(await self.run_task(task_id, payload))
+        def tell(outcome: Outcome) -> None:
+            try:
+                on_outcome(outcome)
+            except BaseException as exc:
+                failed.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(max(1, window)):
-                nursery.start_soon(runner)
+        def fill() -> None:
+            """Start tasks until `window` are live, the ids run out or on_outcome failed."""
+            nonlocal filling, exhausted
+            if filling:  # an outcome reported while starting: the loop below goes on
+                return
+            filling = True
+            try:
+                while len(live) < window and not failed:
+                    task_id = next(ids, None)
+                    if task_id is None:
+                        exhausted = True
+                        break
+                    job = self._start(task_id, payload, report)
+                    if job is None:
+                        tell(_already_running(task_id))
+                    else:
+                        live[task_id] = job
+            finally:
+                filling = False
+            if failed or (exhausted and not live):
+                all_done.set()
 
-    async def _await_outcome(
-        self, task_id: int, waiter: _Waiter, deadline: float
-    ) -> dict[str, Any] | None:
-        while True:
-            with trio.move_on_at(min(deadline, trio.current_time() + POLL_AFTER)):
-                await waiter.event.wait()
-                return waiter.packet
-            if trio.current_time() >= deadline:
-                return None
-            ack = await self.request("get_task", {"task_id": task_id}, deadline)
-            if ack is None:
-                return None
-            params = ack.get("params") or {}
-            if params.get("status") in ("success", "error", "failed_post"):
-                if waiter.event.is_set():
-                    return waiter.packet
-                waiter.event.set()  # from now on a late notification counts as a duplicate
-                return dict(params)
+        def report(outcome: Outcome) -> None:
+            live.pop(outcome.task_id, None)
+            tell(outcome)
+            fill()
 
-    async def _outcome(self, task_id: int, params: dict[str, Any], deadline: float) -> Outcome:
-        status = params.get("status")
-        if status != "success":
-            return Outcome(task_id, str(status), error=str(params.get("error", "")))
-        inline = dg.read_bytes(params, "result")
-        if inline is not None:
-            return Outcome(task_id, "success", inline)
-        size = params.get("result_size", 0)
-        result = bytearray()
-        while len(result) < size:
-            ack = await self.request(
-                "get_result",
-                {"task_id": task_id, "offset": len(result), "length": dg.MAX_CHUNK},
-                deadline,
-            )
-            if ack is None or "error" in ack:
-                return Outcome(task_id, "timeout", error="could not read the result")
-            chunk = dg.read_bytes(ack["params"], "result") or b""
-            if not chunk:
-                break
-            result += chunk
-        return Outcome(task_id, "success", bytes(result))
+        fill()
+        try:
+            await all_done.wait()
+        finally:
+            for job in list(live.values()):
+                self._abandon(job)
+        if failed:
+            raise failed[0]
+
+
+def _already_running(task_id: int) -> Outcome:
+    return Outcome(task_id, "refused", error=f"task {task_id} is already running in this session")

@@ -1,0 +1,270 @@
+"""udp-client's engine against a scripted controller on a real UDP socket: lost datagrams,
+a notification before its acknowledgement, a lost notification found with get_task, a large
+result read in chunks, refusals, timeouts, repeats, and run_many's window and errors."""
+
+from __future__ import annotations
+
+import base64
+import socket as stdsocket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from controller import datagram as dg
+from controller.client import engine
+from controller.client.engine import Outcome, UdpSession
+from tests.helpers import wait_until
+
+Packet = dict[str, Any]
+Address = tuple[str, int]
+
+
+class Script:
+    """The controller's side: `on(packet, addr)` decides what to answer (with `send`)."""
+
+    def __init__(self, on: Callable[[Script, Packet, Address], None]) -> None:
+        self.on = on
+        self.sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+        self.received: list[Packet] = []
+        self._txid = 1000
+
+    def send(self, packet: bytes, addr: Address) -> None:
+        self.sock._sock.sendto(packet, addr)  # a plain non-blocking send: never waits
+
+    def notify(self, addr: Address, task_id: int, **params: Any) -> int:
+        self._txid += 1
+        params = {"task_id": task_id, "status": "success", "result": "r", **params}
+        params = {key: value for key, value in params.items() if value is not None}
+        self.send(dg.request("notify_task", params, self._txid), addr)
+        return self._txid
+
+    def of(self, method: str) -> list[Packet]:
+        return [p for p in self.received if p.get("method") == method]
+
+    async def serve(self) -> None:
+        while True:
+            data, addr = await self.sock.recvfrom(65536)
+            packet = dg.decode(data)
+            assert packet is not None
+            self.received.append(packet)
+            self.on(self, packet, addr)
+
+
+def acks(script: Script, packet: Packet, addr: Address, **params: Any) -> None:
+    script.send(dg.ack(packet["transmission_id"], params or None), addr)
+
+
+@asynccontextmanager
+async def session(
+    on: Callable[[Script, Packet, Address], None], timeout: float = 10.0
+) -> AsyncIterator[tuple[UdpSession, Script]]:
+    script = Script(on)
+    await script.sock.bind(("127.0.0.1", 0))
+    sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    client = UdpSession(sock, script.sock.getsockname(), timeout)
+    with sock, script.sock, trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(script.serve)
+            nursery.start_soon(client.receive)
+            yield client, script
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeats and polls in tens of milliseconds instead of tenths of seconds."""
+    monkeypatch.setattr(engine, "RESEND_FIRST", 0.02)
+    monkeypatch.setattr(engine, "POLL_AFTER", 0.05)
+
+
+def ack_and_notify(script: Script, packet: Packet, addr: Address) -> None:
+    if packet.get("method") == "add_task":
+        acks(script, packet, addr)
+        script.notify(addr, packet["params"]["task_id"], result=packet["params"].get("payload"))
+
+
+async def test_a_lost_add_task_is_sent_again_with_the_same_transmission_id(quick) -> None:
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        if packet.get("method") == "add_task" and len(script.of("add_task")) == 1:
+            return  # the first copy is lost
+        ack_and_notify(script, packet, addr)
+
+    async with session(on) as (client, script):
+        outcome = await client.run_task(7, {"payload": "hi"})
+        assert outcome == Outcome(7, "success", b"hi", latency=outcome.latency)
+        assert outcome.latency > 0
+        first, second = script.of("add_task")
+        assert first == second  # the same request, the same transmission_id
+        # the notification was acknowledged with its own transmission id
+        await trio.testing.wait_all_tasks_blocked()
+        assert [p["transmission_id"] for p in script.of("ack")] == [1001]
+        assert client._requests == {} and client._jobs == {}
+
+
+async def test_a_notification_before_the_acknowledgement_ends_the_job_and_its_repeats(
+    quick,
+) -> None:
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        if packet.get("method") == "add_task" and len(script.of("add_task")) == 1:
+            script.notify(addr, 3)  # the acknowledgement itself is lost
+
+    async with session(on) as (client, _script):
+        outcome = await client.run_task(3, {})
+        assert outcome.status == "success" and outcome.result == b"r"
+        assert client._requests == {}  # add_task is not sent again
+
+
+async def test_a_lost_notification_is_found_with_get_task_and_a_large_result_read_in_chunks(
+    quick,
+) -> None:
+    big = bytes(range(256)) * 300  # 76,800 bytes: three chunks
+
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        method, params = packet.get("method"), packet.get("params", {})
+        if method == "add_task":
+            acks(script, packet, addr)  # and the notification never comes
+        elif method == "get_task":
+            # running at the first question, finished at the second
+            done = len(script.of("get_task")) > 1
+            status = {"status": "success", "result_size": len(big)} if done else {}
+            acks(script, packet, addr, task_id=5, **(status or {"status": "running"}))
+        elif method == "get_result":
+            if len(script.of("get_result")) == 1:  # the notification comes after all, now
+                script.notify(addr, 5, result=None, result_size=len(big))
+            offset, length = params["offset"], params["length"]
+            chunk = base64.b64encode(big[offset : offset + length]).decode()
+            acks(script, packet, addr, task_id=5, offset=offset, result_b64=chunk)
+
+    async with session(on) as (client, script):
+        outcome = await client.run_task(5, {})
+        assert outcome.status == "success" and outcome.result == big
+        assert len(script.of("get_task")) == 2 and len(script.of("get_result")) == 3
+        # the notification that came while the result was read was a repeat, and so is one
+        # now: both acknowledged all the same
+        assert client.duplicates == 1
+        script.notify(client.sock.getsockname(), 5)
+        await wait_until(lambda: client.duplicates == 2)
+        await wait_until(lambda: len(script.of("ack")) == 2)
+
+
+async def test_refusals_and_silences_end_each_job_with_a_reason(quick) -> None:
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        task_id = packet.get("params", {}).get("task_id")
+        if packet.get("method") != "add_task":
+            return  # get_task goes unanswered
+        if task_id == 1:
+            error = {"code": "bad_task_id", "message": "task_id must be >= 1"}
+            reply = dg.error_ack(packet["transmission_id"], error["code"], error["message"], 999)
+            assert reply is not None
+            script.send(reply, addr)
+        elif task_id == 2:
+            acks(script, packet, addr)  # and then nothing at all
+        # task 3: silence
+
+    async with session(on, timeout=0.3) as (client, _script):
+        outcomes: dict[int, Outcome] = {}
+        await client.run_many([1, 2, 3], {}, 3, lambda o: outcomes.__setitem__(o.task_id, o))
+        assert outcomes[1].status == "refused"
+        assert outcomes[1].error == "bad_task_id: task_id must be >= 1"
+        assert outcomes[1].exit_code == engine.EXIT_FAILED
+        assert (outcomes[2].status, outcomes[2].error) == ("timeout", "no notification in time")
+        assert (outcomes[3].status, outcomes[3].error) == (
+            "timeout",
+            "add_task was not acknowledged",
+        )
+        assert outcomes[3].exit_code == engine.EXIT_TIMEOUT
+        assert client._requests == {} and client._jobs == {}
+
+
+async def test_every_copy_of_a_notification_is_acknowledged_and_reported_once(quick) -> None:
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        if packet.get("method") == "add_task":
+            acks(script, packet, addr)
+            for _ in range(3):
+                script.notify(addr, 9, status="error", error="boom")
+
+    async with session(on) as (client, script):
+        reported: list[Outcome] = []
+        await client.run_many([9], {}, 1, reported.append)
+        assert [(o.status, o.error) for o in reported] == [("error", "boom")]
+        await wait_until(lambda: client.duplicates == 2 and len(script.of("ack")) == 3)
+        assert len({p["transmission_id"] for p in script.of("ack")}) == 3
+
+
+async def test_run_many_keeps_the_window_full_and_no_fuller(quick) -> None:
+    notified: set[int] = set()
+    most = 0
+
+    def pending(script: Script) -> list[int]:
+        sent = [p["params"]["task_id"] for p in script.of("add_task")]
+        return [task_id for task_id in sent if task_id not in notified]
+
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        nonlocal most
+        if packet.get("method") == "add_task":
+            acks(script, packet, addr)
+            most = max(most, len(pending(script)))
+
+    async with session(on) as (client, script):
+        reported: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                client.run_many, range(1, 21), {}, 4, lambda o: reported.append(o.task_id)
+            )
+            for done in range(20):
+                await wait_until(lambda done=done: len(pending(script)) == min(4, 20 - done))
+                oldest = pending(script)[0]
+                notified.add(oldest)
+                script.notify(client.sock.getsockname(), oldest)
+        assert reported == list(range(1, 21)) and most == 4
+        assert len(script.of("add_task")) == 20
+
+
+async def test_an_error_in_on_outcome_stops_the_batch_and_is_raised(quick) -> None:
+    async with session(ack_and_notify) as (client, script):
+
+        def fussy(outcome: Outcome) -> None:
+            raise RuntimeError(f"cannot take {outcome.task_id}")
+
+        with pytest.raises(RuntimeError, match="cannot take"):
+            await client.run_many(range(1, 100), {"payload": "p"}, 2, fussy)
+        assert client._jobs == {} and client._requests == {}
+        assert len(script.of("add_task")) == 2  # nothing more was sent
+
+
+async def test_a_task_id_already_running_in_the_session_is_refused_and_not_sent(quick) -> None:
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        if packet.get("method") == "add_task":
+            acks(script, packet, addr)  # notified only when the test says so
+
+    async with session(on) as (client, script):
+        async with trio.open_nursery() as nursery:
+            first: list[Outcome] = []
+
+            async def run_first() -> None:
+                first.append(await client.run_task(4, {}))
+
+            nursery.start_soon(run_first)
+            await wait_until(lambda: len(script.of("add_task")) == 1)
+            again = await client.run_task(4, {})
+            assert again.status == "refused" and "already running" in again.error
+            script.notify(client.sock.getsockname(), 4)
+        assert first[0].status == "success" and len(script.of("add_task")) == 1
+
+
+async def test_cancelling_a_caller_forgets_its_job(quick) -> None:
+    def on(script: Script, packet: Packet, addr: Address) -> None:
+        if packet.get("method") == "add_task":
+            acks(script, packet, addr)
+
+    async with session(on) as (client, script):
+        with trio.move_on_after(0.2):
+            await client.run_task(6, {})
+        assert client._jobs == {} and client._requests == {}
+        # a notification for it now is a repeat
+        script.notify(client.sock.getsockname(), 6)
+        await wait_until(lambda: client.duplicates == 1)
