@@ -22,7 +22,7 @@ import math
 import socket as stdsocket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -61,45 +61,31 @@ class Outcome:
         return EXIT_TIMEOUT if self.status == "timeout" else EXIT_FAILED
 
 
+@dataclass(eq=False, slots=True)
 class _Request:
     """One request, sent again until acknowledged or its deadline passes."""
 
-    __slots__ = ("answered", "at", "data", "deadline", "interval", "txid")
-
-    def __init__(self, txid: int, data: bytes, deadline: float, answered: Answered) -> None:
-        self.txid = txid
-        self.data = data
-        self.deadline = deadline
-        self.answered = answered
-        self.interval = RESEND_FIRST
-        self.at = 0.0  # when it is sent again
+    txid: int
+    data: bytes
+    deadline: float
+    answered: Answered
+    interval: float = RESEND_FIRST
+    at: float = 0.0  # when it is sent again
 
 
+@dataclass(eq=False, slots=True)
 class _Job:
     """One task from add_task to its outcome."""
 
-    __slots__ = (
-        "deadline",
-        "poll_at",
-        "report",
-        "request",
-        "result",
-        "settled",
-        "size",
-        "started",
-        "task_id",
-    )
-
-    def __init__(self, task_id: int, started: float, deadline: float, report: Report) -> None:
-        self.task_id = task_id
-        self.started = started
-        self.deadline = deadline
-        self.report = report
-        self.request: _Request | None = None  # the one request of its in flight
-        self.settled = False  # its outcome is known (later notifications are repeats)
-        self.poll_at = math.inf  # when to ask get_task
-        self.result = bytearray()  # a large result, read in chunks
-        self.size = 0
+    task_id: int
+    started: float
+    deadline: float
+    report: Report
+    request: _Request | None = None  # its one request in flight
+    settled: bool = False  # its outcome is known (later notifications are repeats)
+    poll_at: float = math.inf  # when to ask get_task
+    result: bytearray = field(default_factory=bytearray)  # a large result, read in chunks
+    size: int = 0
 
 
 class UdpSession:
@@ -357,17 +343,13 @@ class UdpSession:
         self._next_chunk(job)
 
     def _finish(self, job: _Job, outcome: Outcome) -> None:
-        job.settled = True
-        self._drop(job.request)
-        job.request = None
-        if self._jobs.get(job.task_id) is job:
-            del self._jobs[job.task_id]
+        self._abandon(job)
         if outcome.status not in ("timeout", "refused"):
             outcome.latency = trio.current_time() - job.started
         job.report(outcome)
 
     def _abandon(self, job: _Job) -> None:
-        """Stop following a job whose caller went away (nothing is reported)."""
+        """Stop following a job (its outcome is reported by the caller, or not at all)."""
         job.settled = True
         self._drop(job.request)
         job.request = None
