@@ -5,6 +5,7 @@ result read in chunks, refusals, timeouts, repeats, and run_many's window and er
 from __future__ import annotations
 
 import base64
+import functools
 import socket as stdsocket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -27,12 +28,14 @@ class Script:
 
     def __init__(self, on: Callable[[Script, Packet, Address], None]) -> None:
         self.on = on
-        self.sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+        self.sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setblocking(False)
         self.received: list[Packet] = []
         self._txid = 1000
 
     def send(self, packet: bytes, addr: Address) -> None:
-        self.sock._sock.sendto(packet, addr)  # a plain non-blocking send: never waits
+        self.sock.sendto(packet, addr)
 
     def notify(self, addr: Address, task_id: int, **params: Any) -> int:
         self._txid += 1
@@ -46,7 +49,11 @@ class Script:
 
     async def serve(self) -> None:
         while True:
-            data, addr = await self.sock.recvfrom(65536)
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+                continue
             packet = dg.decode(data)
             assert packet is not None
             self.received.append(packet)
@@ -62,7 +69,6 @@ async def session(
     on: Callable[[Script, Packet, Address], None], timeout: float = 10.0
 ) -> AsyncIterator[tuple[UdpSession, Script]]:
     script = Script(on)
-    await script.sock.bind(("127.0.0.1", 0))
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     client = UdpSession(sock, script.sock.getsockname(), timeout)
@@ -203,6 +209,9 @@ async def test_run_many_keeps_the_window_full_and_no_fuller(quick) -> None:
         sent = [p["params"]["task_id"] for p in script.of("add_task")]
         return [task_id for task_id in sent if task_id not in notified]
 
+    def holds(script: Script, count: int) -> bool:
+        return len(pending(script)) == count
+
     def on(script: Script, packet: Packet, addr: Address) -> None:
         nonlocal most
         if packet.get("method") == "add_task":
@@ -216,7 +225,7 @@ async def test_run_many_keeps_the_window_full_and_no_fuller(quick) -> None:
                 client.run_many, range(1, 21), {}, 4, lambda o: reported.append(o.task_id)
             )
             for done in range(20):
-                await wait_until(lambda done=done: len(pending(script)) == min(4, 20 - done))
+                await wait_until(functools.partial(holds, script, min(4, 20 - done)))
                 oldest = pending(script)[0]
                 notified.add(oldest)
                 script.notify(client.sock.getsockname(), oldest)
