@@ -38,9 +38,9 @@ class Seen:
     Two generations: answers go into the new one; every TRANSMISSION_MEMORY (or once the
     new one holds half of MAX_TRANSMISSIONS) the old generation is dropped whole and the
     new one becomes the old. Forgetting costs nothing per entry, and an entry is a dict
-    slot and its key: there is one per request a client sends (an add_task per job), so
-    at 100,000 jobs queued this is memory that shows. A plain acknowledgement is stored
-    as `PLAIN_ACK` and rebuilt for a repeat.
+    slot and its key (~92 bytes): the front door keeps none for an accepted add_task, whose
+    job the book holds longer (controller/frontdoor.py), so 100,000 queued jobs cost none.
+    A plain acknowledgement is stored as `PLAIN_ACK` and rebuilt for a repeat.
     """
 
     def __init__(self) -> None:

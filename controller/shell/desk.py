@@ -143,14 +143,16 @@ class JobDesk:
         now: float,
         *,
         journal_first: bool = False,
-        **details: str,
+        name: str = "",
+        info_url: str = "",
+        download_url: str = "",
     ) -> Job:
-        """Record a new job and queue it; `details`: name, info_url, download_url. The job is
+        """Record a new job and queue it (with what a person gave it: a name, links). The job is
         in the book and staged for the journal before the scheduler's actions run (one of
         them may hand it out at once); with `journal_first` they wait until it is on disk
         (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
         task, actions = self.scheduling.queue(task_id, payload, job_id)
-        notes = notes_of(**details)
+        notes = notes_of(name, info_url, download_url)
         job = Job(
             job_id, task.ref, task_id, door, key, payload, notes, added_at=now, updated_at=now
         )
