@@ -106,7 +106,7 @@ async def test_a_lost_add_task_is_sent_again_with_the_same_transmission_id(quick
         first, second = script.of("add_task")
         assert first == second  # the same request, the same transmission_id
         # the notification was acknowledged with its own transmission id
-        await trio.testing.wait_all_tasks_blocked()
+        await wait_until(lambda: len(script.of("ack")) == 1)
         assert [p["transmission_id"] for p in script.of("ack")] == [1001]
         assert client._requests == {} and client._jobs == {}
 
@@ -271,8 +271,11 @@ async def test_cancelling_a_caller_forgets_its_job(quick) -> None:
             acks(script, packet, addr)
 
     async with session(on) as (client, script):
-        with trio.move_on_after(0.2):
-            await client.run_task(6, {})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.run_task, 6, {})
+            # acknowledged, waiting for its notification: then its caller goes away
+            await wait_until(lambda: 6 in client._jobs and client._jobs[6].request is None)
+            nursery.cancel_scope.cancel()
         assert client._jobs == {} and client._requests == {}
         # a notification for it now is a repeat
         script.notify(client.sock.getsockname(), 6)
