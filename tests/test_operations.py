@@ -7,6 +7,7 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -426,6 +427,24 @@ def affinity_of(pid: int) -> set[int]:
     return set(os.sched_getaffinity(pid))
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def worker_pids(controller: int) -> list[int]:
+    """The local workers a controller started: children of any of its threads (trio starts
+    processes from a thread) that are workers (Python itself may run a helper such as
+    `ldconfig -p` while starting)."""
+    children = []
+    for task in Path(f"/proc/{controller}/task").glob("*/children"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            children += [int(pid) for pid in task.read_text().split()]
+    return [pid for pid in children if " -m worker " in cmdline(pid)]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 @pytest.mark.parametrize("own", [False, True])
 def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
@@ -441,24 +460,8 @@ def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
     log = (tmp_path / "controller.log").open("wb")
     proc = subprocess.Popen([*cmd, "--workers", "1", *worker_args], stderr=log)
     try:
-
-        def cmdline(pid: int) -> str:
-            try:
-                return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                return ""
-
-        def worker_pids() -> list[int]:
-            # Children of any of its threads (trio starts processes from a thread) that are
-            # workers: Python itself may run a helper such as `ldconfig -p` while starting.
-            children = []
-            for task in Path(f"/proc/{proc.pid}/task").glob("*/children"):
-                with contextlib.suppress(OSError):  # a thread that just ended
-                    children += [int(pid) for pid in task.read_text().split()]
-            return [pid for pid in children if " -m worker " in cmdline(pid)]
-
-        wait_for_condition(lambda: len(worker_pids()) == 1)
-        [worker] = worker_pids()
+        wait_for_condition(lambda: len(worker_pids(proc.pid)) == 1)
+        [worker] = worker_pids(proc.pid)
         expected = {second} if own else set(os.sched_getaffinity(0))
         # The worker applies its own list once Python has started.
         wait_for_condition(lambda: affinity_of(worker) == expected)
@@ -467,3 +470,77 @@ def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
         proc.terminate()
         proc.wait(timeout=20)
         log.close()
+
+
+# ---------------------------------------------------------------- --nice
+
+
+def nice_of(pid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, pid)
+
+
+def may_raise_priority() -> bool:
+    """Root, or CAP_SYS_NICE: a process here may lower its own nice value."""
+    probe = "import os; os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) - 1)"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def start_with_one_worker(tmp_path: Path, *prefix: str) -> tuple[subprocess.Popen[bytes], int]:
+    config = write_config(
+        tmp_path,
+        socket_dir=str(tmp_path / "s"),
+        client_address={"host": "127.0.0.1", "port": free_udp_port()},
+        journal=None,
+    )
+    cmd = [*prefix, *controller_argv(config, "--workers", "1", log_level="INFO")]
+    with (tmp_path / "controller.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stderr=log)
+    wait_for_condition(lambda: len(worker_pids(proc.pid)) == 1)
+    return proc, worker_pids(proc.pid)[0]
+
+
+@pytest.mark.skipif(not may_raise_priority(), reason="needs root or CAP_SYS_NICE")
+def test_controller_runs_ahead_of_its_workers_by_default(tmp_path):
+    started = nice_of(0)
+    proc, worker = start_with_one_worker(tmp_path)
+    try:
+        # The worker inherited the controller's level and is given the starting one back.
+        wait_for_condition(lambda: nice_of(worker) == started)
+        threads = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        assert len(threads) > 1  # trio started threads: they run at the controller's level
+        assert {nice_of(tid) for tid in threads} == {max(-20, started - 10)}
+        log = (tmp_path / "controller.log").read_text()
+        assert f"running at nice {max(-20, started - 10)} (started at {started}" in log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_without_the_right_to_it_the_controller_says_so_and_runs_as_started(tmp_path):
+    started = nice_of(0)
+    # As root, drop the capability for the controller alone; otherwise it has none anyway.
+    no_right = ["setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice"]
+    if may_raise_priority() and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_SYS_NICE")
+    proc, worker = start_with_one_worker(tmp_path, *(no_right if may_raise_priority() else []))
+    try:
+        wait_for_condition(lambda: "needs root or CAP_SYS_NICE" in read_log(tmp_path))
+        assert nice_of(proc.pid) == started and nice_of(worker) == started
+        assert f"staying at nice {started}" in read_log(tmp_path)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def read_log(tmp_path: Path) -> str:
+    return (tmp_path / "controller.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [("40", "must be -39 to 39"), ("ahead", "expected a whole number")]
+)
+def test_a_bad_nice_adjustment_is_a_usage_error(value, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "controller", "--nice", value], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and message in proc.stderr

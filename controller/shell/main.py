@@ -18,6 +18,7 @@ from controller.cli import DOCS, add_common_flags, setup_logging
 from controller.config import Config, ConfigError, load_config
 from controller.jobs import JobBook
 from controller.journal import Journal, JournalError
+from controller.priority import DEFAULT_ADJUSTMENT, adjust, parse_adjustment
 from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
@@ -98,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         "idle or when jobs take milliseconds. A fixed value suits a controller on a CPU of "
         "its own (--cpus), which it keeps busy while jobs flow",
     )
+    parser.add_argument(
+        "--nice",
+        metavar="ADJUSTMENT",
+        type=parse_adjustment,
+        default=DEFAULT_ADJUSTMENT,
+        help=f"run the controller this many nice levels from where it was started "
+        f"(default {DEFAULT_ADJUSTMENT}: ahead of its workers and clients for the CPU; local "
+        "workers keep the starting level; 0: as started). Needs root or CAP_SYS_NICE to go "
+        "below the starting level; without, it says so and runs as started",
+    )
     add_common_flags(parser)
     return parser
 
@@ -147,6 +158,7 @@ async def run_controller(
     worker_args: list[str],
     worker_cpus: frozenset[int] | None = None,
     busy_poll: float | None = 0.0,
+    worker_nice: int | None = None,
 ) -> None:
     journal = recovered = None
     if config.journal is not None:
@@ -211,7 +223,9 @@ async def run_controller(
                 async with trio.open_nursery() as local:
                     if workers:
                         argv = worker_command(str(config.socket_dir), worker_args)
-                        await local.start(Supervisor(workers, argv, cpus=worker_cpus).run)
+                        await local.start(
+                            Supervisor(workers, argv, cpus=worker_cpus, nice=worker_nice).run
+                        )
                         log.info("supervising %d local workers", workers)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)
@@ -240,7 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpus is not None:
             worker_cpus = pin(args.cpus)  # local workers keep the CPUs the controller had
             logging.getLogger("controller").info("running on CPUs %s", format_cpus(args.cpus))
-        trio.run(run_controller, config, args.workers, worker_args, worker_cpus, args.busy_poll)
+        worker_nice = adjust(args.nice)  # before trio starts a thread: they take it too
+        trio.run(
+            run_controller,
+            config,
+            args.workers,
+            worker_args,
+            worker_cpus,
+            args.busy_poll,
+            worker_nice,
+        )
     except (ConfigError, StartupError, JournalError, AffinityError) as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ import sys
 
 import trio
 
+from controller import priority
+
 log = logging.getLogger("controller.supervisor")
 
 # A worker that lived this long was healthy: its next restart starts from the short delay.
@@ -46,13 +48,21 @@ def describe_exit(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, count: int, argv: list[str], cpus: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        count: int,
+        argv: list[str],
+        cpus: frozenset[int] | None = None,
+        nice: int | None = None,
+    ) -> None:
         """`cpus`: the CPUs workers may use when the controller pinned itself elsewhere
-        (a worker given its own --cpus sets its own)."""
+        (a worker given its own --cpus sets its own); `nice`: the nice value they run at
+        when the controller changed its own (controller/priority.py)."""
         self.count = count
         self.argv = argv
         own = any(arg == "--cpus" or arg.startswith("--cpus=") for arg in argv)
         self.cpus = None if own else cpus
+        self.nice = nice
         self.restarts = 0
         self.pids: dict[int, int] = {}  # slot -> pid
 
@@ -73,6 +83,8 @@ class Supervisor:
                 # It inherited the controller's CPUs; Python is still starting up.
                 with contextlib.suppress(ProcessLookupError):
                     os.sched_setaffinity(proc.pid, self.cpus)
+            if self.nice is not None:
+                priority.restore(proc.pid, self.nice)  # it inherited the controller's
             self.pids[slot] = proc.pid
             log.info("worker slot %d: started pid %d", slot, proc.pid)
             try:

@@ -1,0 +1,68 @@
+"""`--nice ADJUSTMENT`: the controller runs ahead of its workers and clients for the CPU.
+
+With short jobs the controller is the one serial stage: every job passes
+through it three times, and each time a worker (or a client) waits for its
+answer. When the workers and clients share its CPUs, an answer that waits
+for a time slice holds them all up. So by default the controller lowers
+its nice value by 10 (nice(1)'s adjustment: negative is ahead) when it may
+(root, or CAP_SYS_NICE), and the local workers it starts run at the level
+it was started with. Its own CPU is small and bounded by the job rate (it
+has one thread), so this costs the workers little when jobs are long and
+the controller is mostly idle. docs/design-notes.md ("Performance") has the
+figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+
+log = logging.getLogger("controller")
+
+DEFAULT_ADJUSTMENT = -10
+
+
+def parse_adjustment(text: str) -> int:
+    """A nice adjustment, -39 to 39 (the result is kept within -20..19)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number such as -5, got {text!r}"
+        ) from None
+    if not -39 <= value <= 39:
+        raise argparse.ArgumentTypeError(f"must be -39 to 39, got {value}")
+    return value
+
+
+def adjust(adjustment: int) -> int | None:
+    """Add `adjustment` to this process's nice value; the value it had before (for the
+    workers it starts), or None when it is unchanged (0, or refused: logged once).
+
+    Call it before any thread starts: Linux keeps a nice value per thread, and new
+    threads take their creator's."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if adjustment == 0:
+        return None
+    wanted = max(-20, min(19, before + adjustment))
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, wanted)
+    except PermissionError:
+        log.info(
+            "staying at nice %d: raising the controller's priority (--nice %d) needs root or "
+            "CAP_SYS_NICE",
+            before,
+            adjustment,
+        )
+        return None
+    log.info("running at nice %d (started at %d; local workers run at %d)", wanted, before, before)
+    return before
+
+
+def restore(pid: int, nice: int) -> None:
+    """Give a child that inherited the controller's nice value the one it started with
+    (nothing if it is gone, or if this is not allowed: a positive adjustment)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
