@@ -60,14 +60,11 @@ def redis_rate(url: str, jobs: int) -> float:
 
 
 def _controllers(tmp: Path, url: str, count: int, workers: int) -> contextlib.ExitStack:
-    # Controllers that share one host's CPUs with each other, their workers and redis-server
-    # run at the level they were started (--nice 0), as the README says for that case:
-    # each one ahead of the rest would take the CPUs those need.
     stack = contextlib.ExitStack()
     for n in range(count):
         directory = tmp / f"c{n}"
         directory.mkdir()
-        args = ["--nice", "0", "--workers", str(workers), *WORKER]
+        args = ["--workers", str(workers), *WORKER]
         stack.enter_context(live_controller(directory, *args, redis={"url": url}))
     return stack
 
@@ -123,7 +120,7 @@ def main() -> dict[str, Any]:
             scaling[count] = round(redis_rate(server.url, JOBS // 2))
     results["controllers_1_worker_each"] = scaling
     print(
-        "Redis door, N controllers (--nice 0) with 1 worker each on one stream (2 CPUs in all): "
+        "Redis door, N controllers with 1 worker each on one stream (2 CPUs in all): "
         + ", ".join(f"{n}: {rate:,} jobs/s" for n, rate in scaling.items()),
         flush=True,
     )

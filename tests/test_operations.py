@@ -485,24 +485,38 @@ def may_raise_priority() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-def start_with_one_worker(tmp_path: Path, *prefix: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_with_one_worker(
+    tmp_path: Path, *args: str, prefix: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
     config = write_config(
         tmp_path,
         socket_dir=str(tmp_path / "s"),
         client_address={"host": "127.0.0.1", "port": free_udp_port()},
         journal=None,
     )
-    cmd = [*prefix, *controller_argv(config, "--workers", "1", log_level="INFO")]
+    cmd = [*prefix, *controller_argv(config, *args, "--workers", "1", log_level="INFO")]
     with (tmp_path / "controller.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stderr=log)
     wait_for_condition(lambda: len(worker_pids(proc.pid)) == 1)
     return proc, worker_pids(proc.pid)[0]
 
 
-@pytest.mark.skipif(not may_raise_priority(), reason="needs root or CAP_SYS_NICE")
-def test_controller_runs_ahead_of_its_workers_by_default(tmp_path):
+def test_by_default_the_controller_and_its_workers_run_as_started(tmp_path):
     started = nice_of(0)
     proc, worker = start_with_one_worker(tmp_path)
+    try:
+        threads = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
+        assert {nice_of(tid) for tid in threads} == {started} and nice_of(worker) == started
+        assert "nice" not in read_log(tmp_path)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.mark.skipif(not may_raise_priority(), reason="needs root or CAP_SYS_NICE")
+def test_nice_runs_the_controller_ahead_of_its_workers(tmp_path):
+    started = nice_of(0)
+    proc, worker = start_with_one_worker(tmp_path, "--nice", "-10")
     try:
         # The worker inherited the controller's level and is given the starting one back.
         wait_for_condition(lambda: nice_of(worker) == started)
@@ -522,7 +536,9 @@ def test_without_the_right_to_it_the_controller_says_so_and_runs_as_started(tmp_
     no_right = ["setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice"]
     if may_raise_priority() and shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to drop CAP_SYS_NICE")
-    proc, worker = start_with_one_worker(tmp_path, *(no_right if may_raise_priority() else []))
+    proc, worker = start_with_one_worker(
+        tmp_path, "--nice", "-10", prefix=tuple(no_right) if may_raise_priority() else ()
+    )
     try:
         wait_for_condition(lambda: "needs root or CAP_SYS_NICE" in read_log(tmp_path))
         assert nice_of(proc.pid) == started and nice_of(worker) == started

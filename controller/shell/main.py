@@ -104,10 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADJUSTMENT",
         type=parse_adjustment,
         default=DEFAULT_ADJUSTMENT,
-        help=f"run the controller this many nice levels from where it was started "
-        f"(default {DEFAULT_ADJUSTMENT}: ahead of its workers and clients for the CPU; local "
-        "workers keep the starting level; 0: as started). Needs root or CAP_SYS_NICE to go "
-        "below the starting level; without, it says so and runs as started",
+        help="run the controller this many nice levels from where it was started, e.g. -10: "
+        "ahead of its workers and clients for the CPU (local workers keep the starting "
+        f"level). Default {DEFAULT_ADJUSTMENT}. Pays with very short jobs and the journal "
+        "off; see docs/design-notes.md. Going below the starting level needs root or "
+        "CAP_SYS_NICE; without, it says so and runs as started",
     )
     add_common_flags(parser)
     return parser
