@@ -41,7 +41,7 @@ def parse_adjustment(text: str) -> int:
 
 def adjust(adjustment: int) -> int | None:
     """Add `adjustment` to this process's nice value; the value it had before (for the
-    workers it starts), or None when it is unchanged (0, or refused: logged once).
+    workers it starts), or None when it is unchanged (0, or refused: logged).
 
     Call it before any thread starts: Linux keeps a nice value per thread, and new
     threads take their creator's."""
@@ -51,8 +51,8 @@ def adjust(adjustment: int) -> int | None:
     wanted = max(-20, min(19, before + adjustment))
     try:
         os.setpriority(os.PRIO_PROCESS, 0, wanted)
-    except PermissionError:
-        log.info(
+    except PermissionError:  # asked for and not given: worth a warning
+        log.warning(
             "staying at nice %d: raising the controller's priority (--nice %d) needs root or "
             "CAP_SYS_NICE",
             before,
