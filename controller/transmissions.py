@@ -8,7 +8,6 @@ doubling intervals until the client acknowledges or the repeats run out.
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import math
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ TRANSMISSION_MEMORY = 120.0
 PLAIN_ACK = b"ack"
 # Cap on remembered transmissions, so a flood of distinct ids cannot grow memory without bound.
 MAX_TRANSMISSIONS = 200_000
-# Senders whose address bits are kept at once (the cache is dropped whole when full).
-PREFIX_CACHE = 4096
 # First interval between repeats of an unacknowledged success notification (then doubling).
 NOTIFY_FIRST_INTERVAL = 0.5
 
@@ -38,36 +35,22 @@ class Seen:
     Two generations: answers go into the new one; every TRANSMISSION_MEMORY (or once the
     new one holds half of MAX_TRANSMISSIONS) the old generation is dropped whole and the
     new one becomes the old. Forgetting costs nothing per entry, and an entry is a dict
-    slot and its key (~92 bytes): the front door keeps none for an accepted add_task, whose
+    slot and its (sender, id) key: the front door keeps none for an accepted add_task, whose
     job the book holds longer (controller/frontdoor.py), so 100,000 queued jobs cost none.
     A plain acknowledgement is stored as `PLAIN_ACK` and rebuilt for a repeat.
     """
 
     def __init__(self) -> None:
-        self._new: dict[object, bytes | None] = {}
-        self._old: dict[object, bytes | None] = {}
+        self._new: dict[tuple[Address, int], bytes | None] = {}
+        self._old: dict[tuple[Address, int], bytes | None] = {}
         self._turn_at = math.inf  # when the new generation becomes the old one
-        self._prefixes: dict[Address, int | None] = {}  # sender -> its bits, shifted
 
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
 
-    def _key(self, addr: Address, txid: int) -> object:
-        """(sender, transmission id) as one int: the sender's address bits above the id's 64.
-        ~40 bytes where a pair and the id's own int took ~90. A sender whose address is not
-        numeric, or an id outside 0..2**64, keeps the pair (never equal to an int)."""
-        prefix = self._prefixes.get(addr, -1)
-        if prefix == -1:
-            if len(self._prefixes) >= PREFIX_CACHE:
-                self._prefixes.clear()  # the bits are a function of the address: recomputed
-            prefix = self._prefixes[addr] = _address_bits(addr)
-        if prefix is None or not 0 <= txid < _ID_LIMIT:
-            return (addr, txid)
-        return prefix | txid
-
     def get(self, addr: Address, txid: int) -> tuple[bytes | None] | None:
         """(the answer given, or None for silence) if this request was seen; else None."""
-        key = self._key(addr, txid)
+        key = (addr, txid)
         if key in self._new:
             answer = self._new[key]
         elif key in self._old:
@@ -79,7 +62,7 @@ class Seen:
     def remember(self, addr: Address, txid: int, answer: bytes | None, now: float) -> None:
         if not self._new and not self._old:
             self._turn_at = now + TRANSMISSION_MEMORY
-        self._new[self._key(addr, txid)] = answer
+        self._new[(addr, txid)] = answer
         if len(self._new) >= MAX_TRANSMISSIONS // 2:
             self._turn(now)
 
@@ -94,22 +77,6 @@ class Seen:
         self._old = self._new
         self._new = {}
         self._turn_at = now + TRANSMISSION_MEMORY if self._old else math.inf
-
-
-_ID_LIMIT = 1 << 64
-
-
-def _address_bits(addr: Address) -> int | None:
-    """A numeric IPv4 or IPv6 address and port as one int, shifted above a 64-bit id:
-    (ip << 17 | port << 1 | is_ipv6) << 64. None for anything else (a scoped IPv6 address)."""
-    host, port = addr
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if getattr(ip, "scope_id", None) is not None or not 0 <= port <= 0xFFFF:
-        return None
-    return (int(ip) << 17 | port << 1 | (ip.version == 6)) << 64
 
 
 @dataclass(eq=False, slots=True)

@@ -83,7 +83,7 @@ async def session(
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Repeats and polls in tens of milliseconds instead of tenths of seconds."""
-    monkeypatch.setattr(engine, "RESEND_FIRST", 0.02)
+    monkeypatch.setattr(engine, "RESEND_FIRST", 0.05)
     monkeypatch.setattr(engine, "POLL_AFTER", 0.05)
 
 

@@ -69,7 +69,7 @@ class _Request:
     data: bytes
     deadline: float
     answered: Answered
-    interval: float = RESEND_FIRST
+    interval: float  # until it is sent again (RESEND_FIRST, then doubling)
     at: float = 0.0  # when it is sent again
 
 
@@ -179,7 +179,7 @@ class UdpSession:
     ) -> _Request:
         """Send until acknowledged; `answered(ack)` then, or `answered(None)` at the deadline."""
         txid = next(self._txid)
-        request = _Request(txid, dg.request(method, params, txid), deadline, answered)
+        request = _Request(txid, dg.request(method, params, txid), deadline, answered, RESEND_FIRST)
         self._requests[txid] = request
         self._send(request.data)
         request.at = min(deadline, trio.current_time() + request.interval)
@@ -199,6 +199,8 @@ class UdpSession:
         self._arm(request.at, request)
 
     def _drop(self, request: _Request | None) -> None:
+        """Forget a request: its `answered` is never called. A job drops its one request when
+        it settles or is abandoned, so a job's callbacks only ever see it unsettled."""
         if request is not None:
             self._requests.pop(request.txid, None)
 
@@ -239,8 +241,6 @@ class UdpSession:
 
     def _added(self, job: _Job, ack: dict[str, Any] | None) -> None:
         job.request = None
-        if job.settled:
-            return
         if ack is None:
             self._finish(
                 job, Outcome(job.task_id, "timeout", error="add_task was not acknowledged")
@@ -262,8 +262,6 @@ class UdpSession:
     def _poll_due(self, job: _Job, when: float, now: float) -> None:
         if self._jobs.get(job.task_id) is not job or job.settled or job.poll_at != when:
             return
-        if job.request is not None:
-            return  # a get_task is out: its answer decides
         if now >= job.deadline:
             self._finish(job, Outcome(job.task_id, "timeout", error="no notification in time"))
             return
@@ -276,8 +274,6 @@ class UdpSession:
 
     def _polled(self, job: _Job, ack: dict[str, Any] | None) -> None:
         job.request = None
-        if job.settled:
-            return
         if ack is None:
             self._finish(job, Outcome(job.task_id, "timeout", error="no notification in time"))
             return
@@ -330,8 +326,6 @@ class UdpSession:
 
     def _chunk(self, job: _Job, ack: dict[str, Any] | None) -> None:
         job.request = None
-        if self._jobs.get(job.task_id) is not job:
-            return
         if ack is None or "error" in ack:
             self._finish(job, Outcome(job.task_id, "timeout", error="could not read the result"))
             return
