@@ -50,6 +50,9 @@ class Send:
     addr: Address
     # An error reply reveals no recorded state, so it need not wait for a journal commit.
     independent: bool = False
+    # The acknowledgement of the add_task that made this job: the shell may hold it a
+    # moment, so that a quick job's acknowledgement and outcome reach the client together.
+    job_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +191,8 @@ class FrontDoor:
         reply = dg.ack(txid, ack_params)
         if not (self._book_dedups and packet.get("method") == "add_task"):
             self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
+        if out and isinstance(out[0], Submit):
+            return [Send(reply, addr, job_id=out[0].job_id), *out]
         return [Send(reply, addr), *out]
 
     def _on_request(

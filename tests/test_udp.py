@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 import os
 import random
+import select
 import socket as stdsocket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 from controller.client import UdpSession
 from controller.config import ClientAddress, Config
+from controller.shell import udp as udp_shell
 from controller.shell.main import assemble
+from controller.shell.udp import UdpDoor
 from tests.helpers import (
     controller_argv,
     free_udp_port,
@@ -108,6 +113,99 @@ async def test_large_result_read_with_get_result(sockdir, nursery):
             outcome = await client.run_task(9, {})
             inner.cancel_scope.cancel()
     assert outcome.status == "success" and outcome.result == big
+
+
+# ---------------------------------------------------------------- acknowledgements held
+
+
+class GatedClient:
+    """A raw UDP client of one in-process controller whose one worker runs each job when
+    the test opens its gate."""
+
+    def __init__(self, server: tuple[str, int]) -> None:
+        self.server = server
+        self.sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
+        self.running: dict[bytes, trio.Event] = collections.defaultdict(trio.Event)
+        self.gates: dict[bytes, trio.Event] = collections.defaultdict(trio.Event)
+
+    async def handler(self, payload: bytes) -> bytes:
+        self.running[payload].set()
+        await self.gates[payload].wait()
+        return b"done:" + payload
+
+    async def add(self, task_id: int, payload: str) -> None:
+        packet = {"method": "add_task", "packet_type": 1, "transmission_id": task_id}
+        packet["params"] = {"task_id": task_id, "payload": payload}
+        await self.sock.sendto(json.dumps(packet).encode(), self.server)
+
+    async def receive(self) -> dict[str, Any]:
+        with trio.fail_after(10):
+            return dict(json.loads(await self.sock.recv(65536)))
+
+    def waiting(self) -> bool:
+        """A datagram is there to read."""
+        return bool(select.select([self.sock], [], [], 0)[0])
+
+
+async def gated_controller(
+    sockdir: Path, nursery: trio.Nursery
+) -> tuple[GatedClient, trio.Nursery]:
+    """A controller (journal off) with one gated worker; the nursery its UDP door runs in."""
+    config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
+    shell, desk, udp = assemble(config)
+    client = GatedClient(udp.bind())
+    await client.sock.bind(("127.0.0.1", 0))
+    await nursery.start(desk.run)
+    await nursery.start(shell.serve)
+    door = await nursery.start(_serve_door, udp)
+    worker = WorkerShell(sockdir, handler_runner(client.handler, 1 << 20))
+    nursery.start_soon(lambda: worker.run(handle_signals=False))
+    await wait_until(lambda: shell.core.idle_workers == 1)
+    return client, door
+
+
+async def _serve_door(udp: UdpDoor, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+    async with trio.open_nursery() as door:
+        await door.start(udp.serve)
+        task_status.started(door)
+
+
+async def test_a_quick_jobs_acknowledgement_goes_out_with_its_outcome(sockdir, nursery):
+    client, _ = await gated_controller(sockdir, nursery)
+    with client.sock:
+        client.gates[b"quick"].set()
+        await client.add(1, "quick")
+        await client.running[b"quick"].wait()
+        # Held: without the hold the acknowledgement left before the job was even dialled.
+        assert not client.waiting()
+        ack, note = await client.receive(), await client.receive()
+        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 1}
+        assert note["method"] == "notify_task" and note["params"]["result"] == "done:quick"
+
+
+async def test_a_slow_jobs_acknowledgement_goes_out_after_the_hold(sockdir, nursery):
+    client, _ = await gated_controller(sockdir, nursery)
+    with client.sock:
+        await client.add(2, "slow")
+        await client.running[b"slow"].wait()
+        ack = await client.receive()  # while the job still runs: ACK_HOLD, not the job's time
+        assert ack["transmission_id"] == 2 and not client.gates[b"slow"].is_set()
+        client.gates[b"slow"].set()
+        note = await client.receive()
+        assert note["method"] == "notify_task" and note["params"]["result"] == "done:slow"
+
+
+async def test_held_acknowledgements_go_out_when_the_door_stops(sockdir, nursery, monkeypatch):
+    monkeypatch.setattr(udp_shell, "ACK_HOLD", 3600.0)
+    client, door = await gated_controller(sockdir, nursery)
+    with client.sock:
+        await client.add(3, "held")
+        await client.running[b"held"].wait()
+        assert not client.waiting()
+        door.cancel_scope.cancel()  # e.g. SIGTERM: the socket closes, the acknowledgement first
+        ack = await client.receive()
+        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 3}
+        client.gates[b"held"].set()
 
 
 # ---------------------------------------------------------------- real processes

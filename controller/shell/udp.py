@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import socket as stdsocket
 import time
@@ -18,6 +19,7 @@ from controller.core import PerformTask
 from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
 from controller.jobs import Job, JobState
+from controller.reactor import Timer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.timer import DeadlineTimer
@@ -33,6 +35,10 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 # Datagrams handled in a row before the workers' sockets get a turn (the socket is
 # level-triggered: the rest wait for the reactor's next round).
 RECEIVE_BURST = 8
+# An add_task acknowledgement waits at most this long for its job's outcome: a job that
+# ends sooner has its acknowledgement and its notification sent together, which the client
+# reads in one wake-up instead of two (docs/design-notes.md, "Acknowledgements ride along").
+ACK_HOLD = 0.001
 
 
 def open_udp_socket(host: str, port: int) -> stdsocket.socket:
@@ -89,6 +95,13 @@ class UdpDoor:
         # One tuple per sender: recvfrom makes a new address (and host string) for every
         # datagram, and a job and its transmission keep theirs for minutes.
         self._addresses: dict[tuple[str, int], tuple[str, int]] = {}
+        # Acknowledgements held for their job's outcome, by job id, oldest first, with
+        # when each goes out anyway; one reactor timer for the oldest.
+        self._held: dict[str, tuple[float, Send]] = {}
+        self._release: Timer | None = None
+        # With a journal, an acknowledgement already waits for its commit, and each commit
+        # releases acknowledgements and outcomes together: holding them on would split that.
+        self._hold_acks = desk.journal is None
         desk.doors["udp"] = self
 
     def bind(self) -> tuple[str, int]:
@@ -113,6 +126,7 @@ class UdpDoor:
                 log.info("listening for clients on %s:%d", *self.bind())
                 task_status.started()
         finally:
+            self._release_held(math.inf)
             reactor.unwatch(sock)
             sock.close()
 
@@ -155,6 +169,10 @@ class UdpDoor:
         actions = self.door.job_finished(job, now)
         if job.final is JobState.FINISHED:  # a success: its first repeat is now due then
             self._timer.poke_at(now + NOTIFY_FIRST_INTERVAL)
+        held = self._held.pop(job.id, None)
+        if held is not None:  # its acknowledgement goes first, in the same breath
+            ack = held[1]
+            actions.insert(0, Send(ack.data, ack.addr))
         return actions
 
     def perform(self, action: PerformTask) -> None:
@@ -177,6 +195,8 @@ class UdpDoor:
         if sock is None:
             return  # closed: the client asks again, and success notifications are repeated
         for send in sends:
+            if send.job_id and self._hold_acks and self._hold(send):
+                continue
             try:
                 sock.sendto(send.data, send.addr)
             except OSError as exc:
@@ -184,3 +204,30 @@ class UdpDoor:
                 # success notifications are repeated, everything else is asked again.
                 self.send_errors += 1
                 log.debug("sendto %s failed: %s", send.addr, exc)
+
+    def _hold(self, ack: Send) -> bool:
+        """Keep a new job's acknowledgement until its outcome or ACK_HOLD; False when the
+        outcome is known already (the journal held the acknowledgement that long)."""
+        job = self.desk.book.get(ack.job_id)
+        if job is None or job.state.final:
+            return False
+        when = trio.current_time() + ACK_HOLD
+        self._held[ack.job_id] = (when, ack)
+        if self._release is None:
+            self._release = self.shell.reactor.call_at(when, self._release_held)
+        return True
+
+    def _release_held(self, now: float) -> None:
+        """Send the acknowledgements whose hold is over, oldest first."""
+        self._release = None
+        held = self._held
+        due: list[Send] = []
+        while held:
+            job_id, (when, ack) = next(iter(held.items()))
+            if when > now:
+                self._release = self.shell.reactor.call_at(when, self._release_held)
+                break
+            del held[job_id]
+            due.append(Send(ack.data, ack.addr))
+        if due:
+            self.transmit(due)
