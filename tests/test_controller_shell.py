@@ -69,11 +69,11 @@ async def test_expire_and_replace(sockdir, nursery, autojump_clock):
 
 async def test_busy_goes_to_another_worker(sockdir, nursery):
     async with running_controller(sockdir) as (shell, outcomes):
+        other = await FakeWorker(sockdir).start(nursery)
         busy = FakeWorker(sockdir, task_id=77)  # holds a task the controller does not know
         busy.script[pb.CTRL_GET_STATUS] = None  # type: ignore[assignment]
         await busy.start(nursery, ready=False)
-        await busy.pulse(task_id=0)  # claims idle, then answers BUSY
-        other = await FakeWorker(sockdir).start(nursery)
+        await busy.pulse(task_id=0)  # claims idle (last, so picked first), then answers BUSY
         shell.submit(3, b"p")
         await other.wait_for(pb.CTRL_SET_TASK)
         assert busy.kinds() == [pb.CTRL_SET_TASK]
@@ -92,7 +92,7 @@ async def test_task_failed_retried_elsewhere_then_error_when_retries_run_out(soc
             w.script[pb.CTRL_FETCH] = fail
         shell.submit(4, b"p")
         for attempt in range(2):
-            w = workers[attempt]
+            w = workers[-1 - attempt]  # the most recently idle first, then the other
             await w.wait_for(pb.CTRL_SET_TASK)
             await w.pulse(pb.PULSE_FETCH_ME)
         [done] = await outcomes.wait(1)
@@ -161,10 +161,10 @@ async def test_worker_socket_that_never_answers(sockdir, nursery, autojump_clock
         await trio.sleep_forever()
 
     async with running_controller(sockdir, dial_timeout=2) as (shell, _):
+        good = await FakeWorker(sockdir, next_pulse=60).start(nursery)
         w = FakeWorker(sockdir, next_pulse=60)
         w.script[pb.CTRL_SET_TASK] = hang
-        await w.start(nursery)
-        good = await FakeWorker(sockdir, next_pulse=60).start(nursery)
+        await w.start(nursery)  # idle last: the task goes here first
         shell.submit(1, b"x")
         await good.wait_for(pb.CTRL_SET_TASK)
         assert w.worker_id not in shell.core.workers

@@ -187,8 +187,8 @@ def test_pulse_moves_deadline():
 
 def test_process_exit_drops_worker_and_replaces_task():
     core = Core()
-    a = ready_worker(core)
     b = ready_worker(core)
+    a = ready_worker(core)  # idle last: picked first
     core.submit(1, b"x", None, 0.0)
     answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
     actions = core.handle(WorkerExited(a), 0.5)
@@ -208,14 +208,31 @@ def test_shutdown_removes_worker_and_replaces_its_task():
     assert dials(actions, pb.CTRL_SET_TASK)[0].worker_id == b
 
 
+def test_the_most_recently_idle_worker_gets_the_next_task():
+    """A job goes to the worker that became idle last: under light load one worker keeps
+    its caches warm instead of all of them taking turns (docs/design-notes.md)."""
+    core = Core()
+    a = ready_worker(core)
+    b = ready_worker(core)
+    for task_id in (1, 2, 3):
+        [d] = dials(core.submit(task_id, b"x", None, 0.0)[1], pb.CTRL_SET_TASK)
+        assert d.worker_id == b  # never a, idle longer
+        answer(core, b, pb.CTRL_SET_TASK, 0.0, task_id=task_id)
+        run_to_success(core, b, task_id, 0.1)
+    core.submit(4, b"x", None, 0.2)
+    answer(core, b, pb.CTRL_SET_TASK, 0.2, task_id=4)
+    [d] = dials(core.submit(5, b"x", None, 0.3)[1], pb.CTRL_SET_TASK)
+    assert d.worker_id == a  # b is busy
+
+
 # ---------------------------------------------------------------- worker errors
 
 
 def test_busy_places_on_another_worker_without_using_a_retry():
     core = Core(max_retries=0)
-    a = ready_worker(core)
     b = ready_worker(core)
-    core.submit(1, b"x", None, 0.0)  # goes to a (longest idle)
+    a = ready_worker(core)  # idle last: picked first
+    core.submit(1, b"x", None, 0.0)  # goes to a
     actions = answer(core, a, pb.CTRL_SET_TASK, 0.0, error=pb.WORKER_ERR_BUSY, task_id=7)
     [d] = dials(actions, pb.CTRL_SET_TASK)
     assert d.worker_id == b
@@ -231,7 +248,7 @@ def test_task_failed_retries_on_a_different_worker():
     a = ready_worker(core)
     core.submit(1, b"x", None, 0.0)
     answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=1)
-    b = ready_worker(core)  # idle after a, so a would be picked first by age
+    b = ready_worker(core)  # a, idle again after b, would be picked first
     pulse(core, a, 0.1, pb.PULSE_FETCH_ME, task_id=1)
     actions = answer(
         core, a, pb.CTRL_FETCH, 0.1, error=pb.WORKER_ERR_TASK_FAILED, task_id=1, extra=b"boom"
@@ -269,8 +286,8 @@ def test_fetch_failed_or_silent_drops_worker_and_replaces(kind):
 
 def test_set_task_failed_answer_drops_worker_without_using_a_retry():
     core = Core(max_retries=0)
-    a = ready_worker(core)
     b = ready_worker(core)
+    a = ready_worker(core)  # idle last: picked first
     core.submit(1, b"x", None, 0.0)
     actions = answer(core, a, pb.CTRL_SET_TASK, 0.0, error=pb.WORKER_ERR_FAILED)
     assert a not in core.workers
@@ -279,8 +296,8 @@ def test_set_task_failed_answer_drops_worker_without_using_a_retry():
 
 def test_socket_not_owned_drops_worker_without_using_a_retry():
     core = Core(max_retries=0)
-    a = ready_worker(core)
     b = ready_worker(core)
+    a = ready_worker(core)  # idle last: picked first
     core.submit(1, b"x", None, 0.0)
     actions = core.handle(DialDone(a, pb.CTRL_SET_TASK, None, not_owned=True), 0.0)
     assert a not in core.workers
@@ -447,8 +464,8 @@ def test_illegal_transition_names_state_and_event():
 
 def test_same_task_id_from_two_owners_kept_apart():
     core = Core()
-    a = ready_worker(core)
     b = ready_worker(core)
+    a = ready_worker(core)  # idle last: picked first
     core.submit(5, b"one", "client-1", 0.0)
     core.submit(5, b"two", "client-2", 0.0)
     answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=5)

@@ -1,7 +1,8 @@
 """The scheduler: one queue of tasks, placed on workers of any kind. No I/O, no clock.
 
 How it works: tasks wait in a FIFO queue and idle workers in an
-insertion-ordered dict (the longest idle first). `_dispatch` pairs them and
+insertion-ordered dict, the most recently idle taken first (under light
+load one worker stays warm instead of all taking turns). `_dispatch` pairs them and
 asks the worker's kind to hand the task over (`WorkerKind.place`: a SET_TASK
 dial for a local worker). The kind reports back through the methods under
 "what the worker kinds report": accepted, refused, finished, failed, lost.
@@ -298,15 +299,16 @@ class Scheduler:
             worker.kind.place(worker, task, actions)
 
     def _pick(self, task: Task) -> Worker:
-        """The longest-idle worker, skipping those this task already failed on if possible."""
+        """The most recently idle worker, skipping those this task already failed on if
+        possible."""
         idle = self._idle
         if not task.failed_on:
-            return next(iter(idle.values()))
+            return next(reversed(idle.values()))
         # At most len(failed_on) idle workers can be excluded, so this looks at few.
-        for worker in itertools.islice(idle.values(), len(task.failed_on) + 1):
+        for worker in itertools.islice(reversed(idle.values()), len(task.failed_on) + 1):
             if worker.worker_id not in task.failed_on:
                 return worker
-        return next(iter(idle.values()))
+        return next(reversed(idle.values()))
 
     # ------------------------------------------------------------ endings and retries
 
