@@ -126,7 +126,9 @@ class UdpDoor:
                 log.info("listening for clients on %s:%d", *self.bind())
                 task_status.started()
         finally:
-            self._release_held(math.inf)
+            if self._release is not None:
+                self._release.cancel()
+            self._release_held(math.inf)  # what is held goes out before the socket closes
             reactor.unwatch(sock)
             sock.close()
 
@@ -206,8 +208,8 @@ class UdpDoor:
                 log.debug("sendto %s failed: %s", send.addr, exc)
 
     def _hold(self, ack: Send) -> bool:
-        """Keep a new job's acknowledgement until its outcome or ACK_HOLD; False when the
-        outcome is known already (the journal held the acknowledgement that long)."""
+        """Keep a new job's acknowledgement until its outcome or ACK_HOLD; False (send it
+        now) when there is no outcome to wait for: the job is gone or has ended."""
         job = self.desk.book.get(ack.job_id)
         if job is None or job.state.final:
             return False
