@@ -88,6 +88,15 @@ def test_get_unknown_id_and_refused_requests(live):
         Client("ftp://127.0.0.1:1")
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["http://h", "http://h:x", "udp://h:99999", "redis://h:99999", "redis://h:x", "ftp://h:1"],
+)
+def test_a_url_without_a_usable_port_is_refused(url):
+    with pytest.raises(ValueError, match="expected http://HOST:PORT"):
+        Client(url)
+
+
 def test_one_client_shared_by_threads(live):
     with Client(live.url) as client, concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda n: client.submit(f"t{n}").result(timeout=30), range(40)))

@@ -27,7 +27,7 @@ import anyio
 import redis
 
 from controller import datagram as dg
-from controller.client.http import Answer, AsyncHttpPool, HttpPool
+from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
 from controller.client.stream import RedisBackend
 from controller.client.udp import UdpBackend, UdpError
 
@@ -114,13 +114,10 @@ def _wait_query(wait: float) -> dict[str, str] | None:
 
 def _split(url: str) -> tuple[str, str, int]:
     parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:  # out of range, or not a number
-        port = -1
-    if parts.scheme == "redis" and parts.hostname and port != -1:
+    port = url_port(parts, 6379 if parts.scheme == "redis" else None)
+    if parts.scheme == "redis" and parts.hostname and port is not None:
         return parts.scheme, parts.hostname, port or 6379
-    if parts.scheme not in ("http", "udp") or not parts.hostname or not port or port == -1:
+    if parts.scheme not in ("http", "udp") or not parts.hostname or not port:
         raise ValueError(
             f"expected http://HOST:PORT, udp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}"
         )

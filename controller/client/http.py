@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import anyio
 import anyio.abc
@@ -64,13 +64,20 @@ def token_problem(token: str) -> str:
     return ""
 
 
+def url_port(parts: SplitResult, default: int | None = None) -> int | None:
+    """A split URL's port, `default` when it names none, None when it is out of range or not
+    a number."""
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    return default if port is None else port
+
+
 def http_address(url: str) -> tuple[str, int]:
     """(host, port) of `http://HOST:PORT` (a trailing slash allowed); ValueError otherwise."""
     parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:  # out of range, or not a number
-        port = None
+    port = url_port(parts)
     if parts.scheme != "http" or not parts.hostname or not port or parts.path not in ("", "/"):
         raise ValueError(f"expected an http://HOST:PORT URL, got {url!r}")
     return parts.hostname, port
