@@ -170,7 +170,11 @@ async def _serve_door(udp: UdpDoor, task_status: trio.TaskStatus[trio.Nursery]) 
         task_status.started(door)
 
 
-async def test_a_quick_jobs_acknowledgement_goes_out_with_its_outcome(sockdir, nursery):
+async def test_a_quick_jobs_acknowledgement_goes_out_with_its_outcome(
+    sockdir, nursery, monkeypatch
+):
+    # A hold longer than any stall of a loaded machine: what is tested is the order.
+    monkeypatch.setattr(udp_shell, "ACK_HOLD", 60.0)
     client, _ = await gated_controller(sockdir, nursery)
     with client.sock:
         client.gates[b"quick"].set()

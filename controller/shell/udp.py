@@ -173,8 +173,7 @@ class UdpDoor:
             self._timer.poke_at(now + NOTIFY_FIRST_INTERVAL)
         held = self._held.pop(job.id, None)
         if held is not None:  # its acknowledgement goes first, in the same breath
-            ack = held[1]
-            actions.insert(0, Send(ack.data, ack.addr))
+            actions.insert(0, held[1])
         return actions
 
     def perform(self, action: PerformTask) -> None:
@@ -214,7 +213,7 @@ class UdpDoor:
         if job is None or job.state.final:
             return False
         when = trio.current_time() + ACK_HOLD
-        self._held[ack.job_id] = (when, ack)
+        self._held[ack.job_id] = (when, Send(ack.data, ack.addr))  # a plain send from here
         if self._release is None:
             self._release = self.shell.reactor.call_at(when, self._release_held)
         return True
@@ -230,6 +229,6 @@ class UdpDoor:
                 self._release = self.shell.reactor.call_at(when, self._release_held)
                 break
             del held[job_id]
-            due.append(Send(ack.data, ack.addr))
+            due.append(ack)
         if due:
             self.transmit(due)
