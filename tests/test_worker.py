@@ -184,6 +184,13 @@ async def test_exec_sees_task_id_and_payload():
     assert out == b"5:hello\n"
 
 
+async def test_exec_runner_gives_the_command_the_workers_environment(monkeypatch):
+    monkeypatch.setenv("JOB_CONTROLLER_TEST", "from-the-worker")
+    run = build_runner(["sh", "-c", 'echo "$JOB_CONTROLLER_TEST:$TASK_ID"'], None, MiB)
+    assert await run(7, b"") == b"from-the-worker:7\n"
+    assert await run(8, b"") == b"from-the-worker:8\n"  # TASK_ID is each job's own
+
+
 async def test_exec_failure_reports_stderr_tail():
     with pytest.raises(TaskFailed, match="exited with status 3: oops"):
         await run_command(["sh", "-c", "echo oops >&2; exit 3"], 1, b"", MiB)

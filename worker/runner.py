@@ -120,18 +120,26 @@ def exec_runner(argv: list[str], max_output: int) -> Runner:
         raise SetupError(f"--exec: command not found or not executable: {argv[0]}")
 
     program = shutil.which(argv[0]) or argv[0]  # looked up once, not per job
+    # The worker's environment, read once: os.environ decodes every variable on each copy.
+    environ = dict(os.environ)
 
     async def run(task_id: int, payload: bytes) -> bytes:
-        return await run_command(argv, task_id, payload, max_output, program)
+        return await run_command(argv, task_id, payload, max_output, program, environ)
 
     return run
 
 
 async def run_command(
-    argv: list[str], task_id: int, payload: bytes, max_output: int, program: str | None = None
+    argv: list[str],
+    task_id: int,
+    payload: bytes,
+    max_output: int,
+    program: str | None = None,
+    environ: dict[str, str] | None = None,
 ) -> bytes:
-    """Run one `--exec` job (`program`: argv[0]'s path, looked up here when not given)."""
-    env = dict(os.environ, TASK_ID=str(task_id))
+    """Run one `--exec` job (`program`: argv[0]'s path, looked up here when not given;
+    `environ`: the command's environment before TASK_ID, os.environ when not given)."""
+    env = {**(os.environ if environ is None else environ), "TASK_ID": str(task_id)}
     if program is None:
         program = shutil.which(argv[0]) or argv[0]
     lines = STDERR_LINES.get()

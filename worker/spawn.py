@@ -55,10 +55,9 @@ async def spawn_and_wait(
     epoll = select.epoll()
     open_fds = {in_w, out_r, err_r}
     try:
-        for fd in (in_w, out_r, err_r):
-            os.set_blocking(fd, False)
         view = memoryview(payload)
         if view:
+            os.set_blocking(in_w, False)  # the outputs stay blocking: read once per event
             epoll.register(in_w, _OUT)
         else:
             os.close(in_w)
@@ -158,18 +157,14 @@ def _feed(fd: int, view: memoryview, epoll: select.epoll, open_fds: set[int]) ->
 
 
 def _drain(fd: int, into: bytearray, chunk: int, epoll: select.epoll, open_fds: set[int]) -> bool:
-    """Read what is there; False once the pipe has closed."""
-    while True:
-        try:
-            data = os.read(fd, chunk)
-        except BlockingIOError:
-            return True
-        if not data:
-            _close(fd, epoll, open_fds)
-            return False
-        into += data
-        if len(data) < chunk:
-            return True
+    """Read once from a pipe the epoll set says is readable (it stays blocking, so a second
+    read could wait; the level-triggered set reports what is left); False once it closed."""
+    data = os.read(fd, chunk)
+    if not data:
+        _close(fd, epoll, open_fds)
+        return False
+    into += data
+    return True
 
 
 def _close(fd: int, epoll: select.epoll, open_fds: set[int]) -> None:
