@@ -475,6 +475,10 @@ def test_controller_cpus_pins_itself_not_its_workers(tmp_path, own):
 # ---------------------------------------------------------------- --nice
 
 
+def read_log(tmp_path: Path) -> str:
+    return (tmp_path / "controller.log").read_text()
+
+
 def nice_of(pid: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, pid)
 
@@ -523,8 +527,9 @@ def test_nice_runs_the_controller_ahead_of_its_workers(tmp_path):
         threads = [int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()]
         assert len(threads) > 1  # trio started threads: they run at the controller's level
         assert {nice_of(tid) for tid in threads} == {max(-20, started - 10)}
-        log = (tmp_path / "controller.log").read_text()
-        assert f"running at nice {max(-20, started - 10)} (started at {started}" in log
+        assert f"running at nice {max(-20, started - 10)} (started at {started}" in read_log(
+            tmp_path
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -533,11 +538,12 @@ def test_nice_runs_the_controller_ahead_of_its_workers(tmp_path):
 def test_without_the_right_to_it_the_controller_says_so_and_runs_as_started(tmp_path):
     started = nice_of(0)
     # As root, drop the capability for the controller alone; otherwise it has none anyway.
-    no_right = ["setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice"]
-    if may_raise_priority() and shutil.which("setpriv") is None:
+    no_right = ("setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice")
+    privileged = may_raise_priority()
+    if privileged and shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is needed to drop CAP_SYS_NICE")
     proc, worker = start_with_one_worker(
-        tmp_path, "--nice", "-10", prefix=tuple(no_right) if may_raise_priority() else ()
+        tmp_path, "--nice", "-10", prefix=no_right if privileged else ()
     )
     try:
         wait_for_condition(lambda: "needs root or CAP_SYS_NICE" in read_log(tmp_path))
@@ -546,10 +552,6 @@ def test_without_the_right_to_it_the_controller_says_so_and_runs_as_started(tmp_
     finally:
         proc.terminate()
         proc.wait(timeout=20)
-
-
-def read_log(tmp_path: Path) -> str:
-    return (tmp_path / "controller.log").read_text()
 
 
 @pytest.mark.parametrize(

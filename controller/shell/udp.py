@@ -196,7 +196,8 @@ class UdpDoor:
         if sock is None:
             return  # closed: the client asks again, and success notifications are repeated
         for send in sends:
-            if send.job_id and self._hold_acks and self._hold(send):
+            if send.job_id and self._hold_acks:
+                self._hold(send)
                 continue
             try:
                 sock.sendto(send.data, send.addr)
@@ -206,17 +207,13 @@ class UdpDoor:
                 self.send_errors += 1
                 log.debug("sendto %s failed: %s", send.addr, exc)
 
-    def _hold(self, ack: Send) -> bool:
-        """Keep a new job's acknowledgement until its outcome or ACK_HOLD; False (send it
-        now) when there is no outcome to wait for: the job is gone or has ended."""
-        job = self.desk.book.get(ack.job_id)
-        if job is None or job.state.final:
-            return False
+    def _hold(self, ack: Send) -> None:
+        """Keep a new job's acknowledgement until its outcome or ACK_HOLD. Without a journal
+        it comes here in the same step that queued the job, which cannot have ended yet."""
         when = trio.current_time() + ACK_HOLD
         self._held[ack.job_id] = (when, Send(ack.data, ack.addr))  # a plain send from here
         if self._release is None:
             self._release = self.shell.reactor.call_at(when, self._release_held)
-        return True
 
     def _release_held(self, now: float) -> None:
         """Send the acknowledgements whose hold is over, oldest first."""
