@@ -504,3 +504,27 @@ def test_request_memory_keeps_every_sender_and_id_apart(remembered, others):
     for addr, txid in others:
         if (addr, txid) not in remembered:
             assert seen.get(addr, txid) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        ' \n{"a": [1, 2.5, "x"]}',  # white space before: the cheap path hands over to json.loads
+        '{"a": [1, 2.5, "x"]}\r\n ',  # and after
+        '{"a": [1, 2.5, "x"]}',
+        "{'a': [1, 2.5, 'x']}",  # the seed's single-quoted form
+    ],
+)
+def test_datagram_parsing_reads_what_json_reads(text):
+    assert dg.parse_packet(text.encode()) == {"a": [1, 2.5, "x"]}
+    if not text.startswith("{'"):
+        assert dg.decode(text.encode()) == {"a": [1, 2.5, "x"]}
+
+
+@pytest.mark.parametrize(
+    "data", [b'{"a": 1} {"b": 2}', b'{"a": 1}x', b'{"a": 1', b"\xff{}", b"[1, 2]", b""]
+)
+def test_datagram_parsing_refuses_what_json_refuses(data):
+    with pytest.raises(dg.BadPacket):
+        dg.parse_packet(data)
+    assert dg.decode(data) is None
