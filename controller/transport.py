@@ -180,11 +180,14 @@ class Outgoing(Generic[wire.M]):
     def _finish(self, result: Result[wire.M]) -> None:
         self._timer.cancel()
         self._reactor.forget(self._sock)
-        self._sock.close()
         done = self._done
         if self._started:
-            done(result)  # in event order: an answer is handled before what came after it
+            try:
+                done(result)  # in event order: an answer is handled before what came after it
+            finally:
+                self._sock.close()
         else:
+            self._sock.close()
             self._reactor.call_soon(lambda now: done(result))
 
 

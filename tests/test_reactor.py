@@ -84,6 +84,43 @@ async def test_outgoing_reads_an_answer_in_any_pieces(sockdir: Path, listener, n
     assert msg.task_id == 7 and got == extra
 
 
+async def test_outgoing_closes_its_socket_even_when_the_answers_callback_fails(
+    sockdir: Path, listener
+):
+    """The answer is handled before the socket is closed (a close is a system call on the
+    way to the next datagram), and the close still happens when the handler raises."""
+    listener.setblocking(True)
+    answer = wire.encode_frame(pb.WorkerResponse(task_id=7))
+    after_answer: list[bytes] = []
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setblocking(True)
+            conn.settimeout(10)
+            conn.recv(1 << 20)
+            conn.sendall(answer)
+            after_answer.append(conn.recv(1))  # b"": the dialler closed
+
+    def done(result: object) -> None:
+        raise RuntimeError("the handler failed")
+
+    with pytest.raises(BaseExceptionGroup) as caught:
+        async with trio.open_nursery() as nursery:
+            reactor = await started(nursery)
+            Outgoing(
+                reactor,
+                sockdir / "w.sock",
+                wire.encode_frame(REQUEST),
+                pb.WorkerResponse,
+                done,
+                timeout=5,
+            )
+            await trio.to_thread.run_sync(peer)
+    assert caught.group_contains(RuntimeError, match="the handler failed")
+    assert after_answer == [b""]
+
+
 async def test_big_request_and_answer_both_ways(sockdir: Path, listener, nursery):
     """A 4 MB extra is more than a socket buffer holds: both sides go on as the peer reads."""
     reactor = await started(nursery)
