@@ -17,11 +17,10 @@ into wall-clock seconds for the timestamps a person reads.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from controller.core.model import Task, TaskState
+from controller.core.model import IdentityEnum, Task, TaskState
 from controller.deadlines import Deadlines
 
 # Records forgotten per expire() call: deletes reach the journal in bounded batches,
@@ -29,7 +28,7 @@ from controller.deadlines import Deadlines
 MAX_FORGET_PER_CALL = 1000
 
 
-class JobState(enum.Enum):
+class JobState(IdentityEnum):
     PENDING = "pending"
     REQUESTED = "requested"
     WORKING = "working"

@@ -16,7 +16,14 @@ from typing import Protocol
 from gen import worker_protocol_pb2 as pb
 
 
-class TaskState(enum.Enum):
+class IdentityEnum(enum.Enum):
+    """An enum hashed by identity: the transition tables are looked up several times per
+    job, and Enum's own __hash__ (hash of the name) is a Python call each time."""
+
+    __hash__ = object.__hash__
+
+
+class TaskState(IdentityEnum):
     QUEUED = "queued"
     ASSIGNING = "assigning"  # SET_TASK dialled, answer not yet in
     RUNNING = "running"
@@ -45,7 +52,7 @@ _FINISHED = frozenset(
 )
 
 
-class TaskEvent(enum.Enum):
+class TaskEvent(IdentityEnum):
     PLACE = enum.auto()  # offered to a worker with SET_TASK
     ACCEPTED = enum.auto()  # the worker answered SET_TASK with OK
     REQUEUE = enum.auto()  # back in the queue (worker busy, failed or gone)
@@ -78,7 +85,7 @@ TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
 }
 
 
-class WorkerState(enum.Enum):
+class WorkerState(IdentityEnum):
     STARTING = "starting"  # registered; its socket is not known to listen yet
     IDLE = "idle"
     ASSIGNING = "assigning"  # SET_TASK in flight
@@ -87,7 +94,7 @@ class WorkerState(enum.Enum):
     UNSURE = "unsure"  # answered BUSY to a SET_TASK: not offered work until a pulse says idle
 
 
-class WorkerEvent(enum.Enum):
+class WorkerEvent(IdentityEnum):
     READY = enum.auto()
     ASSIGN = enum.auto()
     ACCEPTED = enum.auto()
