@@ -20,6 +20,7 @@ import trio
 from controller.client import UdpSession
 from controller.config import ClientAddress, Config
 from controller.shell import udp as udp_shell
+from controller.shell.core_shell import CoreShell
 from controller.shell.main import assemble
 from controller.shell.udp import UdpDoor
 from tests.helpers import (
@@ -149,7 +150,7 @@ class GatedClient:
 
 async def gated_controller(
     sockdir: Path, nursery: trio.Nursery
-) -> tuple[GatedClient, trio.Nursery]:
+) -> tuple[GatedClient, trio.Nursery, CoreShell]:
     """A controller (journal off) with one gated worker; the nursery its UDP door runs in."""
     config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
     shell, desk, udp = assemble(config)
@@ -161,7 +162,7 @@ async def gated_controller(
     worker = WorkerShell(sockdir, handler_runner(client.handler, 1 << 20))
     nursery.start_soon(lambda: worker.run(handle_signals=False))
     await wait_until(lambda: shell.core.idle_workers == 1)
-    return client, door
+    return client, door, shell
 
 
 async def _serve_door(udp: UdpDoor, task_status: trio.TaskStatus[trio.Nursery]) -> None:
@@ -170,46 +171,73 @@ async def _serve_door(udp: UdpDoor, task_status: trio.TaskStatus[trio.Nursery]) 
         task_status.started(door)
 
 
+async def busy_with(client: GatedClient, task_id: int, payload: str) -> None:
+    """Job `task_id` running behind its closed gate, its acknowledgement read: a lone job's
+    acknowledgement is never held."""
+    await client.add(task_id, payload)
+    await client.running[payload.encode()].wait()
+    ack = await client.receive()
+    assert ack == {"method": "ack", "packet_type": 2, "transmission_id": task_id}
+
+
+async def test_a_lone_jobs_acknowledgement_goes_out_at_once(sockdir, nursery, monkeypatch):
+    # Nothing would ride along with it: it goes before the job ends, whatever the hold.
+    monkeypatch.setattr(udp_shell, "ACK_HOLD", 3600.0)
+    client, _, _ = await gated_controller(sockdir, nursery)
+    with client.sock:
+        await busy_with(client, 1, "lone")
+        assert not client.gates[b"lone"].is_set()
+        client.gates[b"lone"].set()
+        note = await client.receive()
+        assert note["method"] == "notify_task" and note["params"]["result"] == "done:lone"
+
+
 async def test_a_quick_jobs_acknowledgement_goes_out_with_its_outcome(
     sockdir, nursery, monkeypatch
 ):
     # A hold longer than any stall of a loaded machine: what is tested is the order.
     monkeypatch.setattr(udp_shell, "ACK_HOLD", 60.0)
-    client, _ = await gated_controller(sockdir, nursery)
+    client, _, shell = await gated_controller(sockdir, nursery)
     with client.sock:
+        await busy_with(client, 1, "first")
         client.gates[b"quick"].set()
-        await client.add(1, "quick")
-        await client.running[b"quick"].wait()
-        # Held: without the hold the acknowledgement left before the job was even dialled.
+        await client.add(2, "quick")  # queued behind the first: another job is in flight
+        await wait_until(lambda: len(shell.core.tasks) == 2)
+        # Held: without the hold the acknowledgement left as soon as the job was queued.
         assert not client.waiting()
+        client.gates[b"first"].set()
+        first = await client.receive()
+        assert first["method"] == "notify_task" and first["params"]["task_id"] == 1
         ack, note = await client.receive(), await client.receive()
-        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 1}
+        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 2}
         assert note["method"] == "notify_task" and note["params"]["result"] == "done:quick"
 
 
 async def test_a_slow_jobs_acknowledgement_goes_out_after_the_hold(sockdir, nursery):
-    client, _ = await gated_controller(sockdir, nursery)
+    client, _, _ = await gated_controller(sockdir, nursery)
     with client.sock:
-        await client.add(2, "slow")
-        await client.running[b"slow"].wait()
-        ack = await client.receive()  # while the job still runs: ACK_HOLD, not the job's time
-        assert ack["transmission_id"] == 2 and not client.gates[b"slow"].is_set()
+        await busy_with(client, 1, "first")
+        await client.add(2, "slow")  # queued: held, but for ACK_HOLD, not the jobs' time
+        ack = await client.receive()
+        assert ack["transmission_id"] == 2 and not client.gates[b"first"].is_set()
+        client.gates[b"first"].set()
         client.gates[b"slow"].set()
-        note = await client.receive()
-        assert note["method"] == "notify_task" and note["params"]["result"] == "done:slow"
+        notes = {(await client.receive())["params"]["result"] for _ in range(2)}
+        assert notes == {"done:first", "done:slow"}
 
 
 async def test_held_acknowledgements_go_out_when_the_door_stops(sockdir, nursery, monkeypatch):
     monkeypatch.setattr(udp_shell, "ACK_HOLD", 3600.0)
-    client, door = await gated_controller(sockdir, nursery)
+    client, door, shell = await gated_controller(sockdir, nursery)
     with client.sock:
+        await busy_with(client, 1, "first")
         await client.add(3, "held")
-        await client.running[b"held"].wait()
+        await wait_until(lambda: len(shell.core.tasks) == 2)
         assert not client.waiting()
         door.cancel_scope.cancel()  # e.g. SIGTERM: the socket closes, the acknowledgement first
         ack = await client.receive()
         assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 3}
-        client.gates[b"held"].set()
+        client.gates[b"first"].set()
 
 
 # ---------------------------------------------------------------- real processes

@@ -35,9 +35,11 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 # Datagrams handled in a row before the workers' sockets get a turn (the socket is
 # level-triggered: the rest wait for the reactor's next round).
 RECEIVE_BURST = 8
-# An add_task acknowledgement waits at most this long for its job's outcome: a job that
-# ends sooner has its acknowledgement and its notification sent together, which the client
-# reads in one wake-up instead of two (docs/design-notes.md, "Acknowledgements ride along").
+# While other jobs are in flight, an add_task acknowledgement waits at most this long for
+# its job's outcome: a job that ends sooner has its acknowledgement and its notification
+# sent together, which the client reads in one wake-up instead of two. A lone job's
+# acknowledgement goes at once: nothing would ride along, and waking the client later puts
+# that wake-up on the way to the outcome (docs/design-notes.md, "Acknowledgements ride along").
 ACK_HOLD = 0.001
 
 
@@ -102,6 +104,7 @@ class UdpDoor:
         # With a journal, an acknowledgement already waits for its commit, and each commit
         # releases acknowledgements and outcomes together: holding them on would split that.
         self._hold_acks = desk.journal is None
+        self._live_tasks = shell.core.tasks  # every door's unfinished tasks
         desk.doors["udp"] = self
 
     def bind(self) -> tuple[str, int]:
@@ -196,8 +199,8 @@ class UdpDoor:
         if sock is None:
             return  # closed: the client asks again, and success notifications are repeated
         for send in sends:
-            if send.job_id and self._hold_acks:
-                self._hold(send)
+            if send.job_id and self._hold_acks and len(self._live_tasks) > 1:
+                self._hold(send)  # its own job is one of them
                 continue
             try:
                 sock.sendto(send.data, send.addr)
