@@ -7,10 +7,12 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+import trio
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
 from controller.jobs import Job, JobState, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
+from controller.shell.committer import COMMIT_DELAY_MAX, COMMIT_DELAY_PER_JOB, Committer
 from gen import worker_protocol_pb2 as pb
 
 
@@ -281,3 +283,68 @@ async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
     desk.recover(recovered, trio.current_time())
     assert desk.pick_task_id() == job.task_id + 1
     again.close()
+
+
+# ---------------------------------------------------------------- the committer's delay
+
+
+def rows_on_disk(path: Path) -> int:
+    with sqlite3.connect(path) as db:
+        return int(db.execute("SELECT count(*) FROM jobs").fetchone()[0])
+
+
+async def started_committer(
+    tmp_path: Path, nursery: trio.Nursery, in_flight: int
+) -> tuple[Journal, Committer, list[float]]:
+    """A committer on a fresh journal with `in_flight` jobs queued or running; the times of
+    its commits."""
+    journal = Journal.open(tmp_path / "journal.sqlite3")
+    journal.load()
+    commits: list[float] = []
+    committer = Committer(
+        journal, lambda: commits.append(trio.current_time()), in_flight=lambda: in_flight
+    )
+    await nursery.start(committer.run)
+    return journal, committer, commits
+
+
+async def test_a_lone_jobs_change_is_committed_at_once(tmp_path, nursery, autojump_clock):
+    journal, committer, commits = await started_committer(tmp_path, nursery, in_flight=1)
+    start = trio.current_time()
+    add(journal, 1, "h", 1, 1, b"")
+    await committer.wait_for(journal.latest_generation())
+    assert commits == [start]
+
+
+async def test_with_other_jobs_in_flight_a_commit_waits_and_carries_what_comes_meanwhile(
+    tmp_path, nursery, autojump_clock
+):
+    journal, committer, commits = await started_committer(tmp_path, nursery, in_flight=11)
+    delay = 10 * COMMIT_DELAY_PER_JOB  # ten other jobs
+    start = trio.current_time()
+    add(journal, 1, "h", 1, 1, b"")
+    await trio.sleep(delay / 2)
+    add(journal, 2, "h", 1, 2, b"")
+    await committer.wait_for(journal.latest_generation())
+    assert commits == [pytest.approx(start + delay)]  # one commit, for both
+    assert rows_on_disk(tmp_path / "journal.sqlite3") == 2
+
+
+async def test_the_commit_delay_is_bounded(tmp_path, nursery, autojump_clock):
+    journal, committer, commits = await started_committer(tmp_path, nursery, in_flight=10**6)
+    start = trio.current_time()
+    add(journal, 1, "h", 1, 1, b"")
+    await committer.wait_for(journal.latest_generation())
+    assert commits == [pytest.approx(start + COMMIT_DELAY_MAX)]
+
+
+async def test_changes_waiting_out_the_delay_are_written_when_the_committer_stops(
+    tmp_path, autojump_clock
+):
+    async with trio.open_nursery() as nursery:
+        journal, _, commits = await started_committer(tmp_path, nursery, in_flight=10**6)
+        add(journal, 1, "h", 1, 1, b"")
+        await trio.sleep(COMMIT_DELAY_MAX / 2)
+        nursery.cancel_scope.cancel()  # e.g. SIGTERM in the middle of the delay
+    assert commits == [] and journal.committed == journal.latest_generation()
+    assert rows_on_disk(tmp_path / "journal.sqlite3") == 1

@@ -169,7 +169,10 @@ async def run_controller(
     shell, desk, door = assemble(config, journal, metrics, busy_poll)
     committer = None
     if journal is not None:
-        committer = Committer(journal, on_committed=desk.write_ahead.release)
+        live = shell.core.tasks  # every door's queued and running tasks: the commit delay's load
+        committer = Committer(
+            journal, on_committed=desk.write_ahead.release, in_flight=lambda: len(live)
+        )
     # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
     # when configured: together they are about 20 MB of a controller's memory.
     stream = None
