@@ -78,8 +78,12 @@ UPDATE jobs SET id = 'udp-' || host || '-' || port || '-' || task_id, added_at =
 
 _INSERT = (
     "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
-    " queued_at, added_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)"
+    " attempts, failed_on, queued_at, added_at, result, error, failed_post)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+# Where _INSERT's parameters sit, for a later change to the same job in the same batch.
+_I_PAYLOAD, _I_STATE, _I_ATTEMPTS, _I_FAILED_ON, _I_QUEUED_AT = 7, 8, 9, 10, 11
+_I_RESULT, _I_ERROR, _I_FAILED_POST = 13, 14, 15
 _PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
@@ -142,6 +146,9 @@ class Journal:
         self.path = path
         self._db: sqlite3.Connection | None = None
         self._staged: list[Op] = []
+        # Jobs added in the batch being staged, by ref: the index of their _INSERT, which a
+        # later change in the same batch rewrites instead of adding an UPDATE.
+        self._inserted: dict[int, int] = {}
         self.generation = 1  # generation of the batch being staged
         self.committed = 0  # highest generation known to be on disk
         self.failing = ""  # why the last commit failed ("" while healthy)
@@ -287,18 +294,48 @@ class Journal:
         host, port = job.key if isinstance(job.key, tuple) else ("", 0)
         wall = time.time()
         row = (job.ref, job.id, job.door, host, port, job.task_id, job.name, job.payload)
-        self._stage((_INSERT, (*row, wall, wall)))
+        self._inserted[job.ref] = len(self._staged)
+        self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False)))
 
     def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
-        self._stage((_PROGRESS, (state, attempts, json.dumps(sorted(failed_on)), time.time(), ref)))
+        failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
+        wall = time.time()
+        if not self._rewrite(
+            ref, {_I_STATE: state, _I_ATTEMPTS: attempts, _I_FAILED_ON: failed, _I_QUEUED_AT: wall}
+        ):
+            self._stage((_PROGRESS, (state, attempts, failed, wall, ref)))
 
     def job_finished(self, job: Job) -> None:
-        self._stage(
-            (
-                _FINISH,
-                (job.state.value, job.attempts, job.result, job.error, job.failed_post, job.ref),
-            )
+        state, attempts, result, error, post = (
+            job.state.value,
+            job.attempts,
+            job.result,
+            job.error,
+            job.failed_post,
         )
+        changes = {
+            _I_PAYLOAD: b"",
+            _I_STATE: state,
+            _I_ATTEMPTS: attempts,
+            _I_RESULT: result,
+            _I_ERROR: error,
+            _I_FAILED_POST: post,
+        }
+        if not self._rewrite(job.ref, changes):
+            self._stage((_FINISH, (state, attempts, result, error, post, job.ref)))
+
+    def _rewrite(self, ref: int, changes: dict[int, Any]) -> bool:
+        """Fold a change into the job's _INSERT when it is in the batch being staged (one row
+        written instead of two or three); False when it is not."""
+        index = self._inserted.get(ref)
+        if index is None:
+            return False
+        sql, params = self._staged[index]
+        row = list(params)
+        for position, value in changes.items():
+            row[position] = value
+        self._staged[index] = (sql, tuple(row))
+        return True
 
     def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))
@@ -336,6 +373,7 @@ class Journal:
     def take(self) -> tuple[list[Op], int]:
         """Hand the staged batch to a commit; staging continues in a new generation."""
         batch, self._staged = self._staged, []
+        self._inserted = {}
         generation = self.generation
         self.generation += 1
         return batch, generation
@@ -344,6 +382,7 @@ class Journal:
         """A commit failed: its changes go first into the next attempt. Whatever waited for
         them waits for that attempt's generation, which is higher."""
         self._staged[:0] = batch
+        self._inserted = {}  # their places moved: later changes go in as UPDATEs
 
     def write(self, batch: list[Op]) -> None:
         """Run in a thread: apply one batch in one transaction (raises sqlite3.Error)."""

@@ -76,6 +76,54 @@ def test_every_state_round_trips(tmp_path):
     assert not rows[4].failed_post
 
 
+def life_of_jobs(journal: Journal, between=lambda: None) -> None:
+    """Jobs through every change, `between()` after each step."""
+    add(journal, 1, "h", 1, 1, b"p1")
+    between()
+    journal.job_progress(1, "working", 1, ())
+    add(journal, 2, "h", 1, 2, b"p2")
+    between()
+    journal.job_progress(1, "pending", 1, (3,))  # its worker failed: queued again
+    journal.job_progress(2, "working", 1, ())
+    between()
+    journal.job_progress(1, "working", 2, (3,))
+    finish(journal, 2, "success", b"r2", "")
+    between()
+    finish(journal, 1, "error", b"", "boom")
+    journal.job_delivered(2, 3600)
+    between()
+
+
+def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(tmp_path):
+    def read(path: Path) -> dict[int, tuple[object, ...]]:
+        rows = Journal.open(path).load().jobs
+        # Wall-clock times differ between the two runs; everything else must not.
+        return {
+            r.ref: (r.state, r.attempts, r.failed_on, r.payload, r.result, r.error, r.notified)
+            for r in rows
+        }
+
+    one = Journal.open(tmp_path / "one.sqlite3")
+    one.load()
+    life_of_jobs(one)
+    batch, _ = one.take()
+    # Each job's changes folded into its insert; the delivery an UPDATE after it.
+    assert len(batch) == 3
+    one.write(batch)
+    one.close()
+
+    steps = Journal.open(tmp_path / "steps.sqlite3")
+    steps.load()
+    life_of_jobs(steps, between=lambda: commit(steps))
+    steps.close()
+
+    assert read(tmp_path / "one.sqlite3") == read(tmp_path / "steps.sqlite3")
+    assert read(tmp_path / "one.sqlite3") == {
+        1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
+        2: ("finished", 0, [], b"", b"r2", "", True),
+    }
+
+
 def test_next_ref_and_worker_ids_continue(tmp_path):
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
