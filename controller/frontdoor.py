@@ -50,9 +50,9 @@ class Send:
     addr: Address
     # An error reply reveals no recorded state, so it need not wait for a journal commit.
     independent: bool = False
-    # The acknowledgement of the add_task that made this job: the shell may hold it a
-    # moment, so that a quick job's acknowledgement and outcome reach the client together.
-    job_id: str = ""
+    # An answer to a job's submitter (the acknowledgement of the add_task that made the
+    # job, its notify_task and their repeats): the shell may send it with the next batch.
+    batched: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +192,7 @@ class FrontDoor:
         if not (self._book_dedups and packet.get("method") == "add_task"):
             self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
         if out and isinstance(out[0], Submit):
-            return [Send(reply, addr, job_id=out[0].job_id), *out]
+            return [Send(reply, addr, batched=True), *out]
         return [Send(reply, addr), *out]
 
     def _on_request(
@@ -289,9 +289,9 @@ class FrontDoor:
         self.stats.notifications += 1
         if job.final is not JobState.FINISHED:
             params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
-            return [Send(dg.request("notify_task", params), addr), Delivered(job.id)]
+            return [Send(dg.request("notify_task", params), addr, batched=True), Delivered(job.id)]
         txid = self.repeats.start(job.id, addr, now)
-        return [Send(self._success_packet(job, txid), addr)]
+        return [Send(self._success_packet(job, txid), addr, batched=True)]
 
     def expire(self, now: float) -> list[DoorAction]:
         """Repeat due notifications; give up on those out of repeats; forget old requests."""
@@ -307,7 +307,7 @@ class FrontDoor:
                 self.repeats.cancel(pending.job_id)
                 continue
             self.stats.notify_repeats += 1
-            out.append(Send(self._success_packet(job, pending.txid), pending.addr))
+            out.append(Send(self._success_packet(job, pending.txid), pending.addr, batched=True))
         out.extend(Delivered(job_id) for job_id in gave_up)
         self.seen.expire(now)
         return out

@@ -372,7 +372,7 @@ def test_an_add_task_that_made_a_job_is_answered_by_the_book_not_remembered():
     fd, sched = door()  # result_retention 3600 s: the job outlives any transmission memory
     [first] = fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
     assert len(fd.door.seen) == 0 and fd.next_deadline() == float("inf")
-    assert first.job_id == "udp-127.0.0.1-40000-5"  # the shell may hold it for the outcome
+    assert first.batched  # an answer to the job's submitter: it may leave with the next batch
     # A copy (the acknowledgement was lost) finds the job: acknowledged again, acts on nothing.
     again = fd.datagram(packet(txid=1, task_id=5), CLIENT, 3 * TRANSMISSION_MEMORY)
     assert again == [Send(first.data, CLIENT)] and len(sched.submitted) == 1
@@ -528,3 +528,13 @@ def test_datagram_parsing_refuses_what_json_refuses(data):
     with pytest.raises(dg.BadPacket):
         dg.parse_packet(data)
     assert dg.decode(data) is None
+
+
+def test_answers_to_a_jobs_submitter_are_the_ones_marked_for_batches():
+    fd, _ = door()
+    [ack] = fd.datagram(packet(txid=1, task_id=5), CLIENT, 0.0)
+    [note] = [a for a in fd.finish(1, TaskState.SUCCESS, b"r", "", 1.0) if isinstance(a, Send)]
+    assert ack.batched and note.batched
+    [status] = fd.datagram(packet("get_task", txid=2, task_id=5), CLIENT, 1.0)
+    [refused] = fd.datagram(packet(txid=3, task_id=0, pad=PAD.decode()), CLIENT, 1.0)
+    assert not status.batched and not refused.batched and refused.independent

@@ -12,7 +12,8 @@ import trio
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
 from controller.jobs import Job, JobState, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
-from controller.shell.committer import COMMIT_DELAY_MAX, COMMIT_DELAY_PER_JOB, Committer
+from controller.shell.committer import Committer
+from controller.shell.durability import BATCH_DELAY_MAX, BATCH_DELAY_PER_JOB
 from gen import worker_protocol_pb2 as pb
 
 
@@ -368,7 +369,7 @@ async def test_with_other_jobs_in_flight_a_commit_waits_and_carries_what_comes_m
     tmp_path, nursery, autojump_clock
 ):
     journal, committer, commits = await started_committer(tmp_path, nursery, in_flight=11)
-    delay = 10 * COMMIT_DELAY_PER_JOB  # ten other jobs
+    delay = 10 * BATCH_DELAY_PER_JOB  # ten other jobs
     start = trio.current_time()
     add(journal, 1, "h", 1, 1, b"")
     await trio.sleep(delay / 2)
@@ -383,7 +384,7 @@ async def test_the_commit_delay_is_bounded(tmp_path, nursery, autojump_clock):
     start = trio.current_time()
     add(journal, 1, "h", 1, 1, b"")
     await committer.wait_for(journal.latest_generation())
-    assert commits == [pytest.approx(start + COMMIT_DELAY_MAX)]
+    assert commits == [pytest.approx(start + BATCH_DELAY_MAX)]
 
 
 async def test_changes_waiting_out_the_delay_are_written_when_the_committer_stops(
@@ -392,7 +393,7 @@ async def test_changes_waiting_out_the_delay_are_written_when_the_committer_stop
     async with trio.open_nursery() as nursery:
         journal, _, commits = await started_committer(tmp_path, nursery, in_flight=10**6)
         add(journal, 1, "h", 1, 1, b"")
-        await trio.sleep(COMMIT_DELAY_MAX / 2)
+        await trio.sleep(BATCH_DELAY_MAX / 2)
         nursery.cancel_scope.cancel()  # e.g. SIGTERM in the middle of the delay
     assert commits == [] and journal.committed == journal.latest_generation()
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 1

@@ -19,7 +19,7 @@ import trio
 
 from controller.client import UdpSession
 from controller.config import ClientAddress, Config
-from controller.shell import udp as udp_shell
+from controller.shell import durability
 from controller.shell.core_shell import CoreShell
 from controller.shell.main import assemble
 from controller.shell.udp import UdpDoor
@@ -180,9 +180,15 @@ async def busy_with(client: GatedClient, task_id: int, payload: str) -> None:
     assert ack == {"method": "ack", "packet_type": 2, "transmission_id": task_id}
 
 
-async def test_a_lone_jobs_acknowledgement_goes_out_at_once(sockdir, nursery, monkeypatch):
-    # Nothing would ride along with it: it goes before the job ends, whatever the hold.
-    monkeypatch.setattr(udp_shell, "ACK_HOLD", 3600.0)
+def batch_delay_of(monkeypatch, seconds: float) -> None:
+    """Every batch waits `seconds` (the door's rule reads these when it arms its timer)."""
+    monkeypatch.setattr(durability, "BATCH_DELAY_PER_JOB", seconds)
+    monkeypatch.setattr(durability, "BATCH_DELAY_MAX", seconds)
+
+
+async def test_a_lone_jobs_answers_go_out_at_once(sockdir, nursery, monkeypatch):
+    # Nothing would share the client's wake-up: no wait, whatever the batches' delay.
+    batch_delay_of(monkeypatch, 3600.0)
     client, _, _ = await gated_controller(sockdir, nursery)
     with client.sock:
         await busy_with(client, 1, "lone")
@@ -192,52 +198,45 @@ async def test_a_lone_jobs_acknowledgement_goes_out_at_once(sockdir, nursery, mo
         assert note["method"] == "notify_task" and note["params"]["result"] == "done:lone"
 
 
-async def test_a_quick_jobs_acknowledgement_goes_out_with_its_outcome(
+async def test_with_other_jobs_in_flight_answers_leave_together_in_order(
     sockdir, nursery, monkeypatch
 ):
-    # A hold longer than any stall of a loaded machine: what is tested is the order.
-    monkeypatch.setattr(udp_shell, "ACK_HOLD", 60.0)
-    client, _, shell = await gated_controller(sockdir, nursery)
-    with client.sock:
-        await busy_with(client, 1, "first")
-        client.gates[b"quick"].set()
-        await client.add(2, "quick")  # queued behind the first: another job is in flight
-        await wait_until(lambda: len(shell.core.tasks) == 2)
-        # Held: without the hold the acknowledgement left as soon as the job was queued.
-        assert not client.waiting()
-        client.gates[b"first"].set()
-        first = await client.receive()
-        assert first["method"] == "notify_task" and first["params"]["task_id"] == 1
-        ack, note = await client.receive(), await client.receive()
-        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 2}
-        assert note["method"] == "notify_task" and note["params"]["result"] == "done:quick"
-
-
-async def test_a_slow_jobs_acknowledgement_goes_out_after_the_hold(sockdir, nursery):
-    client, _, _ = await gated_controller(sockdir, nursery)
-    with client.sock:
-        await busy_with(client, 1, "first")
-        await client.add(2, "slow")  # queued: held, but for ACK_HOLD, not the jobs' time
-        ack = await client.receive()
-        assert ack["transmission_id"] == 2 and not client.gates[b"first"].is_set()
-        client.gates[b"first"].set()
-        client.gates[b"slow"].set()
-        notes = {(await client.receive())["params"]["result"] for _ in range(2)}
-        assert notes == {"done:first", "done:slow"}
-
-
-async def test_held_acknowledgements_go_out_when_the_door_stops(sockdir, nursery, monkeypatch):
-    monkeypatch.setattr(udp_shell, "ACK_HOLD", 3600.0)
+    batch_delay_of(monkeypatch, 3600.0)  # longer than the test: it ends with the door
     client, door, shell = await gated_controller(sockdir, nursery)
     with client.sock:
         await busy_with(client, 1, "first")
-        await client.add(3, "held")
+        await client.add(2, "second")  # queued behind the first: two jobs in flight
         await wait_until(lambda: len(shell.core.tasks) == 2)
-        assert not client.waiting()
-        door.cancel_scope.cancel()  # e.g. SIGTERM: the socket closes, the acknowledgement first
-        ack = await client.receive()
-        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 3}
         client.gates[b"first"].set()
+        client.gates[b"second"].set()
+        await wait_until(lambda: not shell.core.tasks)  # both ran and ended
+        assert not client.waiting()  # every answer waits for the batch
+        door.cancel_scope.cancel()  # e.g. SIGTERM: the batch goes out before the socket closes
+        answers = [await client.receive() for _ in range(3)]
+        assert answers[0] == {"method": "ack", "packet_type": 2, "transmission_id": 2}
+        assert [(a["method"], a["params"]["task_id"]) for a in answers[1:]] == [
+            ("notify_task", 1),
+            ("notify_task", 2),
+        ]
+
+
+async def test_a_batch_leaves_after_its_delay_without_waiting_for_outcomes(
+    sockdir, nursery, monkeypatch
+):
+    batch_delay_of(monkeypatch, 0.2)
+    client, _, _ = await gated_controller(sockdir, nursery)
+    with client.sock:
+        await busy_with(client, 1, "first")
+        start = trio.current_time()
+        await client.add(2, "second")
+        ack = await client.receive()  # while both jobs wait: the batch's time, not theirs
+        assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 2}
+        assert trio.current_time() - start >= 0.2 * 0.99
+        assert not client.gates[b"first"].is_set()
+        client.gates[b"first"].set()
+        client.gates[b"second"].set()
+        notes = {(await client.receive())["params"]["result"] for _ in range(2)}
+        assert notes == {"done:first", "done:second"}
 
 
 # ---------------------------------------------------------------- real processes

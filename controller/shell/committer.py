@@ -3,11 +3,10 @@
 Whatever the event loop staged while the previous commit was running goes
 into the next one, so the number of fsyncs follows the disk's speed, not the
 number of tasks. While other jobs are in flight a commit also waits a little
-for more changes (the commit delay: COMMIT_DELAY_PER_JOB for each other job,
-at most COMMIT_DELAY_MAX), so that a busy controller shares each fsync among
-more jobs; a lone job is committed at once. A failed commit (disk full, I/O
-error) is logged loudly, kept, and retried; meanwhile the front door refuses
-new tasks.
+for more changes (`durability.batch_delay`), so that a busy controller shares
+each fsync among more jobs; a lone job is committed at once. A failed commit
+(disk full, I/O error) is logged loudly, kept, and retried; meanwhile the
+front door refuses new tasks.
 """
 
 from __future__ import annotations
@@ -19,17 +18,12 @@ from collections.abc import Callable
 import trio
 
 from controller.journal import Journal
+from controller.shell.durability import batch_delay
 
 log = logging.getLogger("controller.journal")
 
 # Pause between attempts while the journal cannot be written.
 RETRY_INTERVAL = 1.0
-# The commit delay: how long a commit waits for more changes for each other job in flight,
-# and at most. An fsync costs ~100 us of CPU here whatever it carries; 64 jobs in flight
-# wait ~3.8 ms and commit ~20 jobs' changes at once (docs/design-notes.md, "The commit
-# delay"); one job alone does not wait.
-COMMIT_DELAY_PER_JOB = 60e-6
-COMMIT_DELAY_MAX = 0.004
 
 
 class Committer:
@@ -39,7 +33,7 @@ class Committer:
         on_committed: Callable[[], None] = lambda: None,
         in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
-        """`in_flight()`: the jobs queued or running now (the commit delay's measure of load)."""
+        """`in_flight()`: the jobs queued or running now (what `batch_delay` is told)."""
         self.journal = journal
         self.on_committed = on_committed
         self.in_flight = in_flight
@@ -63,9 +57,9 @@ class Committer:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 while journal.dirty:
-                    others = self.in_flight() - 1
-                    if others > 0:
-                        await trio.sleep(min(COMMIT_DELAY_MAX, others * COMMIT_DELAY_PER_JOB))
+                    delay = batch_delay(self.in_flight())
+                    if delay:
+                        await trio.sleep(delay)
                     batch, generation = journal.take()
                     try:
                         await trio.to_thread.run_sync(journal.write, batch)

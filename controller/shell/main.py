@@ -169,7 +169,7 @@ async def run_controller(
     shell, desk, door = assemble(config, journal, metrics, busy_poll)
     committer = None
     if journal is not None:
-        live = shell.core.tasks  # every door's queued and running tasks: the commit delay's load
+        live = shell.core.tasks  # every door's queued and running tasks: batch_delay's load
         committer = Committer(
             journal, on_committed=desk.write_ahead.release, in_flight=lambda: len(live)
         )

@@ -22,6 +22,7 @@ from controller.jobs import Job, JobState
 from controller.reactor import Timer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
+from controller.shell.durability import batch_delay
 from controller.shell.timer import DeadlineTimer
 from controller.transmissions import NOTIFY_FIRST_INTERVAL
 
@@ -35,12 +36,6 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 # Datagrams handled in a row before the workers' sockets get a turn (the socket is
 # level-triggered: the rest wait for the reactor's next round).
 RECEIVE_BURST = 8
-# While other jobs are in flight, an add_task acknowledgement waits at most this long for
-# its job's outcome: a job that ends sooner has its acknowledgement and its notification
-# sent together, which the client reads in one wake-up instead of two. A lone job's
-# acknowledgement goes at once: nothing would ride along, and waking the client later puts
-# that wake-up on the way to the outcome (docs/design-notes.md, "Acknowledgements ride along").
-ACK_HOLD = 0.001
 
 
 def open_udp_socket(host: str, port: int) -> stdsocket.socket:
@@ -97,13 +92,11 @@ class UdpDoor:
         # One tuple per sender: recvfrom makes a new address (and host string) for every
         # datagram, and a job and its transmission keep theirs for minutes.
         self._addresses: dict[tuple[str, int], tuple[str, int]] = {}
-        # Acknowledgements held for their job's outcome, by job id, oldest first, with
-        # when each goes out anyway; one reactor timer for the oldest.
-        self._held: dict[str, tuple[float, Send]] = {}
-        self._release: Timer | None = None
-        # With a journal, an acknowledgement already waits for its commit, and each commit
-        # releases acknowledgements and outcomes together: holding them on would split that.
-        self._hold_acks = desk.journal is None
+        # Answers to submitters waiting for the next batch, in order, and its timer. With a
+        # journal the commits are the batches (holding answers on would split them).
+        self._batch: list[Send] = []
+        self._batch_timer: Timer | None = None
+        self._batching = desk.journal is None
         self._live_tasks = shell.core.tasks  # every door's unfinished tasks
         desk.doors["udp"] = self
 
@@ -129,9 +122,9 @@ class UdpDoor:
                 log.info("listening for clients on %s:%d", *self.bind())
                 task_status.started()
         finally:
-            if self._release is not None:
-                self._release.cancel()
-            self._release_held(math.inf)  # what is held goes out before the socket closes
+            if self._batch_timer is not None:
+                self._batch_timer.cancel()
+            self._send_batch(math.inf)  # what waits goes out before the socket closes
             reactor.unwatch(sock)
             sock.close()
 
@@ -174,9 +167,6 @@ class UdpDoor:
         actions = self.door.job_finished(job, now)
         if job.final is JobState.FINISHED:  # a success: its first repeat is now due then
             self._timer.poke_at(now + NOTIFY_FIRST_INTERVAL)
-        held = self._held.pop(job.id, None)
-        if held is not None:  # its acknowledgement goes first, in the same breath
-            actions.insert(0, held[1])
         return actions
 
     def perform(self, action: PerformTask) -> None:
@@ -199,36 +189,31 @@ class UdpDoor:
         if sock is None:
             return  # closed: the client asks again, and success notifications are repeated
         for send in sends:
-            if send.job_id and self._hold_acks and len(self._live_tasks) > 1:
-                self._hold(send)  # its own job is one of them
+            # Without a journal, answers to submitters leave in batches while other jobs are
+            # in flight (durability.batch_delay): a client reads a batch in one wake-up. A
+            # lone job's go at once, and nothing overtakes what already waits.
+            if send.batched and self._batching and (self._batch or len(self._live_tasks) > 1):
+                self._batch.append(send)
+                if self._batch_timer is None:
+                    when = trio.current_time() + batch_delay(len(self._live_tasks))
+                    self._batch_timer = self.shell.reactor.call_at(when, self._send_batch)
                 continue
-            try:
-                sock.sendto(send.data, send.addr)
-            except OSError as exc:
-                # UDP: a full buffer or an unreachable client loses this datagram;
-                # success notifications are repeated, everything else is asked again.
-                self.send_errors += 1
-                log.debug("sendto %s failed: %s", send.addr, exc)
+            self._send(sock, send)
 
-    def _hold(self, ack: Send) -> None:
-        """Keep a new job's acknowledgement until its outcome or ACK_HOLD. Without a journal
-        it comes here in the same step that queued the job, which cannot have ended yet."""
-        when = trio.current_time() + ACK_HOLD
-        self._held[ack.job_id] = (when, Send(ack.data, ack.addr))  # a plain send from here
-        if self._release is None:
-            self._release = self.shell.reactor.call_at(when, self._release_held)
+    def _send(self, sock: stdsocket.socket, send: Send) -> None:
+        try:
+            sock.sendto(send.data, send.addr)
+        except OSError as exc:
+            # UDP: a full buffer or an unreachable client loses this datagram;
+            # success notifications are repeated, everything else is asked again.
+            self.send_errors += 1
+            log.debug("sendto %s failed: %s", send.addr, exc)
 
-    def _release_held(self, now: float) -> None:
-        """Send the acknowledgements whose hold is over, oldest first."""
-        self._release = None
-        held = self._held
-        due: list[Send] = []
-        while held:
-            job_id, (when, ack) = next(iter(held.items()))
-            if when > now:
-                self._release = self.shell.reactor.call_at(when, self._release_held)
-                break
-            del held[job_id]
-            due.append(ack)
-        if due:
-            self.transmit(due)
+    def _send_batch(self, now: float) -> None:
+        """The batch's time has come (or the door stops): send it, in order."""
+        self._batch_timer = None
+        batch, self._batch = self._batch, []
+        sock = self._sock
+        if sock is not None:
+            for send in batch:
+                self._send(sock, send)
