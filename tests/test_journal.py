@@ -13,7 +13,12 @@ from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, Work
 from controller.jobs import Job, JobState, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
 from controller.shell.committer import Committer
-from controller.shell.durability import BATCH_DELAY_MAX, BATCH_DELAY_PER_JOB
+from controller.shell.durability import (
+    BATCH_AFTER,
+    BATCH_DELAY_MAX,
+    BATCH_DELAY_PER_JOB,
+    batch_delay,
+)
 from gen import worker_protocol_pb2 as pb
 
 
@@ -357,6 +362,12 @@ async def started_committer(
     return journal, committer, commits
 
 
+def test_batches_wait_only_beyond_a_few_jobs_in_flight_and_not_long():
+    assert [batch_delay(n) for n in range(BATCH_AFTER + 1)] == [0.0] * (BATCH_AFTER + 1)
+    assert batch_delay(BATCH_AFTER + 3) == pytest.approx(3 * BATCH_DELAY_PER_JOB)
+    assert batch_delay(10**6) == BATCH_DELAY_MAX
+
+
 async def test_a_lone_jobs_change_is_committed_at_once(tmp_path, nursery, autojump_clock):
     journal, committer, commits = await started_committer(tmp_path, nursery, in_flight=1)
     start = trio.current_time()
@@ -369,7 +380,7 @@ async def test_with_other_jobs_in_flight_a_commit_waits_and_carries_what_comes_m
     tmp_path, nursery, autojump_clock
 ):
     journal, committer, commits = await started_committer(tmp_path, nursery, in_flight=11)
-    delay = 10 * BATCH_DELAY_PER_JOB  # ten other jobs
+    delay = batch_delay(11)
     start = trio.current_time()
     add(journal, 1, "h", 1, 1, b"")
     await trio.sleep(delay / 2)

@@ -181,7 +181,9 @@ async def busy_with(client: GatedClient, task_id: int, payload: str) -> None:
 
 
 def batch_delay_of(monkeypatch, seconds: float) -> None:
-    """Every batch waits `seconds` (the door's rule reads these when it arms its timer)."""
+    """Batches from two jobs in flight on, each waiting `seconds` (the door's rule reads
+    these when it arms its timer)."""
+    monkeypatch.setattr(durability, "BATCH_AFTER", 1)
     monkeypatch.setattr(durability, "BATCH_DELAY_PER_JOB", seconds)
     monkeypatch.setattr(durability, "BATCH_DELAY_MAX", seconds)
 

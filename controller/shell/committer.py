@@ -2,11 +2,11 @@
 
 Whatever the event loop staged while the previous commit was running goes
 into the next one, so the number of fsyncs follows the disk's speed, not the
-number of tasks. While other jobs are in flight a commit also waits a little
-for more changes (`durability.batch_delay`), so that a busy controller shares
-each fsync among more jobs; a lone job is committed at once. A failed commit
-(disk full, I/O error) is logged loudly, kept, and retried; meanwhile the
-front door refuses new tasks.
+number of tasks. While more than a few jobs are in flight a commit also
+waits a little for more changes (`durability.batch_delay`), so that a busy
+controller shares each fsync among more jobs; with fewer it starts at once.
+A failed commit (disk full, I/O error) is logged loudly, kept, and retried;
+meanwhile the front door refuses new tasks.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ An answer that reveals nothing recorded (an error acknowledgement, a pulse
 answer) does not wait: the doors mark those `independent` and send them
 directly. Without a journal (`journal: null`) nothing waits for a commit.
 
-And the rule of batches (`batch_delay`): while other jobs are in flight, a
-commit waits a little for more changes, and without a journal the UDP door's
-answers to submitters wait as long for company, so that each fsync, and each
-wake-up of a client, is shared by more jobs. A lone job waits for nothing.
+And the rule of batches (`batch_delay`): while more than a few jobs are in
+flight, a commit waits a little for more changes, and without a journal the
+UDP door's answers to submitters wait as long for company, so that each
+fsync, and each wake-up of a client, is shared by more jobs. A lone job, or a
+handful, waits for nothing.
 
 The doors' state changes (a job added, an outcome delivered) must be staged
 before the answers that depend on them are handed here: the job desk carries
@@ -31,18 +32,19 @@ import trio
 
 from controller.journal import Journal
 
-# How long a batch waits for more, for each other job in flight, and at most. An fsync
-# costs ~100 us of CPU here whatever it carries, and so does a client's wake-up, whatever
-# it reads: with 64 jobs in flight a batch waits ~3.8 ms and carries ~20 jobs' changes
-# or answers (docs/design-notes.md, "Batches").
+# How long a batch waits for more: nothing while at most BATCH_AFTER jobs are in flight
+# (a batch of two or three saves little and delays all of them), then this for each job
+# beyond, and at most that. An fsync costs ~100 us of CPU here whatever it carries, and a
+# client's wake-up tens of microseconds whatever it reads (docs/design-notes.md, "Batches").
+BATCH_AFTER = 4
 BATCH_DELAY_PER_JOB = 60e-6
 BATCH_DELAY_MAX = 0.004
 
 
 def batch_delay(in_flight: int) -> float:
     """Seconds a batch of journal changes or answers waits for more while `in_flight` jobs
-    are queued or running: 0 for one job alone."""
-    return min(BATCH_DELAY_MAX, max(0, in_flight - 1) * BATCH_DELAY_PER_JOB)
+    are queued or running: 0 for a few."""
+    return min(BATCH_DELAY_MAX, max(0, in_flight - BATCH_AFTER) * BATCH_DELAY_PER_JOB)
 
 
 class WriteAhead:

@@ -189,13 +189,14 @@ class UdpDoor:
         if sock is None:
             return  # closed: the client asks again, and success notifications are repeated
         for send in sends:
-            # Without a journal, answers to submitters leave in batches while other jobs are
-            # in flight (durability.batch_delay): a client reads a batch in one wake-up. A
-            # lone job's go at once, and nothing overtakes what already waits.
-            if send.batched and self._batching and (self._batch or len(self._live_tasks) > 1):
+            # Without a journal, answers to submitters leave in batches while enough jobs are
+            # in flight (durability.batch_delay): a client reads a batch in one wake-up. With
+            # a few jobs they go at once, and nothing overtakes what already waits.
+            live = len(self._live_tasks)
+            if send.batched and self._batching and (self._batch or batch_delay(live) > 0):
                 self._batch.append(send)
                 if self._batch_timer is None:
-                    when = trio.current_time() + batch_delay(len(self._live_tasks))
+                    when = trio.current_time() + batch_delay(live)
                     self._batch_timer = self.shell.reactor.call_at(when, self._send_batch)
                 continue
             self._send(sock, send)
