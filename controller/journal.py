@@ -81,14 +81,17 @@ _INSERT = (
     " attempts, failed_on, queued_at, added_at, result, error, failed_post)"
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-# Where _INSERT's parameters sit, for a later change to the same job in the same batch.
-_I_PAYLOAD, _I_STATE, _I_ATTEMPTS, _I_FAILED_ON, _I_QUEUED_AT = 7, 8, 9, 10, 11
-_I_RESULT, _I_ERROR, _I_FAILED_POST = 13, 14, 15
 _PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
     " payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
+# Where _PROGRESS's and _FINISH's values (their parameters before the ref) sit among
+# _INSERT's, so that a change to a job added in the same batch rewrites its insert; and
+# the payload, which _FINISH empties.
+_PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
+_FINISH_IN_INSERT = (8, 9, 13, 14, 15)  # state, attempts, result, error, failed_post
+_PAYLOAD_IN_INSERT = 7
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
 _DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
@@ -299,40 +302,24 @@ class Journal:
 
     def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
         failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
-        wall = time.time()
-        if not self._rewrite(
-            ref, {_I_STATE: state, _I_ATTEMPTS: attempts, _I_FAILED_ON: failed, _I_QUEUED_AT: wall}
-        ):
-            self._stage((_PROGRESS, (state, attempts, failed, wall, ref)))
+        values = (state, attempts, failed, time.time())
+        if not self._fold(ref, _PROGRESS_IN_INSERT, values):
+            self._stage((_PROGRESS, (*values, ref)))
 
     def job_finished(self, job: Job) -> None:
-        state, attempts, result, error, post = (
-            job.state.value,
-            job.attempts,
-            job.result,
-            job.error,
-            job.failed_post,
-        )
-        changes = {
-            _I_PAYLOAD: b"",
-            _I_STATE: state,
-            _I_ATTEMPTS: attempts,
-            _I_RESULT: result,
-            _I_ERROR: error,
-            _I_FAILED_POST: post,
-        }
-        if not self._rewrite(job.ref, changes):
-            self._stage((_FINISH, (state, attempts, result, error, post, job.ref)))
+        values = (job.state.value, job.attempts, job.result, job.error, job.failed_post)
+        if not self._fold(job.ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
+            self._stage((_FINISH, (*values, job.ref)))
 
-    def _rewrite(self, ref: int, changes: dict[int, Any]) -> bool:
-        """Fold a change into the job's _INSERT when it is in the batch being staged (one row
-        written instead of two or three); False when it is not."""
+    def _fold(self, ref: int, positions: tuple[int, ...], values: tuple[Any, ...]) -> bool:
+        """Write `values` at `positions` of the job's _INSERT when that is in the batch being
+        staged (one row written instead of two or three); False when it is not."""
         index = self._inserted.get(ref)
         if index is None:
             return False
         sql, params = self._staged[index]
         row = list(params)
-        for position, value in changes.items():
+        for position, value in zip(positions, values, strict=True):
             row[position] = value
         self._staged[index] = (sql, tuple(row))
         return True
