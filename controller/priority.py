@@ -4,11 +4,12 @@ With very short jobs the controller is the one serial stage: every job
 passes through it three times, and each time a worker (or a client) waits
 for its answer. When they share its CPUs, an answer that waits for a time
 slice holds them all up, and `--nice -10` (nice(1)'s adjustment: negative
-is ahead) lets it answer at once: with the journal off, +20-45% no-op jobs
-a second on 2 CPUs. With the journal on (the packaged default) the
-controller's own work is what bounds it, and running it ahead takes CPU
-from the workers, the client and a redis-server on the same host: measured
-from no change to -28%. So it runs as started unless asked; with an
+is ahead) lets it answer at once: with the journal off it was +20-45% no-op
+jobs a second on 2 CPUs, and since the answers to clients leave in batches
+(one wake-up of a client per batch) it is +1.5%. With the journal on (the
+packaged default) the controller's own work is what bounds it, and running
+it ahead takes CPU from the workers, the client and a redis-server on the
+same host: measured from no change to -28%. So it runs as started unless asked; with an
 adjustment it lowers its nice value when it may (root, or CAP_SYS_NICE)
 and its local workers start at the level it was started with.
 docs/design-notes.md ("Performance") has the figures.

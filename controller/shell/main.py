@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_ADJUSTMENT,
         help="run the controller this many nice levels from where it was started, e.g. -10: "
         "ahead of its workers and clients for the CPU (local workers keep the starting "
-        f"level). Default {DEFAULT_ADJUSTMENT}. Pays with very short jobs and the journal "
-        "off; see docs/design-notes.md. Going below the starting level needs root or "
+        f"level). Default {DEFAULT_ADJUSTMENT}. Measured: little gain even with very short "
+        "jobs (docs/design-notes.md). Going below the starting level needs root or "
         "CAP_SYS_NICE; without, it says so and runs as started",
     )
     add_common_flags(parser)

@@ -192,13 +192,16 @@ class UdpDoor:
             # Without a journal, answers to submitters leave in batches while enough jobs are
             # in flight (durability.batch_delay): a client reads a batch in one wake-up. With
             # a few jobs they go at once, and nothing overtakes what already waits.
-            live = len(self._live_tasks)
-            if send.batched and self._batching and (self._batch or batch_delay(live) > 0):
-                self._batch.append(send)
-                if self._batch_timer is None:
-                    when = trio.current_time() + batch_delay(live)
+            if send.batched and self._batching:
+                if self._batch:
+                    self._batch.append(send)
+                    continue
+                delay = batch_delay(len(self._live_tasks))
+                if delay:
+                    self._batch.append(send)
+                    when = trio.current_time() + delay
                     self._batch_timer = self.shell.reactor.call_at(when, self._send_batch)
-                continue
+                    continue
             self._send(sock, send)
 
     def _send(self, sock: stdsocket.socket, send: Send) -> None:
