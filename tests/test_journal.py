@@ -12,6 +12,7 @@ import trio
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
 from controller.jobs import Job, JobState, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
+from controller.shell import committer as committer_module
 from controller.shell.committer import Committer
 from controller.shell.durability import (
     BATCH_AFTER,
@@ -408,3 +409,30 @@ async def test_changes_waiting_out_the_delay_are_written_when_the_committer_stop
         nursery.cancel_scope.cancel()  # e.g. SIGTERM in the middle of the delay
     assert commits == [] and journal.committed == journal.latest_generation()
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 1
+
+
+async def test_a_batch_that_fails_is_kept_and_written_once_the_journal_can_be(
+    tmp_path, nursery, caplog, monkeypatch
+):
+    """The statements run in the event loop's thread and only the COMMIT in another: one
+    that fails there (here the table is taken away by another connection) is rolled back,
+    refused loudly, and written with the next change once the table is back. (The real
+    clock: a thread's commit is time the autojump clock would skip.)"""
+    monkeypatch.setattr(committer_module, "RETRY_INTERVAL", 0.02)
+    journal, committer, _ = await started_committer(tmp_path, nursery, in_flight=1)
+    path = tmp_path / "journal.sqlite3"
+    with sqlite3.connect(path) as other:
+        other.execute("ALTER TABLE jobs RENAME TO elsewhere")
+    add(journal, 1, "h", 1, 1, b"first")
+    with trio.fail_after(5):
+        while not journal.failing:
+            await trio.sleep(0.01)
+    assert "no such table: jobs" in journal.refusal_reason()
+    assert "JOURNAL WRITE FAILED" in caplog.text
+    add(journal, 2, "h", 1, 2, b"second")
+    with sqlite3.connect(path) as other:
+        other.execute("ALTER TABLE elsewhere RENAME TO jobs")
+    with trio.fail_after(5):
+        await committer.wait_for(journal.latest_generation())
+    assert not journal.failing
+    assert rows_on_disk(path) == 2

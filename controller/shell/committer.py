@@ -1,4 +1,8 @@
-"""Writes the journal in group commits, from a thread, and says when each batch is on disk.
+"""Writes the journal in group commits and says when each batch is on disk.
+
+A batch's statements run here in the event loop's thread (a few microseconds
+each; run from a thread, each would trade the GIL with the busy loop), and
+only its COMMIT, the WAL write and the fsync, in a thread.
 
 Whatever the event loop staged while the previous commit was running goes
 into the next one, so the number of fsyncs follows the disk's speed, not the
@@ -62,7 +66,8 @@ class Committer:
                         await trio.sleep(delay)
                     batch, generation = journal.take()
                     try:
-                        await trio.to_thread.run_sync(journal.write, batch)
+                        journal.apply(batch)
+                        await trio.to_thread.run_sync(journal.commit)
                     except sqlite3.Error as exc:
                         journal.restage(batch)
                         if not journal.failing:
