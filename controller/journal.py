@@ -93,6 +93,12 @@ _FINISH = (
 _PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
 _FINISH_IN_INSERT = (8, 9, 13, 14, 15)  # state, attempts, result, error, failed_post
 _PAYLOAD_IN_INSERT = 7
+# A job started and finished within one batch (most short jobs under load): one UPDATE
+# carrying both, written where the start's was.
+_PROGRESS_FINISH = (
+    "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
+    " error = ?, failed_post = ?, payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
+)
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
 _DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
@@ -153,6 +159,9 @@ class Journal:
         # Jobs added in the batch being staged, by ref: the index of their _INSERT, which a
         # later change in the same batch rewrites instead of adding an UPDATE.
         self._inserted: dict[int, int] = {}
+        # Jobs whose last change in the batch is a _PROGRESS, by ref: its index, which a later
+        # progress or finish rewrites.
+        self._progressed: dict[int, int] = {}
         self.generation = 1  # generation of the batch being staged
         self.committed = 0  # highest generation known to be on disk
         self.failing = ""  # why the last commit failed ("" while healthy)
@@ -304,13 +313,28 @@ class Journal:
     def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
         failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
         values = (state, attempts, failed, time.time())
-        if not self._fold(ref, _PROGRESS_IN_INSERT, values):
+        if self._fold(ref, _PROGRESS_IN_INSERT, values):
+            return
+        index = self._progressed.get(ref)
+        if index is None:
+            self._progressed[ref] = len(self._staged)
             self._stage((_PROGRESS, (*values, ref)))
+        else:
+            self._staged[index] = (_PROGRESS, (*values, ref))
 
     def job_finished(self, job: Job) -> None:
+        ref = job.ref
         values = (job.state.value, job.attempts, job.result, job.error, job.failed_post)
-        if not self._fold(job.ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
-            self._stage((_FINISH, (*values, job.ref)))
+        if self._fold(ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
+            return
+        index = self._progressed.pop(ref, None)
+        if index is None:
+            self._stage((_FINISH, (*values, ref)))
+            return
+        _, (_, _, failed, queued_at, _) = self._staged[index]
+        state, attempts, *outcome = values
+        row = (state, attempts, failed, queued_at, *outcome, ref)
+        self._staged[index] = (_PROGRESS_FINISH, row)
 
     def _fold(self, ref: int, positions: tuple[int, ...], values: tuple[Any, ...]) -> bool:
         """Write `values` at `positions` of the job's _INSERT when that is in the batch being
@@ -329,9 +353,11 @@ class Journal:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))
 
     def job_deleted(self, ref: int) -> None:
+        self._progressed.pop(ref, None)  # what comes after this must be written after it
         self._stage((_DELETED, (ref,)))
 
     def job_forgotten(self, ref: int) -> None:
+        self._progressed.pop(ref, None)
         self._stage((_FORGET, (ref,)))
 
     def latest_generation(self) -> int:
@@ -362,6 +388,7 @@ class Journal:
         """Hand the staged batch to a commit; staging continues in a new generation."""
         batch, self._staged = self._staged, []
         self._inserted = {}
+        self._progressed = {}
         generation = self.generation
         self.generation += 1
         return batch, generation
@@ -371,6 +398,7 @@ class Journal:
         them waits for that attempt's generation, which is higher."""
         self._staged[:0] = batch
         self._inserted = {}  # their places moved: later changes go in as UPDATEs
+        self._progressed = {}
 
     def write(self, batch: list[Op]) -> None:
         """Apply one batch in one transaction (raises sqlite3.Error)."""

@@ -131,6 +131,49 @@ def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(t
     }
 
 
+def test_a_job_started_and_finished_in_one_batch_is_one_update_written_the_same(tmp_path):
+    """Under load a short job's start and finish share a batch after the one that added it."""
+
+    def later_life(journal: Journal, between=lambda: None) -> None:
+        journal.job_progress(1, "working", 1, ())
+        between()
+        journal.job_progress(1, "pending", 1, (3,))  # its worker failed: queued again
+        journal.job_progress(2, "working", 1, ())
+        journal.job_progress(1, "working", 2, (3,))
+        between()
+        finish(journal, 2, "success", b"r2", "")
+        finish(journal, 1, "error", b"", "boom")
+        between()
+        journal.job_delivered(2, 3600)
+
+    def read(path: Path) -> dict[int, tuple[object, ...]]:
+        return {
+            r.ref: (r.state, r.attempts, r.failed_on, r.payload, r.result, r.error, r.notified)
+            for r in Journal.open(path).load().jobs
+        }
+
+    for name, between in (("one", None), ("steps", commit)):
+        journal = Journal.open(tmp_path / f"{name}.sqlite3")
+        journal.load()
+        add(journal, 1, "h", 1, 1, b"p1")
+        add(journal, 2, "h", 1, 2, b"p2")
+        commit(journal)
+        if between is None:
+            later_life(journal)
+            batch, _ = journal.take()
+            assert len(batch) == 3  # one UPDATE per job, then the delivery
+            journal.write(batch)
+        else:
+            later_life(journal, between=lambda j=journal: commit(j))
+            commit(journal)
+        journal.close()
+    assert read(tmp_path / "one.sqlite3") == read(tmp_path / "steps.sqlite3")
+    assert read(tmp_path / "one.sqlite3") == {
+        1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
+        2: ("finished", 0, [], b"", b"r2", "", True),
+    }
+
+
 def test_next_ref_and_worker_ids_continue(tmp_path):
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
