@@ -408,15 +408,25 @@ class Journal:
     def apply(self, batch: list[Op]) -> None:
         """Open a transaction and run the batch's statements in it, uncommitted (raises
         sqlite3.Error, rolled back)."""
-        db = self._connection()
-        db.execute("BEGIN")
+        self.begin()
         try:
-            for sql, params in batch:
-                db.execute(sql, params)
+            self.run(batch)
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                db.execute("ROLLBACK")
+            self.rollback()
             raise
+
+    def begin(self) -> None:
+        self._connection().execute("BEGIN")
+
+    def run(self, ops: list[Op]) -> None:
+        """Run statements in the open transaction (the caller rolls back if one fails)."""
+        db = self._connection()
+        for sql, params in ops:
+            db.execute(sql, params)
+
+    def rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self._connection().execute("ROLLBACK")
 
     def commit(self) -> None:
         """Commit what `apply` ran: the WAL write and its fsync (raises sqlite3.Error,
@@ -425,6 +435,5 @@ class Journal:
         try:
             db.execute("COMMIT")
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                db.execute("ROLLBACK")
+            self.rollback()
             raise
