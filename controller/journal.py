@@ -3,12 +3,11 @@
 How it works: the event loop *stages* changes (a job was added, started,
 re-queued, finished, its outcome delivered, its record forgotten) in a
 list, which costs a tuple append. A committer task swaps that list out and
-writes it in one transaction: the statements in the event loop's thread, the
-COMMIT from another (WAL, synchronous=FULL: one fsync per batch), so a burst
-of a thousand datagrams costs one commit: group commit. Every change carries
-the generation of the batch it is in; the UDP shell holds each outgoing
-datagram until that generation is committed, so no client ever sees an
-acknowledgement or an outcome that a crash could take back.
+writes it in one transaction from a thread (WAL, synchronous=FULL: one fsync
+per batch), so a burst of a thousand datagrams costs one commit: group
+commit. Every change carries the generation of the batch it is in; the UDP
+shell holds each outgoing datagram until that generation is committed, so no
+client ever sees an acknowledgement or an outcome that a crash could take back.
 
 Times in the file are wall-clock seconds (they must outlive the process);
 the rest of the controller runs on trio's clock.
@@ -150,7 +149,7 @@ def _run_script(db: sqlite3.Connection, script: str) -> None:
 
 
 class Journal:
-    """Staging and statements in the event loop; the COMMIT from one thread at a time."""
+    """Staging in the event loop, writing from one thread at a time."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -382,7 +381,7 @@ class Journal:
             self.durable_ceiling = self.ceiling
             self._ceiling_generation = 0
 
-    # ------------------------------------------------------------ committing
+    # ------------------------------------------------------------ committing (one thread)
 
     def take(self) -> tuple[list[Op], int]:
         """Hand the staged batch to a commit; staging continues in a new generation."""
@@ -401,39 +400,14 @@ class Journal:
         self._progressed = {}
 
     def write(self, batch: list[Op]) -> None:
-        """Apply one batch in one transaction (raises sqlite3.Error)."""
-        self.apply(batch)
-        self.commit()
-
-    def apply(self, batch: list[Op]) -> None:
-        """Open a transaction and run the batch's statements in it, uncommitted (raises
-        sqlite3.Error, rolled back)."""
-        self.begin()
-        try:
-            self.run(batch)
-        except BaseException:
-            self.rollback()
-            raise
-
-    def begin(self) -> None:
-        self._connection().execute("BEGIN")
-
-    def run(self, ops: list[Op]) -> None:
-        """Run statements in the open transaction (the caller rolls back if one fails)."""
+        """Run in a thread: apply one batch in one transaction (raises sqlite3.Error)."""
         db = self._connection()
-        for sql, params in ops:
-            db.execute(sql, params)
-
-    def rollback(self) -> None:
-        with contextlib.suppress(sqlite3.Error):
-            self._connection().execute("ROLLBACK")
-
-    def commit(self) -> None:
-        """Commit what `apply` ran: the WAL write and its fsync (raises sqlite3.Error,
-        rolled back)."""
-        db = self._connection()
+        db.execute("BEGIN")
         try:
+            for sql, params in batch:
+                db.execute(sql, params)
             db.execute("COMMIT")
         except BaseException:
-            self.rollback()
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
             raise

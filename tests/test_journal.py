@@ -457,10 +457,10 @@ async def test_changes_waiting_out_the_delay_are_written_when_the_committer_stop
 async def test_a_batch_that_fails_is_kept_and_written_once_the_journal_can_be(
     tmp_path, nursery, caplog, monkeypatch
 ):
-    """The statements run in the event loop's thread and only the COMMIT in another: one
-    that fails there (here the table is taken away by another connection) is rolled back,
-    refused loudly, and written with the next change once the table is back. (The real
-    clock: a thread's commit is time the autojump clock would skip.)"""
+    """A statement that fails (here the table is taken away by another connection) is
+    rolled back, refused loudly, and its batch written with the next change once the
+    table is back. (The real clock: a thread's commit is time the autojump clock would
+    skip.)"""
     monkeypatch.setattr(committer_module, "RETRY_INTERVAL", 0.02)
     journal, committer, _ = await started_committer(tmp_path, nursery, in_flight=1)
     path = tmp_path / "journal.sqlite3"
@@ -481,48 +481,17 @@ async def test_a_batch_that_fails_is_kept_and_written_once_the_journal_can_be(
     assert rows_on_disk(path) == 2
 
 
-async def test_a_large_batch_is_applied_a_slice_at_a_time_with_the_loop_running_between(
-    tmp_path, nursery
-):
-    """A burst staged while a slow commit ran: its statements must not hold the event loop
-    all at once. Another task sees the transaction part-way through, and it all lands."""
-    journal, committer, _ = await started_committer(tmp_path, nursery, in_flight=1)
-    db = journal._connection()
-    jobs = 5 * committer_module.APPLY_SLICE
-    seen: list[int] = []
-
-    async def watch() -> None:
-        while True:
-            seen.append(db.total_changes)
-            await trio.lowlevel.checkpoint()
-
-    nursery.start_soon(watch)
-    before = db.total_changes
-    for ref in range(1, jobs + 1):
-        add(journal, ref, "h", 1, ref, b"")
-    with trio.fail_after(30):
-        await committer.wait_for(journal.latest_generation())
-    # Seen from outside between slices (trio runs ready tasks in a random order, so not
-    # necessarily at every boundary), and only there.
-    part_way = {n - before for n in seen if before < n < before + jobs}
-    assert part_way
-    assert all(n % committer_module.APPLY_SLICE == 0 for n in part_way), part_way
-    assert rows_on_disk(tmp_path / "journal.sqlite3") == jobs
-
-
-async def test_a_statement_failing_part_way_through_a_sliced_batch_rolls_back_all_of_it(
-    tmp_path, nursery
-):
-    journal, committer, _ = await started_committer(tmp_path, nursery, in_flight=1)
-    for ref in range(1, 3 * committer_module.APPLY_SLICE):
+def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_path):
+    journal = Journal.open(tmp_path / "journal.sqlite3")
+    journal.load()
+    for ref in range(1, 600):
         add(journal, ref, "h", 1, ref, b"")
     batch, _ = journal.take()
-    sql, params = batch[2 * committer_module.APPLY_SLICE + 5]
-    batch[2 * committer_module.APPLY_SLICE + 5] = (sql, (*params[:-1], object()))  # unbindable
+    sql, params = batch[500]
+    batch[500] = (sql, (*params[:-1], object()))  # a value SQLite cannot bind
     with pytest.raises(sqlite3.Error):
-        await committer._write(batch)
-    db = journal._connection()
-    assert not db.in_transaction
+        journal.write(batch)
+    assert not journal._connection().in_transaction
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 0
     journal.write(batch[:10])  # and the connection is usable again
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 10

@@ -1,8 +1,4 @@
-"""Writes the journal in group commits and says when each batch is on disk.
-
-A batch's statements run here in the event loop's thread (a few microseconds
-each; run from a thread, each would trade the GIL with the busy loop), and
-only its COMMIT, the WAL write and the fsync, in a thread.
+"""Writes the journal in group commits, from a thread, and says when each batch is on disk.
 
 Whatever the event loop staged while the previous commit was running goes
 into the next one, so the number of fsyncs follows the disk's speed, not the
@@ -21,15 +17,13 @@ from collections.abc import Callable
 
 import trio
 
-from controller.journal import Journal, Op
+from controller.journal import Journal
 from controller.shell.durability import batch_delay
 
 log = logging.getLogger("controller.journal")
 
 # Pause between attempts while the journal cannot be written.
 RETRY_INTERVAL = 1.0
-# Statements run between two turns of the event loop (~4 us each): ~1 ms.
-APPLY_SLICE = 256
 
 
 class Committer:
@@ -55,27 +49,6 @@ class Committer:
         while self.journal.committed < generation:
             await self._committed.wait()
 
-    async def _write(self, batch: list[Op]) -> None:
-        """One batch in one transaction: its statements here, then the COMMIT in a thread.
-        A batch of more than APPLY_SLICE statements (a burst staged while a slow commit
-        ran) runs a slice at a time with a turn of the event loop between, so that it does
-        not hold the loop for long. Raises sqlite3.Error, rolled back. Nothing here can be
-        cancelled halfway: the batch is written or kept."""
-        journal = self.journal
-        if len(batch) <= APPLY_SLICE:
-            journal.apply(batch)
-        else:
-            journal.begin()
-            try:
-                for start in range(0, len(batch), APPLY_SLICE):
-                    if start:
-                        await trio.lowlevel.cancel_shielded_checkpoint()
-                    journal.run(batch[start : start + APPLY_SLICE])
-            except BaseException:
-                journal.rollback()
-                raise
-        await trio.to_thread.run_sync(journal.commit)
-
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         journal = self.journal
         task_status.started()
@@ -89,7 +62,7 @@ class Committer:
                         await trio.sleep(delay)
                     batch, generation = journal.take()
                     try:
-                        await self._write(batch)
+                        await trio.to_thread.run_sync(journal.write, batch)
                     except sqlite3.Error as exc:
                         journal.restage(batch)
                         if not journal.failing:
