@@ -31,20 +31,25 @@ class MiniController:
         self.listener.listen(64)
         self.listener.settimeout(10)
 
-    def pulse(self) -> int:
-        """Answer one pulse on main.sock; its type."""
+    def pulse(self) -> pb.WorkerPulse:
+        """Answer one pulse on main.sock; the pulse."""
         conn, _ = self.listener.accept()
         with conn:
-            pulse = read_frame(conn, pb.WorkerPulse)
+            pulse: pb.WorkerPulse = read_frame(conn, pb.WorkerPulse)
             resp = pb.PulseResponse(error=pb.CTRL_ERR_OK)
             if pulse.type == pb.PULSE_REGISTER:
                 resp.worker_id = 1
             conn.sendall(wire.encode_frame(resp))
-            return int(pulse.type)
+            return pulse
 
-    def wait_for(self, kind: int) -> None:
-        while self.pulse() != kind:  # a periodic OK may come in between
-            pass
+    def wait_for(self, kind: int, task_id: int | None = None) -> None:
+        """Answer pulses until one of `kind` (for `task_id`, if given) comes. A periodic OK
+        may come in between, and so may a periodic FETCH_ME for the previous task, sent
+        before its FETCH and read after it."""
+        while True:
+            pulse = self.pulse()
+            if pulse.type == kind and (task_id is None or pulse.task_id == task_id):
+                return
 
     def dial(self, msg: pb.ControlMsg) -> pb.WorkerResponse:
         with socket.socket(socket.AF_UNIX) as conn:
@@ -65,7 +70,7 @@ def drive(args: list[str], tasks: int) -> float:
             start = time.perf_counter()
             for task_id in range(1, tasks + 1):
                 ctl.dial(pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=task_id))
-                ctl.wait_for(pb.PULSE_FETCH_ME)
+                ctl.wait_for(pb.PULSE_FETCH_ME, task_id)
                 resp = ctl.dial(fetch)
                 assert resp.error == pb.WORKER_ERR_OK, resp
             elapsed = time.perf_counter() - start
