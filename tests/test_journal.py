@@ -101,15 +101,15 @@ def life_of_jobs(journal: Journal, between=lambda: None) -> None:
     between()
 
 
-def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(tmp_path):
-    def read(path: Path) -> dict[int, tuple[object, ...]]:
-        rows = Journal.open(path).load().jobs
-        # Wall-clock times differ between the two runs; everything else must not.
-        return {
-            r.ref: (r.state, r.attempts, r.failed_on, r.payload, r.result, r.error, r.notified)
-            for r in rows
-        }
+def comparable_rows(path: Path) -> dict[int, tuple[object, ...]]:
+    """The jobs on disk, but for their wall-clock times (which differ between two runs)."""
+    return {
+        r.ref: (r.state, r.attempts, r.failed_on, r.payload, r.result, r.error, r.notified)
+        for r in Journal.open(path).load().jobs
+    }
 
+
+def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(tmp_path):
     one = Journal.open(tmp_path / "one.sqlite3")
     one.load()
     life_of_jobs(one)
@@ -124,8 +124,8 @@ def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(t
     life_of_jobs(steps, between=lambda: commit(steps))
     steps.close()
 
-    assert read(tmp_path / "one.sqlite3") == read(tmp_path / "steps.sqlite3")
-    assert read(tmp_path / "one.sqlite3") == {
+    assert comparable_rows(tmp_path / "one.sqlite3") == comparable_rows(tmp_path / "steps.sqlite3")
+    assert comparable_rows(tmp_path / "one.sqlite3") == {
         1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
         2: ("finished", 0, [], b"", b"r2", "", True),
     }
@@ -146,29 +146,28 @@ def test_a_job_started_and_finished_in_one_batch_is_one_update_written_the_same(
         between()
         journal.job_delivered(2, 3600)
 
-    def read(path: Path) -> dict[int, tuple[object, ...]]:
-        return {
-            r.ref: (r.state, r.attempts, r.failed_on, r.payload, r.result, r.error, r.notified)
-            for r in Journal.open(path).load().jobs
-        }
-
-    for name, between in (("one", None), ("steps", commit)):
-        journal = Journal.open(tmp_path / f"{name}.sqlite3")
+    def two_jobs_committed(path: Path) -> Journal:
+        journal = Journal.open(path)
         journal.load()
         add(journal, 1, "h", 1, 1, b"p1")
         add(journal, 2, "h", 1, 2, b"p2")
         commit(journal)
-        if between is None:
-            later_life(journal)
-            batch, _ = journal.take()
-            assert len(batch) == 3  # one UPDATE per job, then the delivery
-            journal.write(batch)
-        else:
-            later_life(journal, between=lambda j=journal: commit(j))
-            commit(journal)
-        journal.close()
-    assert read(tmp_path / "one.sqlite3") == read(tmp_path / "steps.sqlite3")
-    assert read(tmp_path / "one.sqlite3") == {
+        return journal
+
+    one = two_jobs_committed(tmp_path / "one.sqlite3")
+    later_life(one)
+    batch, _ = one.take()
+    assert len(batch) == 3  # one UPDATE per job, then the delivery
+    one.write(batch)
+    one.close()
+
+    steps = two_jobs_committed(tmp_path / "steps.sqlite3")
+    later_life(steps, between=lambda: commit(steps))
+    commit(steps)
+    steps.close()
+
+    assert comparable_rows(tmp_path / "one.sqlite3") == comparable_rows(tmp_path / "steps.sqlite3")
+    assert comparable_rows(tmp_path / "one.sqlite3") == {
         1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
         2: ("finished", 0, [], b"", b"r2", "", True),
     }
