@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -109,32 +110,62 @@ def comparable_rows(path: Path) -> dict[int, tuple[object, ...]]:
     }
 
 
-def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(tmp_path):
-    one = Journal.open(tmp_path / "one.sqlite3")
-    one.load()
-    life_of_jobs(one)
+def written_at_once_and_step_by_step(
+    tmp_path: Path,
+    start: Callable[[Path], Journal],
+    life: Callable[..., None],
+    statements: int,
+) -> dict[int, tuple[object, ...]]:
+    """`life(journal, between=...)` on two journals set up by `start`: in one batch, which
+    must hold `statements` statements, and with a commit after each step. Both must leave
+    the same rows; those rows."""
+    one = start(tmp_path / "one.sqlite3")
+    life(one)
     batch, _ = one.take()
-    # Each job's changes folded into its insert; the delivery an UPDATE after it.
-    assert len(batch) == 3
+    assert len(batch) == statements
     one.write(batch)
     one.close()
 
-    steps = Journal.open(tmp_path / "steps.sqlite3")
-    steps.load()
-    life_of_jobs(steps, between=lambda: commit(steps))
+    steps = start(tmp_path / "steps.sqlite3")
+    life(steps, between=lambda: commit(steps))
+    commit(steps)
     steps.close()
 
-    assert comparable_rows(tmp_path / "one.sqlite3") == comparable_rows(tmp_path / "steps.sqlite3")
-    assert comparable_rows(tmp_path / "one.sqlite3") == {
-        1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
-        2: ("finished", 0, [], b"", b"r2", "", True),
-    }
+    rows = comparable_rows(tmp_path / "one.sqlite3")
+    assert rows == comparable_rows(tmp_path / "steps.sqlite3")
+    return rows
+
+
+def fresh(path: Path) -> Journal:
+    journal = Journal.open(path)
+    journal.load()
+    return journal
+
+
+# How life_of_jobs and later_life leave their two jobs.
+LIFE_OUTCOME = {
+    1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
+    2: ("finished", 0, [], b"", b"r2", "", True),
+}
+
+
+def test_changes_to_a_job_added_in_the_same_batch_are_one_row_written_the_same(tmp_path):
+    # Each job's changes folded into its insert; the delivery an UPDATE after it.
+    rows = written_at_once_and_step_by_step(tmp_path, fresh, life_of_jobs, statements=3)
+    assert rows == LIFE_OUTCOME
 
 
 def test_a_job_started_and_finished_in_one_batch_is_one_update_written_the_same(tmp_path):
     """Under load a short job's start and finish share a batch after the one that added it."""
 
-    def later_life(journal: Journal, between=lambda: None) -> None:
+    def two_jobs_committed(path: Path) -> Journal:
+        journal = fresh(path)
+        add(journal, 1, "h", 1, 1, b"p1")
+        add(journal, 2, "h", 1, 2, b"p2")
+        commit(journal)
+        return journal
+
+    def later_life(journal: Journal, between: Callable[[], None] = lambda: None) -> None:
         journal.job_progress(1, "working", 1, ())
         between()
         journal.job_progress(1, "pending", 1, (3,))  # its worker failed: queued again
@@ -146,31 +177,9 @@ def test_a_job_started_and_finished_in_one_batch_is_one_update_written_the_same(
         between()
         journal.job_delivered(2, 3600)
 
-    def two_jobs_committed(path: Path) -> Journal:
-        journal = Journal.open(path)
-        journal.load()
-        add(journal, 1, "h", 1, 1, b"p1")
-        add(journal, 2, "h", 1, 2, b"p2")
-        commit(journal)
-        return journal
-
-    one = two_jobs_committed(tmp_path / "one.sqlite3")
-    later_life(one)
-    batch, _ = one.take()
-    assert len(batch) == 3  # one UPDATE per job, then the delivery
-    one.write(batch)
-    one.close()
-
-    steps = two_jobs_committed(tmp_path / "steps.sqlite3")
-    later_life(steps, between=lambda: commit(steps))
-    commit(steps)
-    steps.close()
-
-    assert comparable_rows(tmp_path / "one.sqlite3") == comparable_rows(tmp_path / "steps.sqlite3")
-    assert comparable_rows(tmp_path / "one.sqlite3") == {
-        1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
-        2: ("finished", 0, [], b"", b"r2", "", True),
-    }
+    # One UPDATE per job, then the delivery.
+    rows = written_at_once_and_step_by_step(tmp_path, two_jobs_committed, later_life, statements=3)
+    assert rows == LIFE_OUTCOME
 
 
 def test_next_ref_and_worker_ids_continue(tmp_path):
