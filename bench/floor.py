@@ -7,12 +7,18 @@ with blocking sockets or one `selectors` loop, and no validation, no
 timeouts, no retries, no journal, no trio. It is not a product: it is the
 yardstick for how much of the end-to-end cost is the design (the hops) and
 how much is the implementation. Printed by `make bench` beside the real thing.
+
+Its blocking worker also stands in for ours elsewhere in `make bench`: under the
+real controller (bench/speed_bench.py, what a leaner worker would give) and,
+running `true` for each task, under the worker bench's fake controller
+(bench/worker_bench.py, what `--exec` could reach with the protocol's hops).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import selectors
 import socket
 import subprocess
@@ -20,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import percentile, socket_dir
+from bench.common import percentile, process_cpu, self_cpu, socket_dir
 from controller.wire import encode_frame, whole_frame
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import free_udp_port
@@ -46,14 +52,17 @@ def pulse(sockdir: str, msg: pb.WorkerPulse) -> pb.PulseResponse:
         return reply
 
 
-def worker(sockdir: str) -> None:
-    """Register, say OK once, then: SET_TASK -> FETCH_ME -> FETCH, forever (blocking)."""
+def worker(sockdir: str, command: list[str] | None = None) -> None:
+    """Register, say OK once, then: SET_TASK -> FETCH_ME -> FETCH, forever (blocking). With
+    a `command`, each task runs it as `--exec` must (stdin, stdout and stderr piped, TASK_ID
+    set; the benches' payloads are empty) and its stdout is the result."""
     wid = pulse(sockdir, pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=2)).worker_id
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(f"{sockdir}/{wid}.sock")
     listener.listen(64)
     pulse(sockdir, pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, next_pulse=3600))
     task_id = 0
+    result = b""
     while True:
         conn, _ = listener.accept()
         with conn:
@@ -62,12 +71,15 @@ def worker(sockdir: str) -> None:
                 task_id = msg.task_id
                 conn.sendall(encode_frame(pb.WorkerResponse(task_id=task_id)))
                 conn.close()
+                if command:
+                    env = {**os.environ, "TASK_ID": str(task_id)}
+                    result = subprocess.run(command, input=b"", capture_output=True, env=env).stdout
                 fetch_me = pb.WorkerPulse(
                     type=pb.PULSE_FETCH_ME, worker_id=wid, task_id=task_id, next_pulse=3600
                 )
                 pulse(sockdir, fetch_me)
             else:
-                conn.sendall(encode_frame(pb.WorkerResponse(task_id=task_id), b""))
+                conn.sendall(encode_frame(pb.WorkerResponse(task_id=task_id), result))
 
 
 def controller(sockdir: str, port: int) -> None:
@@ -194,7 +206,11 @@ def measure(workers: int = 2, tasks: int = 10_000) -> dict[str, Any]:
                 time.sleep(0.01)
             procs += [subprocess.Popen([*here, "worker", str(sockdir)]) for _ in range(workers)]
             client(port, 1, 500, 8)  # warm up; waits for the workers to say OK
+            before = [process_cpu(proc.pid) for proc in procs]
+            own = self_cpu()
             rate, _ = client(port, 1_000, tasks, 64)
+            own = self_cpu() - own
+            spent = [process_cpu(p.pid) - b for p, b in zip(procs, before, strict=True)]
             _, latencies = client(port, 1_000_000, 2_000, 1)
         finally:
             for proc in procs:
@@ -204,6 +220,9 @@ def measure(workers: int = 2, tasks: int = 10_000) -> dict[str, Any]:
         "workers": workers,
         "tasks_per_s": round(rate),
         "p50_ms": round(percentile(latencies, 0.5) * 1000, 3),
+        "controller_us": round(1e6 * spent[0] / tasks),
+        "workers_us": round(1e6 * sum(spent[1:]) / tasks),
+        "client_us": round(1e6 * own / tasks),
     }
 
 
@@ -211,8 +230,9 @@ def main() -> dict[str, Any]:
     r = measure()
     print(
         f"the design's floor (bench/floor.py: the same hops in plain Python, no checks): "
-        f"{r['tasks_per_s']:,} tasks/s with {r['workers']} workers, one at a time p50 "
-        f"{r['p50_ms']} ms",
+        f"{r['tasks_per_s']:,} tasks/s with {r['workers']} workers (CPU per job: controller "
+        f"{r['controller_us']}, workers {r['workers_us']}, client {r['client_us']} us), one at "
+        f"a time p50 {r['p50_ms']} ms",
         flush=True,
     )
     return r
@@ -220,7 +240,7 @@ def main() -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(sys.argv[2])
+        worker(sys.argv[2], sys.argv[3:])
     elif len(sys.argv) > 1 and sys.argv[1] == "controller":
         controller(sys.argv[2], int(sys.argv[3]))
     else:

@@ -2,6 +2,8 @@
 
 - CPU per job of each process (controller, each worker, the client), from /proc,
   over 10,000 jobs through the UDP door in the default layout.
+- The same controller with bench/floor.py's blocking workers instead of ours,
+  alternating with ours: how much a leaner worker would give.
 - System calls per job of the controller (`strace -c -f` over 3,000 jobs, when
   strace is installed), beside the protocol's minimum.
 - The controller's CPU over 60 s idle with 2 workers pulsing.
@@ -14,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import Any
 
 import trio
 
-from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
+from bench.common import median, percentile, process_cpu, rss_mb, self_cpu, socket_dir
 from bench.e2e_bench import drive, start_controller
 from controller import datagram as dg
 from tests.helpers import free_udp_port, wait_for_condition
@@ -62,6 +65,61 @@ def cpu_per_job(tasks: int = 10_000) -> dict[str, Any]:
         "controller_us": round(1e6 * spent[0] / tasks),
         "workers_us": round(1e6 * sum(spent[1:]) / tasks),
         "client_us": round(1e6 * own / tasks),
+    }
+
+
+def _with_workers(kind: str, tasks: int) -> dict[str, float]:
+    """One default-layout run with 2 workers of `kind` ("ours" or "floor", bench/floor.py's
+    blocking workers, which the controller serves like any other): jobs/s, CPU per job of
+    each process, and the one-at-a-time p50."""
+    port = free_udp_port()
+    with socket_dir() as sockdir:
+        proc = start_controller(sockdir, port, 2 if kind == "ours" else 0, {})
+        floor_workers: list[subprocess.Popen[bytes]] = []
+        try:
+            if kind == "floor":
+                sockets = sockdir / "s"
+                wait_for_condition(lambda: (sockets / "main.sock").exists(), 10)
+                floor_workers = [
+                    subprocess.Popen([sys.executable, "-m", "bench.floor", "worker", str(sockets)])
+                    for _ in range(2)
+                ]
+            trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
+            workers = [w.pid for w in floor_workers] or _workers_of(sockdir, proc.pid)
+            pids = [proc.pid, *workers]
+            before = [process_cpu(pid) for pid in pids]
+            own = self_cpu()
+            rate, _ = trio.run(drive, port, tasks, 64, 1)
+            own = self_cpu() - own
+            spent = [process_cpu(pid) - b for pid, b in zip(pids, before, strict=True)]
+            _, latencies = trio.run(drive, port, 1000, 1, 20_000_000)
+        finally:
+            for worker in floor_workers:
+                worker.kill()
+                worker.wait()
+            proc.terminate()
+            proc.wait()
+    return {
+        "tasks_per_s": rate,
+        "controller_us": 1e6 * spent[0] / tasks,
+        "workers_us": 1e6 * sum(spent[1:]) / tasks,
+        "client_us": 1e6 * own / tasks,
+        "p50_ms": 1e3 * percentile(latencies, 0.5),
+    }
+
+
+def floor_workers(rounds: int = 3, tasks: int = 8000) -> dict[str, dict[str, float]]:
+    """Our workers and bench/floor.py's under the same controller, alternating; the median
+    of each figure. The floor's workers do the protocol's exchanges and nothing else (no
+    trio, no checks, no pulses after the first), so the difference bounds what any leaner
+    worker could give."""
+    runs: dict[str, list[dict[str, float]]] = {"ours": [], "floor": []}
+    for r in range(rounds):
+        for kind in ("ours", "floor") if r % 2 == 0 else ("floor", "ours"):
+            runs[kind].append(_with_workers(kind, tasks))
+    return {
+        kind: {key: round(median([run[key] for run in rows]), 3) for key in rows[0]}
+        for kind, rows in runs.items()
     }
 
 
@@ -172,6 +230,16 @@ def main() -> dict[str, Any]:
         f"CPU per no-op job, default layout, 2 workers ({cpu['tasks_per_s']:,} jobs/s): "
         f"controller {cpu['controller_us']} us, workers {cpu['workers_us']} us, "
         f"client {cpu['client_us']} us",
+        flush=True,
+    )
+    lean = results["floor_workers"] = floor_workers()
+    ours, floor = lean["ours"], lean["floor"]
+    print(
+        f"the same controller with bench/floor.py's blocking workers (alternating with ours, "
+        f"median of 3): {floor['tasks_per_s']:,.0f} jobs/s against {ours['tasks_per_s']:,.0f}; "
+        f"CPU per job workers {floor['workers_us']:.0f} us against {ours['workers_us']:.0f}, "
+        f"controller {floor['controller_us']:.0f} against {ours['controller_us']:.0f}; one at a "
+        f"time p50 {floor['p50_ms']:.3f} ms against {ours['p50_ms']:.3f}",
         flush=True,
     )
     calls = results["syscalls"] = syscalls_per_job()

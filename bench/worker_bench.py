@@ -6,8 +6,10 @@ Printed beside a bare `subprocess.run(["true"])` loop measured in the same run, 
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,10 +62,15 @@ class MiniController:
             return answer
 
 
-def drive(args: list[str], tasks: int) -> float:
+def drive(args: list[str], tasks: int, floor_worker: bool = False) -> float:
+    """Tasks/s through one worker given `args`: ours, or bench/floor.py's blocking worker."""
     with socket_dir() as sockdir:
         ctl = MiniController(sockdir)
-        proc = subprocess.Popen(worker_argv(sockdir, *args))
+        if floor_worker:
+            argv = [sys.executable, "-m", "bench.floor", "worker", str(sockdir), *args]
+        else:
+            argv = worker_argv(sockdir, *args)
+        proc = subprocess.Popen(argv)
         try:
             ctl.wait_for(pb.PULSE_OK)
             fetch = pb.ControlMsg(type=pb.CTRL_FETCH)
@@ -88,18 +95,32 @@ def bare_true(count: int) -> float:
     return count / (time.perf_counter() - start)
 
 
+def piped_true(count: int) -> float:
+    """Bare spawns doing what `--exec` must per task (DESIGN.md): the payload on stdin, stdout
+    and stderr read, TASK_ID in the environment."""
+    env = {**os.environ, "TASK_ID": "1"}
+    start = time.perf_counter()
+    for _ in range(count):
+        subprocess.run(["true"], input=b"", capture_output=True, env=env, check=True)
+    return count / (time.perf_counter() - start)
+
+
 def main(rounds: int = 3) -> dict[str, Any]:
     runs: dict[str, list[float]] = {
         "async_noop": [],
         "sync_noop": [],
         "exec_true": [],
         "bare_true": [],
+        "piped_true": [],
+        "floor_exec_true": [],
     }
     for _ in range(rounds):
         runs["async_noop"].append(drive(["--handler", "worker.runner:anoop"], 3000))
         runs["sync_noop"].append(drive(["--handler", "worker.runner:noop"], 3000))
         runs["exec_true"].append(drive(["--exec", "true"], 300))
         runs["bare_true"].append(bare_true(300))
+        runs["piped_true"].append(piped_true(300))
+        runs["floor_exec_true"].append(drive(["true"], 300, floor_worker=True))
     r = {name: round(median(values)) for name, values in runs.items()}
     print(
         f"one worker, fake controller: async no-op handler {r['async_noop']:,} tasks/s "
@@ -111,6 +132,15 @@ def main(rounds: int = 3) -> dict[str, Any]:
         f"beside bare subprocess.run(['true']): {r['bare_true']:,}/s ({1e6 / r['bare_true']:.0f} us); "
         f"the worker adds {1e6 / r['exec_true'] - 1e6 / r['bare_true']:.0f} us per task; "
         f"ratio {r['exec_true'] / r['bare_true']:.2f}x [target >= 0.8x]"
+    )
+    bare_us, piped_us = 1e6 / r["bare_true"], 1e6 / r["piped_true"]
+    print(
+        f"  what --exec must do per task (payload on stdin, stdout and stderr read, TASK_ID set) "
+        f"costs {piped_us:.0f} us in subprocess.run alone ({r['piped_true'] / r['bare_true']:.2f}x "
+        f"of bare), leaving {bare_us / 0.8 - piped_us:.0f} us a task of the 0.8x target for the "
+        f"protocol's three exchanges; bench/floor.py's blocking worker doing the same, no checks: "
+        f"{r['floor_exec_true']:,} tasks/s ({1e6 / r['floor_exec_true']:.0f} us/task), ratio "
+        f"{r['floor_exec_true'] / r['bare_true']:.2f}x"
     )
     return r
 
