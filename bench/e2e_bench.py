@@ -279,7 +279,7 @@ def main() -> dict[str, Any]:
         print(
             f"end to end, {r['workers']} workers (no-op --handler), {r['layout']}: "
             f"{r['tasks_per_s']:,} tasks/s; ProcessPoolExecutor({r['workers']}): "
-            f"{r['ppe_tasks_per_s']:,} tasks/s; ratio {r['ratio_to_ppe']:.0%}{target}; "
+            f"{r['ppe_tasks_per_s']:,} tasks/s; ratio {r['ratio_to_ppe']:.1%}{target}; "
             f"one at a time p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms"
             f"{' [target p50 <= 0.30 ms]' if layout == 'default' else ''} (udp-client's engine; "
             f"{r['plain_client_p50_ms']} ms with a plain blocking client)",
@@ -292,7 +292,7 @@ def journal_main() -> dict[str, Any]:
     j = journal_on_off()
     print(
         f"journal: {j['journal_on_tasks_per_s']:,} tasks/s on vs {j['journal_off_tasks_per_s']:,} off "
-        f"(cost {j['journal_cost']:.0%}) [target: at most 10%]"
+        f"(cost {j['journal_cost']:.1%}) [target: at most 10%]"
     )
     size = journal_size()
     print(
