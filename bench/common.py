@@ -7,9 +7,12 @@ import resource
 import shutil
 import statistics
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -23,6 +26,22 @@ def process_cpu(pid: int) -> float:
 def self_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def cpu_while(pids: list[int], tasks: int, run: Callable[[], T]) -> tuple[T, dict[str, float]]:
+    """`run()`'s result and, while it ran `tasks` jobs, the microseconds of CPU per job of
+    `pids[0]` (the controller), of the other `pids` together (the workers) and of this
+    process (the client)."""
+    before = [process_cpu(pid) for pid in pids]
+    own = self_cpu()
+    result = run()
+    own = self_cpu() - own
+    spent = [process_cpu(pid) - b for pid, b in zip(pids, before, strict=True)]
+    return result, {
+        "controller_us": 1e6 * spent[0] / tasks,
+        "workers_us": 1e6 * sum(spent[1:]) / tasks,
+        "client_us": 1e6 * own / tasks,
+    }
 
 
 def rss_mb(pid: int) -> float:

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from bench.common import percentile, process_cpu, self_cpu, socket_dir
+from bench.common import cpu_while, percentile, socket_dir
 from controller.wire import encode_frame, whole_frame
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import free_udp_port
@@ -206,11 +206,8 @@ def measure(workers: int = 2, tasks: int = 10_000) -> dict[str, Any]:
                 time.sleep(0.01)
             procs += [subprocess.Popen([*here, "worker", str(sockdir)]) for _ in range(workers)]
             client(port, 1, 500, 8)  # warm up; waits for the workers to say OK
-            before = [process_cpu(proc.pid) for proc in procs]
-            own = self_cpu()
-            rate, _ = client(port, 1_000, tasks, 64)
-            own = self_cpu() - own
-            spent = [process_cpu(p.pid) - b for p, b in zip(procs, before, strict=True)]
+            pids = [proc.pid for proc in procs]
+            (rate, _), cpu = cpu_while(pids, tasks, lambda: client(port, 1_000, tasks, 64))
             _, latencies = client(port, 1_000_000, 2_000, 1)
         finally:
             for proc in procs:
@@ -220,9 +217,7 @@ def measure(workers: int = 2, tasks: int = 10_000) -> dict[str, Any]:
         "workers": workers,
         "tasks_per_s": round(rate),
         "p50_ms": round(percentile(latencies, 0.5) * 1000, 3),
-        "controller_us": round(1e6 * spent[0] / tasks),
-        "workers_us": round(1e6 * sum(spent[1:]) / tasks),
-        "client_us": round(1e6 * own / tasks),
+        **{key: round(us) for key, us in cpu.items()},
     }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from bench.common import median, percentile, process_cpu, rss_mb, self_cpu, socket_dir
+from bench.common import cpu_while, median, percentile, process_cpu, rss_mb, socket_dir
 from bench.e2e_bench import drive, start_controller
 from controller import datagram as dg
 from tests.helpers import free_udp_port, wait_for_condition
@@ -50,22 +50,12 @@ def cpu_per_job(tasks: int = 10_000) -> dict[str, Any]:
         proc = start_controller(sockdir, port, 2, {})
         try:
             trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
-            workers = _workers_of(sockdir, proc.pid)
-            pids = [proc.pid, *workers]
-            before = [process_cpu(pid) for pid in pids]
-            own = self_cpu()
-            rate, _ = trio.run(drive, port, tasks, 64, 1)
-            own = self_cpu() - own
-            spent = [process_cpu(pid) - b for pid, b in zip(pids, before, strict=True)]
+            pids = [proc.pid, *_workers_of(sockdir, proc.pid)]
+            (rate, _), cpu = cpu_while(pids, tasks, lambda: trio.run(drive, port, tasks, 64, 1))
         finally:
             proc.terminate()
             proc.wait()
-    return {
-        "tasks_per_s": round(rate),
-        "controller_us": round(1e6 * spent[0] / tasks),
-        "workers_us": round(1e6 * sum(spent[1:]) / tasks),
-        "client_us": round(1e6 * own / tasks),
-    }
+    return {"tasks_per_s": round(rate), **{key: round(us) for key, us in cpu.items()}}
 
 
 def _with_workers(kind: str, tasks: int) -> dict[str, float]:
@@ -87,11 +77,7 @@ def _with_workers(kind: str, tasks: int) -> dict[str, float]:
             trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
             workers = [w.pid for w in floor_workers] or _workers_of(sockdir, proc.pid)
             pids = [proc.pid, *workers]
-            before = [process_cpu(pid) for pid in pids]
-            own = self_cpu()
-            rate, _ = trio.run(drive, port, tasks, 64, 1)
-            own = self_cpu() - own
-            spent = [process_cpu(pid) - b for pid, b in zip(pids, before, strict=True)]
+            (rate, _), cpu = cpu_while(pids, tasks, lambda: trio.run(drive, port, tasks, 64, 1))
             _, latencies = trio.run(drive, port, 1000, 1, 20_000_000)
         finally:
             for worker in floor_workers:
@@ -99,13 +85,7 @@ def _with_workers(kind: str, tasks: int) -> dict[str, float]:
                 worker.wait()
             proc.terminate()
             proc.wait()
-    return {
-        "tasks_per_s": rate,
-        "controller_us": 1e6 * spent[0] / tasks,
-        "workers_us": 1e6 * sum(spent[1:]) / tasks,
-        "client_us": 1e6 * own / tasks,
-        "p50_ms": 1e3 * percentile(latencies, 0.5),
-    }
+    return {"tasks_per_s": rate, **cpu, "p50_ms": 1e3 * percentile(latencies, 0.5)}
 
 
 def floor_workers(rounds: int = 3, tasks: int = 8000) -> dict[str, dict[str, float]]:
