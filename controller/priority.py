@@ -9,10 +9,10 @@ jobs a second on 2 CPUs, and since the answers to clients leave in batches
 (one wake-up of a client per batch) it is +1.5%. With the journal on (the
 packaged default) the controller's own work is what bounds it, and running
 it ahead takes CPU from the workers, the client and a redis-server on the
-same host: measured from no change to -28%. So it runs as started unless asked; with an
-adjustment it lowers its nice value when it may (root, or CAP_SYS_NICE)
-and its local workers start at the level it was started with.
-docs/design-notes.md ("Performance") has the figures.
+same host: measured from no change to -28%. So it runs as started unless
+asked; with an adjustment it lowers its nice value when it may (root, or
+CAP_SYS_NICE) and its local workers start at the level it was started
+with. docs/design-notes.md ("Performance") has the figures.
 """
 
 from __future__ import annotations

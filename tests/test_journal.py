@@ -22,6 +22,7 @@ from controller.shell.durability import (
     batch_delay,
 )
 from gen import worker_protocol_pb2 as pb
+from tests.helpers import wait_until
 
 
 def add(journal: Journal, ref: int, host: str, port: int, task_id: int, payload: bytes) -> None:
@@ -475,9 +476,7 @@ async def test_a_batch_that_fails_is_kept_and_written_once_the_journal_can_be(
     with sqlite3.connect(path) as other:
         other.execute("ALTER TABLE jobs RENAME TO elsewhere")
     add(journal, 1, "h", 1, 1, b"first")
-    with trio.fail_after(5):
-        while not journal.failing:
-            await trio.sleep(0.01)
+    await wait_until(lambda: bool(journal.failing), timeout=5)
     assert "no such table: jobs" in journal.refusal_reason()
     assert "JOURNAL WRITE FAILED" in caplog.text
     add(journal, 2, "h", 1, 2, b"second")
