@@ -1,4 +1,4 @@
-"""Controller benchmarks (issue: controller).
+"""Controller benchmarks: the controller alone against fake workers.
 
 - pulses: COUNT simulated workers pulsing every second; the controller's CPU share.
 - tasks: N tasks through W fake workers that answer at once; tasks/s and controller

@@ -47,7 +47,7 @@ def ppe_rate(workers: int, tasks: int) -> float:
 CONTROLLER_CPUS = "0"
 OTHER_CPUS = "1"
 BUSY_POLL_US = 200
-# Issue 16's targets, as ratios to ProcessPoolExecutor(2) in the same run.
+# The speed targets, as ratios to ProcessPoolExecutor(2) in the same run.
 TARGETS = {"default": " [target >= 40%]", "pinned_busy_poll": " [target >= 55%]"}
 LAYOUTS = {
     "default": (False, False),

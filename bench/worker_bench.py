@@ -20,7 +20,7 @@ from controller import wire
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import worker_argv
 
-# Issue 16's target for `--exec true`: this share of a bare subprocess.run(["true"]) loop.
+# The target for `--exec true`: this share of a bare subprocess.run(["true"]) loop.
 EXEC_TARGET = 0.8
 
 
@@ -99,7 +99,7 @@ def bare_true(count: int) -> float:
 
 
 def piped_true(count: int) -> float:
-    """Bare spawns doing what `--exec` must per task (DESIGN.md): the payload on stdin, stdout
+    """Bare spawns doing what `--exec` must per task: the payload on stdin, stdout
     and stderr read, TASK_ID in the environment."""
     env = {**os.environ, "TASK_ID": "1"}
     start = time.perf_counter()
