@@ -179,6 +179,31 @@ def test_make_run_serves_the_addresses_the_readme_uses() -> None:
     assert "--config packaging/dev.json" in (ROOT / "Makefile").read_text()
 
 
+def test_udp_error_codes_are_documented() -> None:
+    """Every error code the UDP door or a calculator can answer is in docs/protocol.md."""
+    table = (ROOT / "docs" / "protocol.md").read_text().split("### Error codes", 1)[1]
+    documented = set(re.findall(r"`(\w+)`", table.split("\n#", 1)[0]))
+    sources = [*(ROOT / "controller").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]
+    code = "\n".join(path.read_text() for path in sources)
+    literal = set(re.findall(r"(?:BadPacket\(|error_ack\(\w+, )\s*\"(\w+)\"", code))
+    per_field = {f"{kind}_{name}" for kind in ("bad",) for name in ("payload", "result")}
+    per_field |= {f"{name}_too_large" for name in ("payload", "result")}
+    assert literal, "no error codes found in the code"
+    assert (literal | per_field) - documented == set()
+
+
+def test_metric_names_are_the_ones_exported() -> None:
+    code = (ROOT / "controller" / "shell" / "metrics.py").read_text()
+    exported = set(re.findall(r'"(controller_\w+)"', code))
+    docs = "\n".join(path.read_text() for path in [README, *DOCS])
+    metric = re.compile(r"(?<![.\w])controller_(?!bench\b)\w+")  # not bench's controller_bench
+    named = {re.sub(r"_total$", "", name) for name in metric.findall(docs)}
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    in_operations = {re.sub(r"_total$", "", name) for name in metric.findall(operations)}
+    assert named <= exported, "documents name metrics that are not exported"
+    assert in_operations == exported, "docs/operations.md does not list every metric"
+
+
 # ---------------------------------------------------------------- the README's examples
 
 
