@@ -104,21 +104,7 @@ HELP_COMMANDS = {
 REPO_PATH = re.compile(r"(?<![\w/.])((?:docs|packaging|bench|proto|controller|worker)/[\w./@-]*\w)")
 
 
-@pytest.mark.parametrize(
-    "command",
-    [
-        pytest.param(
-            "controller",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="controller/shell/main.py's --help still names docs/design-notes.md "
-                "(the --cpus and --nice help and the epilog); it should name "
-                "docs/operations.md (tuning, configuration keys) instead",
-            ),
-        ),
-        *[name for name in HELP_COMMANDS if name != "controller"],
-    ],
-)
+@pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_paths_named_by_help_exist(command: str) -> None:
     argv = [sys.executable, *HELP_COMMANDS[command], "--help"]
     text = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
