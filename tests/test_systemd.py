@@ -105,28 +105,14 @@ class Machine:
     def __init__(self, pid: int) -> None:
         self.pid = pid
 
+    def command(self, argv: tuple[str, ...], bound: float) -> list[str]:
+        """`argv` inside every namespace of the machine, with a clean environment, killed
+        after `bound` seconds."""
+        enter = ["nsenter", "-t", str(self.pid), "-m", "-u", "-i", "-n", "-p", "-C", "--"]
+        return ["timeout", "-s", "KILL", str(bound), *enter, "env", "-i", f"PATH={PATH}", *argv]
+
     def run(self, *argv: str, bound: float = 30, check: bool = True) -> str:
-        cmd = [
-            "timeout",
-            "-s",
-            "KILL",
-            str(bound),
-            "nsenter",
-            "-t",
-            str(self.pid),
-            "-m",
-            "-u",
-            "-i",
-            "-n",
-            "-p",
-            "-C",
-            "--",
-            "env",
-            "-i",
-            f"PATH={PATH}",
-            *argv,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(self.command(argv, bound), capture_output=True, text=True)
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"{' '.join(argv)}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -134,50 +120,12 @@ class Machine:
         return proc.stdout + proc.stderr if not check else proc.stdout
 
     def ok(self, *argv: str) -> bool:
-        cmd = [
-            "timeout",
-            "-s",
-            "KILL",
-            "30",
-            "nsenter",
-            "-t",
-            str(self.pid),
-            "-m",
-            "-u",
-            "-i",
-            "-n",
-            "-p",
-            "-C",
-            "--",
-            "env",
-            "-i",
-            f"PATH={PATH}",
-            *argv,
-        ]
-        return subprocess.run(cmd, capture_output=True).returncode == 0
+        return subprocess.run(self.command(argv, 30), capture_output=True).returncode == 0
 
     def start(self, *argv: str, bound: float = 60) -> subprocess.Popen[str]:
-        cmd = [
-            "timeout",
-            "-s",
-            "KILL",
-            str(bound),
-            "nsenter",
-            "-t",
-            str(self.pid),
-            "-m",
-            "-u",
-            "-i",
-            "-n",
-            "-p",
-            "-C",
-            "--",
-            "env",
-            "-i",
-            f"PATH={PATH}",
-            *argv,
-        ]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            self.command(argv, bound), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     def show(self, unit: str) -> dict[str, str]:
         text = self.run(
@@ -351,7 +299,7 @@ def remove_cgroup(group: Path) -> None:
     kill = group / "cgroup.kill"
     if kill.exists():
         kill.write_text("1")
-    wait_for_condition(lambda: not any(group.rglob("cgroup.procs")) or no_procs(group), 10)
+    wait_for_condition(lambda: no_procs(group), 10)
     for sub in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
         sub.rmdir()
     group.rmdir()
@@ -452,10 +400,12 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
     def restarted(old: str) -> bool:
         return box.show("worker@1.service").get("MainPID") not in ("0", old)
 
+    t_kill = time.monotonic()
     for _ in range(6):
         old = box.show("worker@1.service")["MainPID"]
         box.run("systemctl", "kill", "-s", "SIGKILL", "worker@1.service")
         wait_for_condition(functools.partial(restarted, old), timeout=15)
+    print(f"worker@1 killed 6 times and back each time in {time.monotonic() - t_kill:.1f} s")
     wait_for_condition(lambda: box.show("worker@1.service")["ActiveState"] == "active", 15)
     wait_for_condition(ready, timeout=30)
     assert box.run(client, "--timeout", "20", "add", "7", "--payload", "back").strip() == "back"
