@@ -208,7 +208,7 @@ class Journal:
         try:
             _owner_only(path)
         except OSError as exc:
-            raise JournalError(f"journal {path}: cannot create: {exc.strerror}") from None
+            raise JournalError(f"journal {path}: cannot open for writing: {exc.strerror}") from None
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:

@@ -67,7 +67,9 @@ def test_controller_bad_config_exit_2(tmp_path):
 def test_controller_world_writable_socket_dir_exit_2(tmp_path):
     (tmp_path / "s").mkdir(mode=0o777)
     (tmp_path / "s").chmod(0o777)
-    proc = run("-m", "controller", "--socket-dir", str(tmp_path / "s"))
+    config = tmp_path / "c.json"
+    config.write_text('{"journal": null}')  # the default one is root's
+    proc = run("-m", "controller", "--config", str(config), "--socket-dir", str(tmp_path / "s"))
     assert proc.returncode == 2 and "world-writable" in proc.stderr
 
 
@@ -75,7 +77,11 @@ def test_controller_warns_once_when_a_secret_file_is_readable_by_others(tmp_path
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     config = tmp_path / "c.json"
-    settings = {"http_token_file": str(token), "redis": {"url": "redis://:pw@127.0.0.1:1/0"}}
+    settings = {
+        "http_token_file": str(token),
+        "redis": {"url": "redis://:pw@127.0.0.1:1/0"},
+        "journal": None,
+    }
     config.write_text(json.dumps(settings))
     (tmp_path / "s").mkdir()
     (tmp_path / "s").chmod(0o777)  # stops the start right after the warnings (exit 2)
