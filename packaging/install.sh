@@ -12,11 +12,16 @@
 #      product into it, from the package index or, with --wheels DIR, offline from a
 #      directory of wheels (PIP_* variables reach pip unchanged);
 #   3. creates the user and group `controller` (sysusers.d) and /run/controller (tmpfiles.d);
-#   4. installs /etc/controller/controller.json (0600 root, only if there is none yet);
-#   5. installs controller.service, worker@.service and workers.target, reloads systemd;
+#   4. installs /etc/controller/controller.json, 0600 root (an existing one is kept, and made
+#      0600 root: it may hold a Redis password);
+#   5. installs controller.service, worker@.service and workers.target (with --prefix's
+#      path in them), reloads systemd;
 #   6. enables and starts controller.service and worker@1 ... worker@N (N: --workers, default
-#      one per CPU), and stops and disables worker@ units above N. --no-start enables only.
+#      one per CPU), and stops and disables worker@ units above N. --no-start enables only,
+#      and works where systemd is not running (an image being built).
 set -eu
+# The venv and the product are read by the workers' user: whatever the caller's umask.
+umask 022
 
 PREFIX=/opt/job-controller
 PYTHON=/usr/bin/python3
@@ -62,6 +67,13 @@ fi
 "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null \
     || die "$PYTHON cannot make a venv: apt-get install python3-venv"
 command -v systemctl >/dev/null 2>&1 || die "systemctl not found: this script needs systemd"
+# Without a running systemd (an image being built, a chroot) only --no-start makes sense.
+if [ -d /run/systemd/system ]; then
+    RUNNING=yes
+else
+    RUNNING=no
+    [ "$START" = no ] || die "systemd is not running here: use --no-start to install and enable only"
+fi
 case "$PREFIX" in
     /root/*|/home/*|/run/user/*) die "--prefix $PREFIX: the units' ProtectHome=yes hides it" ;;
     /*) ;;
@@ -116,7 +128,9 @@ systemd-tmpfiles --create /etc/tmpfiles.d/controller.conf
 # 4. The configuration: root's alone (it may name a token file or hold a Redis password).
 install -d -m 0700 -o root -g root /etc/controller
 if [ -e /etc/controller/controller.json ]; then
-    say "keeping the existing /etc/controller/controller.json"
+    say "keeping the existing /etc/controller/controller.json (root's alone, 0600)"
+    chown root:root /etc/controller/controller.json
+    chmod 0600 /etc/controller/controller.json
 else
     install -m 0600 -o root -g root "$SRC/packaging/controller.json" /etc/controller/controller.json
     say "installed /etc/controller/controller.json"
@@ -124,12 +138,18 @@ fi
 
 # 5. The units; a running controller is restarted below, on what was just installed.
 was_active=no
-if systemctl is-active --quiet controller.service; then
+if [ "$RUNNING" = yes ] && systemctl is-active --quiet controller.service; then
     was_active=yes
 fi
-install -m 0644 "$SRC/packaging/controller.service" "$SRC/packaging/worker@.service" \
-    "$SRC/packaging/workers.target" /etc/systemd/system/
-systemctl daemon-reload
+for unit in controller.service worker@.service workers.target; do
+    # The units name /opt/job-controller; another --prefix is written into them.
+    sed "s#/opt/job-controller#$PREFIX#g" "$SRC/packaging/$unit" >"/etc/systemd/system/$unit.new"
+    chmod 0644 "/etc/systemd/system/$unit.new"
+    mv -f "/etc/systemd/system/$unit.new" "/etc/systemd/system/$unit"
+done
+if [ "$RUNNING" = yes ]; then
+    systemctl daemon-reload
+fi
 
 # 6. Enable (and start) the controller and one worker per CPU; retire workers above N.
 units="controller.service workers.target"
@@ -147,7 +167,11 @@ for link in /etc/systemd/system/workers.target.wants/worker@*.service; do
     esac
     if [ "$n" -gt "$WORKERS" ]; then
         say "retiring worker@$n.service (more than $WORKERS workers)"
-        systemctl disable --now "worker@$n.service"
+        if [ "$RUNNING" = yes ]; then
+            systemctl disable --now "worker@$n.service"
+        else
+            systemctl disable "worker@$n.service"
+        fi
     fi
 done
 if [ "$START" = yes ]; then

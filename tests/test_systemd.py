@@ -413,4 +413,12 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
     scores = {unit: exposure(box, unit) for unit in ("controller.service", "worker@1.service")}
     for unit, score in scores.items():
         print(f"systemd-analyze security {unit}: exposure {score}")
+
+    # Run again with fewer workers: the ones above the number are stopped and disabled.
+    fewer = box.run(*install[:3], "1", *install[4:], bound=STEP_BOUND)
+    assert "retiring worker@2.service" in fewer
+    assert box.run("systemctl", "is-enabled", "worker@2.service", check=False).startswith(
+        "disabled"
+    )
+    wait_for_condition(functools.partial(ready, 1), timeout=30)
     print(f"systemd test body: {time.monotonic() - t0:.1f} s")
