@@ -14,7 +14,7 @@ from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
 from worker.calculator import Calculator
-from worker.parent import tie_to_parent
+from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
 from worker.runner import SetupError, build_runner
 from worker.shell import WorkerShell
@@ -139,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parent = None
     if args.exit_with_parent is not None:
         parent = args.exit_with_parent or os.getppid()
-        if not tie_to_parent(parent):
+        try:
+            tied = tie_to_parent(parent)
+        except OSError as exc:  # prctl refused (a seccomp filter): only the start is checked
+            log.warning("cannot ask to be told when the parent ends (%s)", exc.strerror)
+            tied = parent_alive(parent)
+        if not tied:
             log.warning("parent process %d ended before the worker started: exiting", parent)
             return 0
     try:
