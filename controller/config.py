@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE
 
@@ -255,3 +256,19 @@ def load_config(path: str | Path | None) -> Config:
             f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
     return parse_config(data, str(path))
+
+
+def secret_files(config: Config, source: str | Path | None) -> list[tuple[Path, str]]:
+    """The files that hold a secret, each with what it holds: `http_token_file`, and the
+    configuration file `source` itself when its Redis URL carries a password."""
+    found = []
+    if config.http_token_file is not None:
+        found.append((config.http_token_file, "http_token_file"))
+    if source is not None and config.redis is not None:
+        try:
+            password = urlsplit(config.redis.url).password
+        except ValueError:
+            password = None
+        if password:
+            found.append((Path(source), "a Redis password"))
+    return found

@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,6 +150,27 @@ def _run_script(db: sqlite3.Connection, script: str) -> None:
             db.execute(statement)
 
 
+def _owner_only(path: Path) -> None:
+    """Job payloads and results are for the controller's user alone: a new journal is made
+    0600 before SQLite opens it (SQLite gives its -wal and -shm files the same mode), and
+    an existing one of ours that others could read is made 0600, side files included."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            log.warning(
+                "journal %s was readable by others (mode %o): making it 0600",
+                path,
+                stat.S_IMODE(st.st_mode),
+            )
+            os.fchmod(fd, 0o600)
+            for side in ("-wal", "-shm", "-journal"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(f"{path}{side}", 0o600)
+    finally:
+        os.close(fd)
+
+
 class Journal:
     """Staging in the event loop, writing from one thread at a time."""
 
@@ -182,6 +205,10 @@ class Journal:
             raise JournalError(
                 f"journal {path}: cannot create its directory: {exc.strerror}"
             ) from None
+        try:
+            _owner_only(path)
+        except OSError as exc:
+            raise JournalError(f"journal {path}: cannot open for writing: {exc.strerror}") from None
         try:
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:

@@ -67,8 +67,36 @@ def test_controller_bad_config_exit_2(tmp_path):
 def test_controller_world_writable_socket_dir_exit_2(tmp_path):
     (tmp_path / "s").mkdir(mode=0o777)
     (tmp_path / "s").chmod(0o777)
-    proc = run("-m", "controller", "--socket-dir", str(tmp_path / "s"))
+    config = tmp_path / "c.json"
+    config.write_text('{"journal": null}')  # the default one is root's
+    proc = run("-m", "controller", "--config", str(config), "--socket-dir", str(tmp_path / "s"))
     assert proc.returncode == 2 and "world-writable" in proc.stderr
+
+
+def test_controller_warns_once_when_a_secret_file_is_readable_by_others(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    config = tmp_path / "c.json"
+    settings = {
+        "http_token_file": str(token),
+        "redis": {"url": "redis://:pw@127.0.0.1:1/0"},
+        "journal": None,
+    }
+    config.write_text(json.dumps(settings))
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s").chmod(0o777)  # stops the start right after the warnings (exit 2)
+    for path in (token, config):
+        path.chmod(0o644)
+    proc = run("-m", "controller", "--config", str(config), "--socket-dir", str(tmp_path / "s"))
+    assert proc.returncode == 2
+    warnings = [line for line in proc.stderr.splitlines() if "readable by others" in line]
+    assert len(warnings) == 2, proc.stderr
+    assert f"{token} holds http_token_file" in warnings[0] and "mode 0644" in warnings[0]
+    assert f"{config} holds a Redis password" in warnings[1]
+    for path in (token, config):
+        path.chmod(0o600)
+    proc = run("-m", "controller", "--config", str(config), "--socket-dir", str(tmp_path / "s"))
+    assert proc.returncode == 2 and "readable by others" not in proc.stderr
 
 
 def test_worker_bad_config_exit_2(tmp_path):

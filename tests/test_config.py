@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ClientAddress, Config, ConfigError, load_config
+from controller.config import (
+    ClientAddress,
+    Config,
+    ConfigError,
+    load_config,
+    parse_config,
+    secret_files,
+)
 
 GOOD = [
     ({}, "max_retries", 3),
@@ -102,3 +109,15 @@ def test_packaged_configs_are_valid():
     root = Path(__file__).resolve().parent.parent / "packaging"
     for path in root.glob("*.json"):
         load_config(path)
+
+
+def test_secret_files_are_the_token_file_and_a_config_with_a_redis_password():
+    plain = parse_config({"redis": {"url": "redis://127.0.0.1:6379/0"}})
+    assert secret_files(plain, "/etc/c.json") == []
+    both = parse_config(
+        {"http_token_file": "/etc/t", "redis": {"url": "redis://user:pw@127.0.0.1:6379/0"}}
+    )
+    assert secret_files(both, "/etc/c.json") == [
+        (Path("/etc/t"), "http_token_file"),
+        (Path("/etc/c.json"), "a Redis password"),
+    ]

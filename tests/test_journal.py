@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -502,3 +504,35 @@ def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_p
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 0
     journal.write(batch[:10])  # and the connection is usable again
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 10
+
+
+def test_a_new_journal_and_its_side_files_are_readable_by_their_owner_alone(tmp_path):
+    """Job payloads and results are for the controller's user only, whatever the umask."""
+    path = tmp_path / "journal.sqlite3"
+    old = os.umask(0o002)
+    try:
+        journal = Journal.open(path)
+        add(journal, 1, "127.0.0.1", 9, 5, b"secret payload")
+        commit(journal)
+        files = [p for p in tmp_path.iterdir() if p.name.startswith("journal.sqlite3")]
+        assert path in files
+        for file in files:
+            assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+        journal.close()
+    finally:
+        os.umask(old)
+
+
+def test_an_existing_journal_others_could_read_is_made_owner_only(tmp_path, caplog):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    add(journal, 1, "127.0.0.1", 9, 5, b"secret payload")
+    commit(journal)
+    journal.close()
+    path.chmod(0o644)
+    journal = Journal.open(path)
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert "readable by others" in caplog.text
+    finally:
+        journal.close()

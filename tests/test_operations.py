@@ -22,7 +22,7 @@ import trio
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.core import TaskState
 from controller.shell.sdnotify import Notifier
-from controller.shell.supervisor import Supervisor
+from controller.shell.supervisor import Supervisor, worker_command
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeWorker
 from tests.helpers import (
@@ -162,6 +162,14 @@ def test_notifier_is_silent_outside_systemd():
 
 
 # ---------------------------------------------------------------- local supervision
+
+
+def test_supervised_workers_are_tied_to_this_controller_by_pid():
+    """A worker that starts after its controller has gone sees another parent and exits."""
+    argv = worker_command("/run/x", ["--pulse", "2"])
+    at = argv.index("--exit-with-parent")
+    assert argv[at + 1] == str(os.getpid())
+    assert argv[-2:] == ["--pulse", "2"]
 
 
 async def test_supervisor_restarts_a_killed_worker(caplog):

@@ -46,8 +46,28 @@ def test_units_promise_what_the_controller_needs():
         "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
     ]:
         assert line in controller
+    for line in [
+        # Workers create their sockets in the socket directory: it is the group's to write.
+        "RuntimeDirectoryMode=0770",
+        "UMask=0077",
+        "StateDirectoryMode=0700",
+        "ConfigurationDirectoryMode=0700",
+        "LimitNOFILE=65536",
+        "CapabilityBoundingSet=\n",
+    ]:
+        assert line in controller
     worker = (PACKAGING / "worker@.service").read_text()
-    assert "Restart=always" in worker and "User=controller" in worker
+    for line in [
+        "Restart=always",
+        "User=controller",
+        "ReadWritePaths=/run/controller",
+        "StartLimitIntervalSec=0",
+        "RestrictAddressFamilies=AF_UNIX\n",
+        "CapabilityBoundingSet=\n",
+    ]:
+        assert line in worker
+    tmpfiles = (PACKAGING / "controller.tmpfiles").read_text()
+    assert "d /run/controller 0770 root controller -" in tmpfiles
     assert "/etc/controller/controller.json" in controller
     assert (PACKAGING / "controller.json").exists()
 
@@ -63,3 +83,12 @@ def test_sysusers_entry_parses():
     )
     assert proc.returncode == 0, proc.stderr
     assert "Failed" not in proc.stderr and "rror" not in proc.stderr
+
+
+def test_install_script_parses_and_answers_help_and_unknown_options():
+    script = PACKAGING / "install.sh"
+    assert subprocess.run(["sh", "-n", str(script)]).returncode == 0
+    proc = subprocess.run(["sh", str(script), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--workers N" in proc.stdout
+    proc = subprocess.run(["sh", str(script), "--bogus"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr

@@ -296,8 +296,91 @@ def test_cli_bad_handler_exit_2():
 
 
 def spawn_parent_of_worker(sockdir) -> subprocess.Popen[bytes]:
-    cmd = f"{sys.executable} -m worker --socket-dir {sockdir} --exit-with-parent & wait"
+    cmd = f"{sys.executable} -m worker --socket-dir {sockdir} --exit-with-parent $$ & wait"
     return subprocess.Popen(["sh", "-c", cmd])
+
+
+# A subreaper (as a container's init, systemd --user or a supervisor may be) whose child, a
+# shell, starts a worker tied to the shell and leaves at once: the worker is the subreaper's
+# then, and its parent is alive but not the one it was started by.
+ORPHANED_WORKER = """
+import ctypes, os, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+sh = subprocess.Popen(
+    ["sh", "-c", sys.executable + " -m worker --socket-dir " + sys.argv[1]
+     + " --exit-with-parent $$ & echo $!"],
+    stdout=subprocess.PIPE,
+)
+worker = int(sh.stdout.readline())
+sh.wait()  # the shell has ended: it did not wait for the worker to start
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    pid, status = os.waitpid(worker, os.WNOHANG)
+    if pid:
+        print("exited", os.waitstatus_to_exitcode(status))
+        break
+    time.sleep(0.02)
+else:
+    os.kill(worker, 9)
+    os.waitpid(worker, 0)
+    print("still running")
+"""
+
+
+def test_a_worker_whose_parent_ended_before_it_started_exits(sockdir):
+    """Its parent is gone before it could ask to be told: it sees another parent and exits
+    at once, instead of waiting for a controller that will never come back."""
+    proc = subprocess.run(
+        [sys.executable, "-c", ORPHANED_WORKER, str(sockdir), "20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.strip() == "exited 0", proc.stdout + proc.stderr
+    assert "ended before the worker started" in proc.stderr
+
+
+# A parent that starts its worker from a thread that then ends (trio starts processes from
+# its worker threads); the kernel signals that end as well, and the parent lives on.
+THREADED_PARENT = """
+import subprocess, sys, threading
+procs = []
+argv = [sys.executable, "-m", "worker", "--socket-dir", sys.argv[1], "--exit-with-parent",
+        str(__import__("os").getpid())]
+spawner = threading.Thread(target=lambda: procs.append(subprocess.Popen(argv)))
+spawner.start()
+spawner.join()  # the thread that forked the worker has ended
+print(procs[0].pid, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+procs[0].terminate()
+sys.exit(procs[0].wait())
+"""
+
+
+def start_threaded_parent(sockdir) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", THREADED_PARENT, str(sockdir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+
+
+async def test_a_worker_stays_when_the_parent_thread_that_started_it_ends(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    parent = start_threaded_parent(sockdir)
+    try:
+        assert parent.stdout is not None and parent.stdin is not None
+        await trio.to_thread.run_sync(parent.stdout.readline)
+        await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_OK)) >= 3)
+        assert not fake.of_type(pb.PULSE_SHUTDOWN)
+        parent.stdin.close()
+        assert await trio.to_thread.run_sync(parent.wait) == 0
+        assert fake.of_type(pb.PULSE_SHUTDOWN)  # drained on SIGTERM, not before
+    finally:
+        reap(parent)
+        assert parent.stdout is not None
+        parent.stdout.close()
 
 
 async def test_exit_with_parent_drains_when_the_parent_is_killed(sockdir, nursery):

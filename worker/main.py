@@ -14,6 +14,7 @@ from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
 from worker.calculator import Calculator
+from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
 from worker.runner import SetupError, build_runner
 from worker.shell import WorkerShell
@@ -103,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_flags(parser)
     parser.add_argument(
         "--exit-with-parent",
-        action="store_true",
-        help="drain and exit when the parent process ends (used by controller --workers)",
+        metavar="PID",
+        nargs="?",
+        type=_pid,
+        const=0,
+        help="drain and exit when the parent process (PID, default: the parent it has at "
+        "start) ends; exit at once if it already has (used by controller --workers)",
     )
     parser.add_argument(
         "--handler",
@@ -122,9 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pid(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"expected a process id above 1, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, "worker")
+    parent = None
+    if args.exit_with_parent is not None:
+        parent = args.exit_with_parent or os.getppid()
+        try:
+            tied = tie_to_parent(parent)
+        except OSError as exc:  # prctl refused (a seccomp filter): only the start is checked
+            log.warning("cannot ask to be told when the parent ends (%s)", exc.strerror)
+            tied = parent_alive(parent)
+        if not tied:
+            log.warning("parent process %d ended before the worker started: exiting", parent)
+            return 0
     try:
         if args.cpus is not None:
             pin(args.cpus)
@@ -165,6 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout=args.drain_timeout,
         dial_timeout=config.dial_timeout,
         max_extra_size=config.max_extra_size,
-        parent_pid=os.getppid() if args.exit_with_parent else None,
+        parent_pid=parent,
     )
     return trio.run(shell.run)

@@ -16,7 +16,6 @@ import collections
 import functools
 import logging
 import math
-import os
 import random
 import select
 import signal
@@ -30,6 +29,7 @@ from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, Result, accept_unix, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
+from worker.parent import PARENT_DEATH_SIGNAL, parent_alive
 from worker.runner import Runner, TaskFailed
 
 log = logging.getLogger("worker")
@@ -43,9 +43,6 @@ REGISTER_BACKOFF_MAX = 5.0
 REGISTER_JITTER = 0.5
 # The controller dials one connection at a time per worker, plus an occasional GET_STATUS.
 CONTROL_BACKLOG = 64
-
-
-_UNWATCHABLE = -1
 
 
 def promised_next_pulse(period: float) -> int:
@@ -96,10 +93,8 @@ class WorkerShell:
             nursery.start_soon(self._tasks)
             if handle_signals:
                 nursery.start_soon(self._signals)
-            if self.parent_pid is not None and self.parent_pid > 1:
-                fd = self._open_parent(self.parent_pid)
-                if fd != _UNWATCHABLE:
-                    nursery.start_soon(self._watch_parent, fd)
+            if self.parent_pid is not None:
+                nursery.start_soon(self._watch_parent, self.parent_pid)
             await self._sessions()
             nursery.cancel_scope.cancel()
         return self.exit_code
@@ -128,29 +123,20 @@ class WorkerShell:
                     return
                 self.drain()
 
-    def _open_parent(self, pid: int) -> int | None:
-        """A pidfd on the parent, opened before anything can yield; None if it is already gone."""
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            return None
-        except OSError as exc:  # no pidfd here (old kernel, seccomp): carry on unwatched
-            log.warning("cannot watch parent pid %d (%s); staying up on its own", pid, exc)
-            return _UNWATCHABLE
-        if os.getppid() != pid:  # it died before we looked, and the pid may be reused
-            os.close(fd)
-            return None
-        return fd
-
-    async def _watch_parent(self, fd: int | None) -> None:
+    async def _watch_parent(self, pid: int) -> None:
         """A supervised worker leaves with its supervisor, even one killed with SIGKILL."""
-        if fd is not None:
-            try:
-                await trio.lowlevel.wait_readable(fd)
-            finally:
-                os.close(fd)
-        log.warning("parent process %s ended", self.parent_pid)
-        self.drain()
+        with trio.open_signal_receiver(PARENT_DEATH_SIGNAL) as signals:
+            # It may have ended before the receiver was there (the signal then came and went).
+            if parent_alive(pid):
+                async for _ in signals:
+                    if not parent_alive(pid):
+                        break
+                    log.debug("a thread of the parent ended; the parent lives on")
+            log.warning("parent process %d ended", pid)
+            self.drain()
+            # Held while draining: a late signal (another of its threads ending) changes nothing.
+            async for _ in signals:
+                pass
 
     async def _sessions(self) -> None:
         while True:

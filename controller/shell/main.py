@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import trio
 
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.cli import DOCS, add_common_flags, setup_logging
-from controller.config import Config, ConfigError, load_config
+from controller.config import Config, ConfigError, load_config, secret_files
 from controller.jobs import JobBook
 from controller.journal import Journal, JournalError
 from controller.priority import DEFAULT_ADJUSTMENT, adjust, parse_adjustment
@@ -246,12 +247,34 @@ async def run_controller(
             journal.close()
 
 
+def warn_readable_secrets(config: Config, source: str | None) -> None:
+    """Once at start: a file holding a secret that anyone but the controller's user may read
+    (job code runs as other users; the packaged config is root's, 0600)."""
+    me = os.geteuid()
+    for path, holds in secret_files(config, source):
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # the door that reads it says why when it does
+        if st.st_uid != me or st.st_mode & 0o077:
+            logging.getLogger("controller").warning(
+                "%s holds %s and is readable by others (owner uid %d, mode %04o): "
+                "chmod 600 it, owned by uid %d",
+                path,
+                holds,
+                st.st_uid,
+                stat.S_IMODE(st.st_mode),
+                me,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     own, worker_args = split_worker_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
     setup_logging(args.log_level, "controller")
     try:
         config = load_config(args.config)
+        warn_readable_secrets(config, args.config)
         if args.socket_dir:
             config = config.replace(socket_dir=Path(args.socket_dir))
         worker_cpus = None

@@ -36,7 +36,10 @@ def worker_command(socket_dir: str, extra: list[str]) -> list[str]:
         "worker",
         "--socket-dir",
         socket_dir,
+        # The controller's own pid: a worker that starts after the controller has gone (its
+        # parent is then init or a subreaper) sees that and exits at once.
         "--exit-with-parent",
+        str(os.getpid()),
         *extra,
     ]
 
