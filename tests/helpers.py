@@ -77,7 +77,9 @@ def wait_for_condition(condition: Callable[[], bool], timeout: float = 10.0) -> 
 
 
 def write_config(directory: Path, **settings: object) -> Path:
-    """A controller.json in `directory` with these settings."""
+    """A controller.json in `directory` with these settings; no journal unless one is named
+    (the default journal is the machine's own, under /var/lib)."""
+    settings.setdefault("journal", None)
     path = directory / "controller.json"
     path.write_text(json.dumps(settings))
     return path
