@@ -20,7 +20,8 @@ from typing import Any
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
 
 from controller import httpapi
 from controller.config import Config
@@ -29,6 +30,7 @@ from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
 from controller.shell import keepalive
 from controller.shell.asgi import (
+    BodyTimeout,
     ClientDisconnect,
     Request,
     Response,
@@ -40,13 +42,16 @@ from controller.shell.asgi import (
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http_access import Gate, read_tokens
+from controller.shell.http_conn import Connections, serve_connections
 from controller.shell.openapi import OPENAPI
 from controller.shell.statuspage import render_status_page
 
 log = logging.getLogger("controller.http")
 
 
-# A connection that sends no request for this long is closed (also the keep-alive idle time).
+# A connection that sends no request for this long is closed (also the keep-alive idle time),
+# and so is one silent this long in the middle of a request's body. Read when the door
+# starts serving and at each body: tests lower it by setting controller.shell.http.IDLE_TIMEOUT.
 IDLE_TIMEOUT = 5.0
 # How much of a body over the limit is read and dropped before the 413 goes out.
 DRAIN_LIMIT = 4 * 1024 * 1024
@@ -91,7 +96,8 @@ class HttpDoor:
         self.app = Router(routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal)
         desk.on_finished = self.job_ended
         self.pollers = core.pollers
-        self._idle_timer = keepalive.install()
+        self.connections = Connections(config.max_connections)
+        self._idle_timer = keepalive.usable()
 
     # ------------------------------------------------------------ serving
 
@@ -114,20 +120,36 @@ class HttpDoor:
         host, port = sock.getsockname()[:2]
         return host, port
 
-    async def serve(
-        self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._sockets is None:
             self.bind()
         self.started_at = trio.current_time()
         host, port = self.address()
         log.info("HTTP job API and status page on http://%s:%d/", host, port)
-        await worker_serve(
-            ASGIWrapper(self.app),  # type: ignore[arg-type]
-            self._hypercorn_config(),
-            sockets=self._sockets,
-            task_status=task_status,
-        )
+        hc = self._hypercorn_config()
+        app = ASGIWrapper(self.app)  # type: ignore[arg-type]
+        context = WorkerContext(None)
+        idle_timer = self._idle_timer
+
+        async def connection(stream: trio.abc.Stream) -> None:
+            server = TCPServer(app, hc, context, {}, stream)  # type: ignore[arg-type]
+            if idle_timer:
+                keepalive.fit(server)
+            await server.run()
+
+        ssl_context = hc.create_ssl_context() if self._sockets.secure_sockets else None
+        listeners = [
+            (trio.socket.from_stdlib_socket(sock), ssl_context)
+            for sock in self._sockets.secure_sockets
+        ] + [
+            (trio.socket.from_stdlib_socket(sock), None) for sock in self._sockets.insecure_sockets
+        ]
+        try:
+            await serve_connections(
+                listeners, connection, self.connections, task_status=task_status
+            )
+        finally:
+            await context.terminated.set()
 
     def _hypercorn_config(self) -> HypercornConfig:
         address = self.config.http_address
@@ -143,6 +165,7 @@ class HttpDoor:
         server_log.setLevel(logging.WARNING)  # its "Running on ..." repeats our own line
         hc.errorlog = server_log
         hc.backlog = 1024
+        hc.alpn_protocols = ["http/1.1"]  # no HTTP/2 over TLS either
         return hc
 
     def hand_out(self, action: HandOut) -> None:
@@ -331,8 +354,9 @@ class HttpDoor:
         too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         chunks = []
         size = 0
+        deadline = trio.current_time() + self.config.http_body_timeout
         try:
-            async for chunk in request.stream():
+            async for chunk in request.stream(IDLE_TIMEOUT, deadline):
                 size += len(chunk)
                 if size > self.max_body:
                     too_big = True
@@ -345,6 +369,8 @@ class HttpDoor:
                 chunks.append(chunk)
         except ClientDisconnect:  # it went away mid-body: nobody to answer, nothing done
             raise ApiError(400, "the client closed the connection before the body ended") from None
+        except BodyTimeout as exc:  # answered, and the connection closed: the body is unread
+            raise ApiError(408, str(exc)) from None
         if too_big:
             raise ApiError(413, f"the body is over {self.max_body} bytes")
         return b"".join(chunks)
