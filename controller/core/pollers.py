@@ -6,13 +6,17 @@ worker the job has not failed on" works for pollers too); when the scheduler
 places a job on it, the kind emits `HandOut` and the shell answers the waiting
 request with that job (now `requested`). The poller confirms with
 `PUT state=working` (accepted; then the same PUT renews its lease), and ends
-with `finished` or `failed`. A job not confirmed within `claim_timeout`, or
+with `finished` or `failed`. The claim carries a lease, a random token the
+shell makes (`handed`): a report is taken only from the named poller holding
+the job and showing that token (`holds`), so nobody who merely knows a
+poller's name can report for it. A job not confirmed within `claim_timeout`, or
 whose poller is silent for `lease_timeout`, is placed again (one attempt
 used). A ping that ends with no job (`gave_up`) removes the idle poller.
 """
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 
@@ -67,10 +71,13 @@ class Pollers:
         sched.dispatch(actions)
         return actions
 
-    def adopt(self, name: str, task_id: int, now: float) -> bool:
+    def adopt(self, name: str, task_id: int, lease: str, now: float) -> bool:
         """Poller `name` reports on a job it held before the controller restarted: it keeps
-        it (no second run) if that job is waiting to be claimed."""
+        it (no second run) if that job is waiting to be claimed and `lease` is its lease."""
         if self._live(name) is not None:
+            return False
+        orphan = self.recovery.orphan(task_id)
+        if orphan is None or not same_lease(orphan.lease, lease):
             return False
         worker = self._new(name, now)
         actions: list[Action] = []
@@ -100,10 +107,13 @@ class Pollers:
             self.scheduler.lost(worker, now, actions, cause="shutdown")
         return actions
 
-    def handed(self, name: str, now: float) -> None:
-        """The job went out in the /ping/ answer: it must be confirmed within claim_timeout."""
+    def handed(self, name: str, now: float, lease: str) -> None:
+        """The job went out in the /ping/ answer with `lease`: it must be confirmed within
+        claim_timeout, and every report on it must show that lease."""
         worker = self._live(name)
         if worker is not None and worker.state is WorkerState.ASSIGNING:
+            assert worker.task is not None
+            worker.task.lease = lease
             worker.deadline = now + self.claim_timeout
             self.scheduler.at(worker.deadline, self._deadline_due, worker)
 
@@ -119,9 +129,12 @@ class Pollers:
             self.scheduler.dispatch(actions)
         return actions
 
-    def holds(self, name: str, ref: int) -> bool:
+    def holds(self, name: str, ref: int, lease: str) -> bool:
+        """Poller `name` holds job `ref` under `lease`."""
         worker = self._live(name)
-        return worker is not None and worker.task is not None and worker.task.ref == ref
+        if worker is None or worker.task is None or worker.task.ref != ref:
+            return False
+        return same_lease(worker.task.lease, lease)
 
     def working(self, name: str, ref: int, now: float) -> list[Action]:
         """`PUT state=working`: the first confirms the job, the next ones renew the lease."""
@@ -194,3 +207,11 @@ class Pollers:
             if task is not None:
                 task.last_error = f"poller {name} silent for lease_timeout"
             sched.lost(worker, now, actions, cause="lease timeout")
+
+
+def same_lease(expected: str, given: str) -> bool:
+    """`given` is the lease `expected` (never when no lease was issued), compared in
+    constant time."""
+    return bool(expected) and hmac.compare_digest(
+        expected.encode("utf-8", "surrogatepass"), given.encode("utf-8", "surrogatepass")
+    )

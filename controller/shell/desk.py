@@ -81,6 +81,7 @@ class JobDesk:
         self.on_finished = on_finished
         self.doors: dict[str, Door] = {}
         self._picked = itertools.count(FIRST_PICKED_TASK_ID)
+        self._leased: set[int] = set()  # refs of live jobs with a lease in the journal
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -195,6 +196,13 @@ class JobDesk:
         if self.on_finished is not None:
             self.on_finished(job)
 
+    def leased(self, job: Job, lease: str) -> None:
+        """A poller claimed `job` with `lease`: journaled, so that it can keep the job
+        across a restart."""
+        if self.journal is not None:
+            self.journal.job_leased(job.ref, lease)
+            self._leased.add(job.ref)
+
     # ------------------------------------------------------------ from the scheduler
 
     def progress(self, action: TaskProgress) -> None:
@@ -217,6 +225,9 @@ class JobDesk:
             return
         if self.journal is not None:
             self.journal.job_finished(job)
+            if job.ref in self._leased:
+                self._leased.discard(job.ref)
+                self.journal.job_unleased(job.ref)
         if self.on_finished is not None:
             self.on_finished(job)
         self._tell(job, now)
@@ -276,8 +287,14 @@ class JobDesk:
                     attempts=row.attempts,
                     failed_on=tuple(row.failed_on),
                     placement_left=core.timeout_task_placement - (wall - row.queued_at),
-                    grace=RECOVERY_GRACE,
+                    # A poller's job waits a lease_timeout for its holder to renew.
+                    grace=max(RECOVERY_GRACE, core.pollers.lease_timeout)
+                    if row.lease
+                    else RECOVERY_GRACE,
+                    lease=row.lease,
                 )
+                if row.lease:
+                    self._leased.add(row.ref)
                 job.task = core.tasks[row.ref]
                 self.book.add(job)
                 continue

@@ -12,6 +12,7 @@ a thousand of them cost no CPU while they wait.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ log = logging.getLogger("controller.http")
 # and so is one silent this long in the middle of a request's body. Read when the door
 # starts serving and at each body: tests lower it by setting controller.shell.http.IDLE_TIMEOUT.
 IDLE_TIMEOUT = 5.0
+# Bytes of randomness in a poller's lease (128 bits).
+LEASE_BYTES = 16
 # How much of a body over the limit is read and dropped before the 413 goes out.
 DRAIN_LIMIT = 4 * 1024 * 1024
 
@@ -63,6 +66,7 @@ class PingWaiter:
 
     event: trio.Event = field(default_factory=trio.Event)
     job: Job | None = None
+    lease: str = ""
 
 
 class HttpDoor:
@@ -177,8 +181,10 @@ class HttpDoor:
             self.execute(self.pollers.undeliverable(action.name, now))
             return
         waiter.job = job
+        waiter.lease = secrets.token_urlsafe(LEASE_BYTES)
         waiter.event.set()
-        self.pollers.handed(action.name, now)
+        self.pollers.handed(action.name, now, waiter.lease)
+        self.desk.leased(job, waiter.lease)
 
     def job_ended(self, job: Job) -> None:
         """The desk's hook: a job ended (or was deleted): wake its long-polls."""
@@ -270,22 +276,26 @@ class HttpDoor:
         state = job.state
         if state is JobState.DELETED:
             raise ApiError(409, "the job is deleted: it takes no change")
+        if update.log is not None and state.final:
+            raise ApiError(409, f"the job is {state.value}: its log is closed")
+        name = update.worker
         if update.state is JobState.CANCELED:
             if state.final and state is not JobState.CANCELED:
                 raise ApiError(409, f"the job is {state.value}: it can no longer be canceled")
             self.desk.cancel(job, trio.current_time())
-        elif update.state is not None:
-            # working / finished / failed come from the poller that holds the job.
-            name = update.worker
+        elif name is not None or update.state is not None:
+            # A poller's report: taken only from the poller holding the job, with its lease.
             now = trio.current_time()
-            if name and job.task is not None and not self.pollers.holds(name, job.ref):
-                self.pollers.adopt(name, job.task_id, now)  # held before a restart?
-            if not name or not self.pollers.holds(name, job.ref):
+            lease = update.lease or ""
+            holds = self.pollers.holds
+            if name and job.task is not None and not holds(name, job.ref, lease):
+                self.pollers.adopt(name, job.task_id, lease, now)  # held before a restart?
+            if not name or not holds(name, job.ref, lease):
                 who = f" ({name})" if name else ""
                 raise ApiError(
-                    409, f"no poller{who} holds this job: it cannot be set {update.state.value}"
+                    409, f"no poller{who} holds this job under that lease: the report is refused"
                 )
-            if update.state is JobState.WORKING:
+            if update.state is JobState.WORKING or update.state is None:
                 actions = self.pollers.working(name, job.ref, now)
             elif update.state is JobState.FINISHED:
                 actions = self.pollers.finished(name, job.ref, update.result or b"", now)
@@ -293,7 +303,7 @@ class HttpDoor:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
             self.execute(actions)
         if update.log is not None:
-            job.add_log(update.log)
+            job.add_log(update.log, self.config.max_log_size)
             job.updated_at = trio.current_time()
         return self._job_response(job, 200)
 
@@ -326,7 +336,10 @@ class HttpDoor:
                     self.execute(self.pollers.gave_up(worker, trio.current_time()))
         if waiter.job is None:
             return Response(status=204)
-        return self._job_response(waiter.job, 200)
+        await self.desk.write_ahead.committed()  # the lease survives a restart
+        answer = httpapi.job_json(waiter.job, self.book.wall_offset, self.core.worker_name)
+        answer["lease"] = waiter.lease  # in this answer only
+        return json_response(answer)
 
     async def openapi(self, request: Request) -> Response:
         return json_response(OPENAPI)
