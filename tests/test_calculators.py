@@ -159,11 +159,43 @@ def test_perform_task_repeated_until_acknowledged_or_dial_timeout():
 
 def test_a_calculator_reports_a_job_it_held_before_a_restart_and_keeps_it():
     c = core()
-    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0)
+    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0, lease="127.0.0.9:7000")
     c.calculators.heartbeat(CALC, False, 0.5)  # busy: still running it
     [done] = finished(c.calculators.completed(CALC, 9, True, b"kept", "", 1.0))
     assert done.state is TaskState.SUCCESS and done.result == b"kept"
     assert c.expire(10.0) == []  # nothing left to place again after the grace
+
+
+def test_a_completed_task_from_another_port_is_ignored_and_counted():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    forger = (CALC[0], CALC[1] + 1)
+    c.calculators.heartbeat(forger, False, 0.0)  # registered too, but busy: holds nothing
+    task, _ = c.submit(5, b"in", "j", 0.1)
+    c.calculators.acknowledged(CALC, task.ref, 0.2)
+    assert c.calculators.completed(forger, 5, True, b"FORGED", "", 0.3) == []
+    assert c.calculators.ignored_reports == 1 and task.state is TaskState.RUNNING
+    [done] = finished(c.calculators.completed(CALC, 5, True, b"real", "", 0.4))
+    assert done.result == b"real"
+
+
+def test_after_a_restart_only_the_address_perform_task_went_to_keeps_the_job():
+    c = core()
+    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0, lease="127.0.0.9:7000")
+    forger = (CALC[0], CALC[1] + 1)
+    c.calculators.heartbeat(forger, False, 0.5)
+    assert c.calculators.completed(forger, 9, True, b"FORGED", "", 1.0) == []
+    assert c.calculators.ignored_reports == 1
+    c.calculators.heartbeat(CALC, False, 1.5)
+    [done] = finished(c.calculators.completed(CALC, 9, True, b"kept", "", 2.0))
+    assert done.result == b"kept"
+
+
+def test_the_address_a_job_is_placed_on_is_its_lease():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    task, _ = c.submit(5, b"in", "j", 0.1)
+    assert task.lease == "127.0.0.9:7000"
 
 
 def test_garbage_from_a_calculator_is_dropped_and_counted():

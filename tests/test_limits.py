@@ -77,3 +77,16 @@ def test_the_soft_descriptor_limit_is_raised_to_the_hard_one():
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_packaged_config_allows_no_calculators_and_make_runs_allows_loopback():
+    import ipaddress
+    from pathlib import Path
+
+    from controller.config import load_config
+
+    packaging = Path(__file__).resolve().parent.parent / "packaging"
+    assert load_config(packaging / "controller.json").allowed_calculators == ()
+    dev = load_config(packaging / "dev.json").allowed_calculators
+    assert any(ipaddress.ip_address("127.0.0.1") in net for net in dev)
+    assert any(ipaddress.ip_address("::1") in net for net in dev)

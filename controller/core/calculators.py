@@ -56,6 +56,7 @@ class Calculators:
 
     def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
         address = self.addresses[worker.worker_id]
+        task.lease = self.names[worker.worker_id]  # only this address may report on it
         actions.append(PerformTask(address, task.ref, task.task_id, task.payload))
 
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
@@ -118,9 +119,11 @@ class Calculators:
         worker = self._live(address)
         task = worker.task if worker is not None else None
         actions: list[Action] = []
+        orphan = self.recovery.orphan(task_id) if worker is not None and task is None else None
         held_before_restart = (
             worker is not None
-            and task is None
+            and orphan is not None
+            and orphan.lease == self.names[worker.worker_id]  # perform_task went here
             and worker.state is not WorkerState.ASSIGNING
             and self.recovery.claim(worker, task_id, now, actions)
         )

@@ -196,12 +196,12 @@ class JobDesk:
         if self.on_finished is not None:
             self.on_finished(job)
 
-    def leased(self, job: Job, lease: str) -> None:
-        """A poller claimed `job` with `lease`: journaled, so that it can keep the job
-        across a restart."""
+    def leased(self, ref: int, lease: str) -> None:
+        """A remote worker holds job `ref` under `lease` (a poller's token, a calculator's
+        address): journaled, so that only that holder can keep the job across a restart."""
         if self.journal is not None:
-            self.journal.job_leased(job.ref, lease)
-            self._leased.add(job.ref)
+            self.journal.job_leased(ref, lease)
+            self._leased.add(ref)
 
     # ------------------------------------------------------------ from the scheduler
 

@@ -184,7 +184,7 @@ class HttpDoor:
         waiter.lease = secrets.token_urlsafe(LEASE_BYTES)
         waiter.event.set()
         self.pollers.handed(action.name, now, waiter.lease)
-        self.desk.leased(job, waiter.lease)
+        self.desk.leased(job.ref, waiter.lease)
 
     def job_ended(self, job: Job) -> None:
         """The desk's hook: a job ended (or was deleted): wake its long-polls."""
