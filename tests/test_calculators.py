@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from typing import Any
 
 from controller.calclink import (
     CalculatorLink,
@@ -204,3 +205,28 @@ def test_garbage_from_a_calculator_is_dropped_and_counted():
         assert fd.datagram(data, CALC, 0.0) == []
     assert fd.stats.unparseable == 2 and fd.stats.refused == 1  # the last: no status
     assert fd.datagram(datagram("heartbeat", status="ready"), CALC, 0.1) == [Heartbeat(CALC, True)]
+
+
+def test_calculator_addresses_are_forgotten_after_silence():
+    c = Core(calculator_timeout=TIMEOUT, forget_remote_after=60.0)
+    for port in range(2000, 3000):
+        c.calculators.heartbeat(("127.0.0.9", port), True, 0.0)
+    assert len(c.calculators.roster) == 1000
+    c.expire(TIMEOUT)  # silent: dropped as workers, still known by address
+    assert c.workers == {} and len(c.calculators.roster) == 1000
+    c.expire(59.999)
+    assert len(c.calculators.roster) == 1000
+    c.expire(60.0)
+    assert len(c.calculators.roster) == 0 and c.calculators.addresses == {}
+    assert c.calculators.names == {} and c.calculators._by_addr == {}
+
+
+def test_a_calculators_done_count_survives_a_timeout():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    c.submit(5, b"in", "j", 0.1)
+    c.calculators.completed(CALC, 5, True, b"out", "", 0.2)
+    c.expire(TIMEOUT + 1)  # silent: dropped
+    c.calculators.heartbeat(CALC, True, TIMEOUT + 2)
+    workers: Any = c.status(TIMEOUT + 2)["workers"]
+    assert [row["done"] for row in workers] == [1]

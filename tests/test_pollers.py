@@ -133,3 +133,36 @@ def test_no_lease_issued_means_no_report_is_taken():
     c.pollers.ping("p1", 0.0)
     task, _ = c.submit(9, b"", "j", 0.0)
     assert not c.pollers.holds("p1", task.ref, "")  # handed out, but no lease yet
+
+
+def _status_done(c: Core, name: str) -> int:
+    [row] = [w for w in c.status(0.0)["workers"] if w["name"] == name]  # type: ignore[attr-defined]
+    return int(row["done"])
+
+
+def test_a_pollers_done_count_outlives_its_pings():
+    c = core()
+    for i in range(3):
+        c.pollers.ping("p1", float(i))
+        task, _ = c.submit(10 + i, b"", f"j{i}", float(i))
+        c.pollers.handed("p1", float(i), "L")
+        c.pollers.working("p1", task.ref, float(i))
+        c.pollers.finished("p1", task.ref, b"", float(i))
+    c.pollers.ping("p1", 4.0)  # waits for more: a worker again, with what it did before
+    assert _status_done(c, "p1") == 3
+
+
+def test_poller_names_are_forgotten_after_silence_but_not_while_live():
+    c = Core(claim_timeout=CLAIM, lease_timeout=LEASE, forget_remote_after=100.0)
+    for i in range(1000):  # a stream of new names, each asking once and giving up
+        c.pollers.ping(f"n{i}", 1.0)
+        c.pollers.gave_up(f"n{i}", 1.0)
+    c.pollers.ping("live", 1.0)  # waiting all along
+    assert len(c.pollers.roster) == 1001
+    c.expire(100.999)
+    assert len(c.pollers.roster) == 1001
+    c.expire(101.0)
+    assert len(c.pollers.roster) == 1 and c.pollers.names == {c.pollers.roster.ids["live"]: "live"}
+    assert len(c.pollers._by_name) == 1
+    c.expire(500.0)
+    assert "live" in c.pollers.roster.ids  # still waiting: still known

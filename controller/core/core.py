@@ -37,6 +37,7 @@ class Core:
         claim_timeout: float = 300.0,
         lease_timeout: float = 30.0,
         calculator_timeout: float = 5.0,
+        forget_remote_after: float = 3600.0,
     ) -> None:
         self.scheduler = Scheduler(
             max_retries=max_retries,
@@ -45,8 +46,14 @@ class Core:
         )
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
-        self.pollers = Pollers(self.scheduler, self.recovery, claim_timeout, lease_timeout)
-        self.calculators = Calculators(self.scheduler, self.recovery, calculator_timeout)
+        # Remote workers' names and addresses are forgotten forget_remote_after seconds after
+        # they were last heard (the shell passes result_retention).
+        self.pollers = Pollers(
+            self.scheduler, self.recovery, claim_timeout, lease_timeout, forget_remote_after
+        )
+        self.calculators = Calculators(
+            self.scheduler, self.recovery, calculator_timeout, forget_remote_after
+        )
         # The shells' hot paths call these directly: no dispatch on the event's type,
         # no extra frame (`handle` does the same for any event).
         self.pulse = self.local.pulse

@@ -17,11 +17,11 @@ used). A ping that ends with no job (`gave_up`) removes the idle poller.
 from __future__ import annotations
 
 import hmac
-import itertools
 import logging
 
 from controller.core.model import Action, HandOut, Task, Worker, WorkerEvent, WorkerState
 from controller.core.recovery import Recovery
+from controller.core.roster import Roster
 from controller.core.scheduler import Scheduler
 
 log = logging.getLogger("controller.core")
@@ -36,16 +36,24 @@ class Pollers:
     label = "poller"
 
     def __init__(
-        self, scheduler: Scheduler, recovery: Recovery, claim_timeout: float, lease_timeout: float
+        self,
+        scheduler: Scheduler,
+        recovery: Recovery,
+        claim_timeout: float,
+        lease_timeout: float,
+        forget_after: float = 3600.0,
     ) -> None:
         self.scheduler = scheduler
         self.recovery = recovery
         self.claim_timeout = claim_timeout
         self.lease_timeout = lease_timeout
-        self._ids: dict[str, int] = {}
-        self._next_id = itertools.count(FIRST_POLLER_ID)
         self._by_name: dict[str, Worker] = {}
-        self.names: dict[int, str] = {}
+        # Numbers, names and done counts by name, forgotten forget_after seconds after the
+        # poller was last heard (the HTTP door passes result_retention).
+        self.roster: Roster[str] = Roster(
+            scheduler, FIRST_POLLER_ID, forget_after, str, self._forget
+        )
+        self.names = self.roster.names
 
     # ------------------------------------------------------------ the scheduler's side
 
@@ -64,6 +72,7 @@ class Pollers:
         (A poller already known stays as it is: idle, or holding its job.)"""
         sched = self.scheduler
         if self._live(name) is not None:
+            self.roster.heard(name, now)
             return []
         worker = self._new(name, now)
         sched.ready(worker)
@@ -89,11 +98,9 @@ class Pollers:
         return False
 
     def _new(self, name: str, now: float) -> Worker:
-        wid = self._ids.get(name)
-        if wid is None:
-            wid = self._ids[name] = next(self._next_id)
-            self.names[wid] = name
+        wid = self.roster.heard(name, now)
         worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+        worker.done = self.roster.done.get(wid, 0)  # what it did in its earlier lives
         worker.last_pulse = now
         self._by_name[name] = worker
         self.scheduler.add_worker(worker)
@@ -141,6 +148,7 @@ class Pollers:
         worker = self._held(name, ref)
         actions: list[Action] = []
         worker.last_pulse = now
+        self.roster.heard(name, now)
         if worker.state is WorkerState.ASSIGNING:
             self.scheduler.accepted(worker, now, actions)
         worker.deadline = now + self.lease_timeout
@@ -154,6 +162,7 @@ class Pollers:
             self.scheduler.accepted(worker, now, actions)
         worker.advance(WorkerEvent.FETCH)
         self.scheduler.finished(worker, result, now, actions)
+        self._ended(name, worker, now)
         self.scheduler.lost(worker, now, actions, cause="shutdown")  # it pings again for more
         self.scheduler.dispatch(actions)
         return actions
@@ -165,11 +174,20 @@ class Pollers:
             self.scheduler.accepted(worker, now, actions)
         worker.advance(WorkerEvent.FETCH)
         self.scheduler.failed(worker, error or f"poller {name} reported failure", now, actions)
+        self._ended(name, worker, now)
         self.scheduler.lost(worker, now, actions, cause="shutdown")
         self.scheduler.dispatch(actions)
         return actions
 
     # ------------------------------------------------------------ helpers
+
+    def _ended(self, name: str, worker: Worker, now: float) -> None:
+        """A job ended on it: its done count outlives this life as a worker."""
+        self.roster.heard(name, now)
+        self.roster.done[worker.worker_id] = worker.done
+
+    def _forget(self, name: str) -> None:
+        self._by_name.pop(name, None)
 
     def _live(self, name: str) -> Worker | None:
         worker = self._by_name.get(name)

@@ -127,6 +127,7 @@ class CoreShell:
             claim_timeout=config.claim_timeout,
             lease_timeout=config.lease_timeout,
             calculator_timeout=config.calculator_timeout,
+            forget_remote_after=config.result_retention,
         )
         # Where a job for a calculator goes (the UDP door sends perform_task).
         self.on_perform: Callable[[PerformTask], None] | None = None
