@@ -266,6 +266,11 @@ class JobBook:
         job.expires_at = now + keep
         self._deadlines.push(job.expires_at, job)
 
+    def forget(self, job: Job) -> None:
+        """Forget a job now (its retention deadline, if any, is then skipped)."""
+        if self._by_id.get(job.id) is job:
+            del self._by_id[job.id]
+
     def expire(self, now: float) -> list[Job]:
         """Forget the jobs whose retention is over (at most MAX_FORGET_PER_CALL a call)."""
         gone: list[Job] = []

@@ -20,6 +20,7 @@ from controller.core.model import (
     TaskState,
     Worker,
     WorkerExited,
+    WorkerState,
 )
 from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
@@ -158,9 +159,23 @@ class Core:
             }
             for w in itertools.islice(self.workers.values(), max_workers)
         ]
+        kinds: dict[str, dict[str, int]] = {}
+        for w in self.workers.values():
+            kind = kinds.setdefault(w.kind.label, {"workers": 0, "idle": 0, "done": 0})
+            kind["workers"] += 1
+            kind["idle"] += w.state is WorkerState.IDLE
+            kind["done"] += w.done
+        # Remote workers that are not workers right now (a poller between jobs) did jobs too.
+        for kind_of in (self.pollers, self.calculators):
+            live = {w.worker_id for w in self.workers.values() if w.kind is kind_of}
+            away = sum(n for wid, n in kind_of.roster.done.items() if wid not in live)
+            if away:
+                entry = kinds.setdefault(kind_of.label, {"workers": 0, "idle": 0, "done": 0})
+                entry["done"] += away
         return {
             "workers": workers,
             "workers_total": len(self.workers),
+            "kinds": kinds,
             "tasks": {
                 "queued": by_state.get("queued", 0),
                 "running": by_state.get("running", 0),

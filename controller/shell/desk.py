@@ -22,7 +22,7 @@ import trio
 
 from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
-from controller.frontdoor import Delivered, DoorAction, Send, Submit
+from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
 from controller.jobs import Job, JobBook, JobState, notes_of
 from controller.journal import Journal, Recovered
 from controller.shell.durability import WriteAhead
@@ -110,6 +110,8 @@ class JobDesk:
                 self.submit(action.job_id, "udp", action.addr, action.task_id, action.payload, now)
             elif isinstance(action, Delivered):
                 self.delivered(action.job_id, now)
+            elif isinstance(action, Evict):
+                self.evict(action.job_id)
             else:
                 self.scheduling.execute(self._calculator(action, now))
         if sends:
@@ -175,6 +177,18 @@ class JobDesk:
         if self.journal is not None:
             self.journal.job_delivered(job.ref, self.book.result_retention)
         self._timer.poke_at(job.expires_at)
+
+    def evict(self, job_id: str) -> None:
+        """Forget a delivered job before its retention ends (its door is over its memory)."""
+        job = self.book.get(job_id)
+        if job is None or not job.delivered:
+            return
+        self.book.forget(job)
+        if self.journal is not None:
+            self.journal.job_forgotten(job.ref)
+        door = self.doors.get(job.door)
+        if door is not None:
+            door.forget(job)
 
     def cancel(self, job: Job, now: float) -> bool:
         """Cancel a live job (a local worker holding it gets RESTART); False if it ended."""

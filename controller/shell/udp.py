@@ -85,6 +85,7 @@ class UdpDoor:
                 max_result=config.max_extra_size,
                 first_txid=int(time.time() * 1000) + (1 << 50),
             ),
+            memory=config.udp_memory,
         )
         shell.on_perform = self.perform
         self._sock: stdsocket.socket | None = None
