@@ -539,15 +539,22 @@ async def test_a_forged_report_without_the_lease_is_409_and_changes_nothing(sock
         assert done.json()["result"] == "ok"
 
 
+async def _claimed_by_p(sockdir: Path, job_id: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A controller whose poller `p` claims and confirms job `job_id`, stopped once that is
+    on disk; the poller's working report (with its lease)."""
+    async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": job_id, "payload": "in"})
+        claim = (await http.get("/ping/", params={"worker": "p", "wait": 5})).json()
+        report = {"state": "working", "worker": "p", "lease": claim["lease"]}
+        assert (await http.put(f"/job/{job_id}/", json=report)).status_code == 200
+        await ctl.desk.write_ahead.committed()
+    return report
+
+
 async def test_after_a_restart_only_the_lease_keeps_a_pollers_job(sockdir, tmp_path):
     path = tmp_path / "j.sqlite3"
     settings: dict[str, Any] = {"workers": 0, "journal": path, "lease_timeout": 30}
-    async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
-        await http.post("/job/", json={"id": "rj", "payload": "in"})
-        claim = (await http.get("/ping/", params={"worker": "p", "wait": 5})).json()
-        report = {"state": "working", "worker": "p", "lease": claim["lease"]}
-        assert (await http.put("/job/rj/", json=report)).status_code == 200
-        await ctl.desk.write_ahead.committed()
+    report = await _claimed_by_p(sockdir, "rj", settings)
     async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
         forged = {**report, "lease": "guess", "state": "finished", "result": "FORGED"}
         assert (await http.put("/job/rj/", json=forged)).status_code == 409
@@ -561,15 +568,10 @@ async def test_after_a_restart_only_the_lease_keeps_a_pollers_job(sockdir, tmp_p
 async def test_after_a_restart_a_pollers_job_is_placed_again_without_its_holder(sockdir, tmp_path):
     path = tmp_path / "j.sqlite3"
     settings: dict[str, Any] = {"workers": 0, "journal": path, "lease_timeout": 0.5}
-    async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
-        await http.post("/job/", json={"id": "gone", "payload": "in"})
-        claim = (await http.get("/ping/", params={"worker": "p", "wait": 5})).json()
-        report = {"state": "working", "worker": "p", "lease": claim["lease"]}
-        assert (await http.put("/job/gone/", json=report)).status_code == 200
-        await ctl.desk.write_ahead.committed()
+    report = await _claimed_by_p(sockdir, "gone", settings)
     async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
         again = (await http.get("/ping/", params={"worker": "q", "wait": 10})).json()
-        assert again["id"] == "gone" and again["lease"] != claim["lease"]
+        assert again["id"] == "gone" and again["lease"] != report["lease"]
         assert (await http.put("/job/gone/", json=report)).status_code == 409  # the old holder
 
 
