@@ -144,6 +144,14 @@ async def test_an_idle_connection_is_closed_with_hypercorns_own_timer(
     assert fitted == []
 
 
+async def test_a_connection_silent_mid_head_is_closed(sockdir, short_idle):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(b"GET /health/ HTTP/1.1\r\nHost: x\r\n")  # no blank line: more due
+        assert await _read_until_closed(stream) == b""
+        await wait_until(lambda: ctl.web.connections.open == 0)
+
+
 async def test_a_connection_silent_mid_body_is_closed(sockdir, short_idle):
     async with http_controller(sockdir, workers=1) as ctl:
         stream = await _connect(ctl.url)

@@ -42,7 +42,7 @@ from controller.core import (
 )
 from controller.core.model import Task
 from controller.reactor import Reactor
-from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, out_of_descriptors
+from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 from controller.shell.durability import WriteAhead
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
@@ -243,9 +243,10 @@ class CoreShell:
             except BlockingIOError:
                 return
             except OSError as exc:
-                if not out_of_descriptors(exc):  # this peer's trouble (ECONNABORTED...)
+                if one_connection(exc):  # that peer's trouble (ECONNABORTED...)
                     continue
-                # Out of descriptors: the pulses wait in the backlog; look again after a pause.
+                # Out of descriptors (or worse): the pulses wait in the backlog; look again
+                # after a pause.
                 now = trio.current_time()
                 self._accept_failed(exc.strerror or exc, now)
                 self.reactor.unwatch(sock)

@@ -3,7 +3,8 @@
 The controller serves the network as root, so anyone who can open connections
 can try to use up its descriptors. At start it raises its soft RLIMIT_NOFILE to
 the hard limit (`raise_nofile_limit`). When accept(2) still fails for want of a
-descriptor or of kernel memory, the listener is left alone for `ACCEPT_PAUSE`
+descriptor or of kernel memory (EMFILE, ENFILE, ENOBUFS, ENOMEM: any error that is not
+about the one connection, `one_connection`), the listener is left alone for `ACCEPT_PAUSE`
 and tried again (the pending connections wait in the kernel's backlog), and the
 failure is logged at most once per `LOG_EVERY` seconds with a count
 (`Throttled`): the controller keeps running, and every other socket keeps its
@@ -16,18 +17,21 @@ import errno
 import logging
 import resource
 
-# accept(2) and socket(2) errors that mean "no descriptor or buffer now", not "this peer is bad".
-OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-# Seconds a listener rests after such a failure: long enough not to spin on a full table,
+# accept(2) errors that concern one connection only (it was aborted before it was taken):
+# the next accept is tried at once. Any other error rests the listener as above.
+PEER_ERRORS = frozenset(
+    {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR, errno.ENETDOWN, errno.ENONET}
+)
+# Seconds a listener rests after any other failure: long enough not to spin on a full table,
 # short enough that a pulse waiting in the backlog is served well within dial_timeout.
 ACCEPT_PAUSE = 0.1
 # At most one log line per this many seconds for one kind of failure.
 LOG_EVERY = 30.0
 
 
-def out_of_descriptors(exc: OSError) -> bool:
-    """True when `exc` says the process or the system ran out of descriptors or memory."""
-    return exc.errno in OUT_OF_DESCRIPTORS
+def one_connection(exc: OSError) -> bool:
+    """True when an accept error concerns that connection alone (try the next at once)."""
+    return exc.errno in PEER_ERRORS
 
 
 def raise_nofile_limit() -> tuple[int, int]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, out_of_descriptors
+from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 
 log = logging.getLogger("controller.http")
 
@@ -125,7 +125,7 @@ async def _accept_loop(
         try:
             sock, _ = await listener.accept()
         except OSError as exc:
-            if not out_of_descriptors(exc):  # that peer's trouble (ECONNABORTED...)
+            if one_connection(exc):  # that peer's trouble (ECONNABORTED...)
                 continue
             connections.accept_failed(exc.strerror or exc, trio.current_time())
             await trio.sleep(ACCEPT_PAUSE)
