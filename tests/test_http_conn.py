@@ -1,6 +1,6 @@
 """The HTTP door's connections: the cap on open ones, HTTP/1.1 only, the silences and the
-body's time limit, against an in-process controller over real sockets; and a real
-controller under a small descriptor limit."""
+body's time limit, against an in-process controller over real sockets; a real controller
+under a small descriptor limit; and a calculator's report forged from another port."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import trio
 from controller.shell import http as http_module
 from controller.shell import keepalive
 from tests.helpers import live_controller, run_udp_client, wait_for_condition, wait_until
-from tests.test_http import http_controller
+from tests.test_http import client, http_controller
 
 SHORT_IDLE = 0.5  # the door's IDLE_TIMEOUT in these tests
 
@@ -262,3 +262,53 @@ def test_max_connections_keeps_descriptors_for_the_rest(tmp_path):
         assert ctl.proc.poll() is None
         # The cap kept descriptors free: no accept ever failed.
         assert "cannot accept" not in _log(tmp_path)
+
+
+# ---------------------------------------------------------------- calculators cannot forge
+
+
+async def test_a_forged_completed_task_from_another_port_is_acknowledged_and_ignored(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl:
+        door = ("127.0.0.1", ctl.udp_port)
+        calc = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        forger = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with calc, forger:
+            await calc.bind(("127.0.0.1", 0))
+            await forger.bind(("127.0.0.1", 0))
+
+            async def send(sock, method, txid=None, **params):
+                packet = {"method": method, "params": params, "packet_type": 0}
+                if txid is not None:
+                    packet.update(packet_type=1, transmission_id=txid)
+                await sock.sendto(json.dumps(packet).encode(), door)
+
+            await send(calc, "heartbeat", status="ready")
+            await wait_until(lambda: len(ctl.shell.core.workers) == 1)
+            async with client(ctl.url) as http:
+                job = (await http.post("/job/", json={"id": "calc-job", "payload": "in"})).json()
+                with trio.fail_after(10):
+                    perform = json.loads((await calc.recvfrom(65536))[0])
+                assert perform["method"] == "perform_task"
+                ack = {
+                    "method": "ack",
+                    "packet_type": 2,
+                    "transmission_id": perform["transmission_id"],
+                }
+                await calc.sendto(json.dumps(ack).encode(), door)
+                await wait_until(lambda: ctl.desk.book.get("calc-job").state.value == "working")
+                # From another port of the same host: acknowledged, counted, not taken.
+                await send(forger, "heartbeat", status="busy")
+                task_id = job["task_id"]
+                await send(
+                    forger, "completed_task", 7, task_id=task_id, status="success", result="FORGED"
+                )
+                with trio.fail_after(10):
+                    answer = json.loads((await forger.recvfrom(65536))[0])
+                assert answer["transmission_id"] == 7 and "error" not in answer
+                assert ctl.shell.core.calculators.ignored_reports == 1
+                assert (await http.get("/job/calc-job/")).json()["state"] == "working"
+                await send(
+                    calc, "completed_task", 8, task_id=task_id, status="success", result="real"
+                )
+                done = (await http.get("/job/calc-job/", params={"wait": 10})).json()
+                assert done["state"] == "finished" and done["result"] == "real"
