@@ -7,18 +7,23 @@
 2. One job at a time: POST then GET ?wait= (p50, p99), beside the UDP door.
 3. Pulse latency on main.sock (a pulse exchange, p50/p99) with no long-poll open
    and with 1,000 `GET /job/{id}/?wait=60` open on jobs that stay pending.
+4. (`python -m bench.http_bench keepalive`) controller/shell/keepalive.py's idle timer
+   against hypercorn's own, beside each other in one run: the AsyncClient throughput and
+   the controller's CPU per job, each controller measured twice, alternating.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import statistics
+import sys
 import time
 from typing import Any
 
 import trio
 
-from bench.common import percentile, socket_dir
+from bench.common import cpu_while, percentile, socket_dir
 from bench.e2e_bench import HANDLER, drive, ppe_rate
 from controller.client import AsyncClient, Client
 from controller.client.http import AsyncHttpPool
@@ -170,5 +175,55 @@ def main() -> dict[str, Any]:
     return results
 
 
+# Runs `python -m controller ARGS` with hypercorn's own keep-alive timer: live_controller's
+# launcher goes before its command line, which this strips (argv[4:] are the controller's).
+_OWN_TIMER = (
+    sys.executable,
+    "-c",
+    "import sys; from controller.shell import keepalive; keepalive.usable = lambda: False; "
+    "from controller.shell.main import main; sys.exit(main(sys.argv[4:]))",
+)
+
+
+def keepalive_comparison(jobs: int = JOBS, rounds: int = 2) -> dict[str, Any]:
+    """AsyncClient jobs/s and the controller's CPU per job with keepalive.py's timer and with
+    hypercorn's own, alternating."""
+    figures: dict[str, list[tuple[float, float]]] = {"keepalive.py": [], "hypercorn's": []}
+    for _ in range(rounds):
+        for label, launcher in (("keepalive.py", ()), ("hypercorn's", _OWN_TIMER)):
+            with (
+                socket_dir() as tmp,
+                live_controller(
+                    tmp,
+                    "--workers",
+                    "2",
+                    "--",
+                    "--handler",
+                    HANDLER,
+                    "--log-level",
+                    "ERROR",
+                    launcher=launcher,
+                    journal=None,
+                ) as ctl,
+            ):
+                trio.run(_async_throughput, ctl.url, 500)  # warm up
+                run = functools.partial(trio.run, _async_throughput, ctl.url, jobs)
+                rate, cpu = cpu_while([ctl.proc.pid], jobs, run)
+                figures[label].append((rate, cpu["controller_us"]))
+    out = {}
+    for label, runs in figures.items():
+        rates = ", ".join(f"{rate:,.0f}" for rate, _ in runs)
+        cpus = ", ".join(f"{us:.0f}" for _, us in runs)
+        print(f"idle timer {label:<13} AsyncClient jobs/s {rates}; controller CPU us/job {cpus}")
+        out[label] = {
+            "jobs_per_s": [round(r) for r, _ in runs],
+            "cpu_us": [round(c) for _, c in runs],
+        }
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["keepalive"]:
+        keepalive_comparison()
+    else:
+        main()

@@ -74,6 +74,14 @@ class Config:
     redis: RedisSettings | None = None
     # Prometheus endpoint (host, port); None: no endpoint.
     metrics_address: ClientAddress | None = None
+    # Open HTTP connections at most; a connection past it is accepted and closed at once.
+    max_connections: int = 1000
+    # Seconds an HTTP request may take from its first byte to its last.
+    http_body_timeout: float = 30.0
+    # Bytes of `log` text kept per job (the oldest entries go first).
+    max_log_size: int = 65536
+    # Bytes of encoded answers the UDP door holds for repeats and retained results.
+    udp_memory: int = 67108864
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (flags override the file)."""
@@ -220,6 +228,10 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "lease_timeout": _positive_seconds,
     "redis": _redis,
     "metrics_address": _optional_address,
+    "max_connections": _size,
+    "http_body_timeout": _positive_seconds,
+    "max_log_size": _size,
+    "udp_memory": _size,
 }
 
 

@@ -24,6 +24,11 @@ MAX_DATAGRAM = 65_535
 MAX_INLINE_RESULT = 60_000
 # Largest chunk one get_result may ask for (base64 of it stays well under 64 KiB).
 MAX_CHUNK = 32_768
+# Largest datagram read in the single-quoted literal form (ast.literal_eval's cost grows
+# faster than the text: a big one would be a cheap way to keep the controller busy).
+MAX_LITERAL = 4096
+# Largest answer to `status`: at most a few times a small request, so it amplifies little.
+MAX_STATUS = 1200
 
 
 class BadPacket(Exception):
@@ -66,6 +71,10 @@ def parse_packet(data: bytes) -> dict[str, Any]:
     try:
         obj = _loads(text)
     except (ValueError, RecursionError):
+        if len(data) > MAX_LITERAL:
+            raise BadPacket(
+                "bad_json", "not JSON (the literal form is read up to 4096 bytes)"
+            ) from None
         try:
             obj = ast.literal_eval(text)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):

@@ -72,7 +72,18 @@ class Delivered:
     job_id: str
 
 
-DoorAction = Send | Submit | Delivered | Heartbeat | Completed | PerformAcked | PerformUnacked
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Forget a delivered job before its retention ends: the door is over `udp_memory`."""
+
+    job_id: str
+
+
+DoorAction = (
+    Send | Submit | Delivered | Evict | Heartbeat | Completed | PerformAcked | PerformUnacked
+)
+# What a retained job costs besides its payload and result (its record, the book's slot).
+RETAINED_OVERHEAD = 300
 CALCULATOR_METHODS = frozenset({"heartbeat", "completed_task"})
 
 
@@ -101,6 +112,7 @@ class FrontDoor:
         max_payload: int = 16 * 1024 * 1024,
         first_txid: int = 1,
         calculators: CalculatorLink | None = None,
+        memory: int = 64 * 1024 * 1024,
     ) -> None:
         """`refusal()`: why new jobs must be refused now ("" when welcome)."""
         self.book = book
@@ -123,6 +135,12 @@ class FrontDoor:
         self._calculator_cache: dict[str, bool] = {}
         self._last_log = -LOG_INTERVAL
         self._dropped_since_log = 0
+        # udp_memory: bytes of answers held for repeats (`seen`) and of delivered jobs kept
+        # for get_task / get_result (oldest first: evicted first), and those jobs' sizes.
+        self.memory = memory
+        self._retained: dict[str, int] = {}
+        self._retained_bytes = 0
+        self.evicted = 0
 
     # ------------------------------------------------------------ inbound
 
@@ -152,7 +170,7 @@ class FrontDoor:
                 return []
             job_id = self.repeats.acked(txid, addr) if client else None
             if job_id is not None:
-                return [Delivered(job_id)]
+                return self._delivered(job_id, now)
             if calculator and link is not None:
                 acked = link.acked(txid, addr, refused="error" in packet)
                 return [acked] if acked is not None else []
@@ -185,12 +203,17 @@ class FrontDoor:
             reply = dg.error_ack(txid, exc.code, exc.message, len(data))
             if ptype == dg.WANT_ACK:
                 self.seen.remember(addr, txid, reply, now)
-            return [Send(reply, addr, independent=True)] if reply is not None else []
+            refused: list[DoorAction] = (
+                [Send(reply, addr, independent=True)] if reply is not None else []
+            )
+            return self._within_memory(now, refused)
         if ptype != dg.WANT_ACK or txid is None:
             return out
         reply = dg.ack(txid, ack_params)
         if not (self._book_dedups and packet.get("method") == "add_task"):
             self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
+            if self.seen.held_bytes + self._retained_bytes > self.memory:
+                out = self._within_memory(now, out)
         if out and isinstance(out[0], Submit):
             return [Send(reply, addr, batched=True), *out]
         return [Send(reply, addr), *out]
@@ -222,7 +245,7 @@ class FrontDoor:
                 "refused_by_code": dict(self.stats.by_code),
                 "records": len(self.book),
             }
-            return [], report
+            return [], fit_status(report, dg.MAX_STATUS - STATUS_ENVELOPE)
         raise BadPacket("unknown_method", f"unknown method {str(method)[:40]!r}")
 
     @staticmethod
@@ -289,7 +312,8 @@ class FrontDoor:
         self.stats.notifications += 1
         if job.final is not JobState.FINISHED:
             params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
-            return [Send(dg.request("notify_task", params), addr, batched=True), Delivered(job.id)]
+            send = Send(dg.request("notify_task", params), addr, batched=True)
+            return [send, *self._delivered(job.id, now)]
         txid = self.repeats.start(job.id, addr, now)
         return [Send(self._success_packet(job, txid), addr, batched=True)]
 
@@ -308,7 +332,8 @@ class FrontDoor:
                 continue
             self.stats.notify_repeats += 1
             out.append(Send(self._success_packet(job, pending.txid), pending.addr, batched=True))
-        out.extend(Delivered(job_id) for job_id in gave_up)
+        for job_id in gave_up:
+            out.extend(self._delivered(job_id, now))
         self.seen.expire(now)
         return out
 
@@ -327,6 +352,31 @@ class FrontDoor:
     def forget(self, job: Job) -> None:
         """The book forgot `job`: nothing more to send for it."""
         self.repeats.cancel(job.id)
+        self._retained_bytes -= self._retained.pop(job.id, 0)
+
+    def _delivered(self, job_id: str, now: float) -> list[DoorAction]:
+        """`Delivered`, and then, while the door holds more than `memory` bytes, the oldest
+        delivered jobs are evicted (and the remembered answers shed when nothing else is)."""
+        out: list[DoorAction] = [Delivered(job_id)]
+        job = self.book.get(job_id)
+        if job is not None and job_id not in self._retained:
+            size = RETAINED_OVERHEAD + len(job.result) + len(job.payload)
+            self._retained[job_id] = size
+            self._retained_bytes += size
+        self._within_memory(now, out)
+        return out
+
+    def _within_memory(self, now: float, out: list[DoorAction]) -> list[DoorAction]:
+        """Evict the oldest delivered jobs (into `out`) while over `memory`."""
+        while self._retained_bytes + self.seen.held_bytes > self.memory:
+            if not self._retained:
+                self.seen.shed(now)
+                break
+            oldest = next(iter(self._retained))
+            self._retained_bytes -= self._retained.pop(oldest)
+            self.evicted += 1
+            out.append(Evict(oldest))
+        return out
 
     @staticmethod
     def _success_packet(job: Job, txid: int) -> bytes:
@@ -353,6 +403,42 @@ class FrontDoor:
             log.warning("%s%s", what, more)
             self._last_log = now
             self._dropped_since_log = 0
+
+
+# Bytes of the acknowledgement around a status report (method, type, a 20-digit id).
+STATUS_ENVELOPE = 100
+
+
+def fit_status(report: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The status report cut to at most `limit` bytes encoded: the worker list shortened
+    first (`workers_total` and the per-kind counts stay whole), then the details that
+    can be long (refusals by code, worker losses, Redis's last error), then whole sections."""
+
+    def size() -> int:
+        return len(dg.encode(report))
+
+    workers = report.get("workers")
+    if isinstance(workers, list):
+        while workers and size() > limit:  # halve a long list, then one at a time
+            keep = len(workers) // 2 if len(workers) > 8 else len(workers) - 1
+            del workers[keep:]
+    for section, key in (
+        ("front_door", "refused_by_code"),
+        (None, "worker_losses"),
+        ("redis", "last_error"),
+    ):
+        if size() <= limit:
+            return report
+        holder = report.get(section) if section else report
+        if isinstance(holder, dict):
+            holder.pop(key, None)
+    for key in ("redis", "front_door", "workers", "kinds"):
+        if size() <= limit:
+            return report
+        report.pop(key, None)
+    if size() > limit:
+        return {"workers_total": report.get("workers_total"), "tasks": report.get("tasks")}
+    return report
 
 
 def cached_allowed(

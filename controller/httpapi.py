@@ -36,7 +36,9 @@ MAX_ERROR = 100_000
 MAX_LOG = 1_000_000
 
 NEW_JOB_FIELDS = frozenset({"name", "info_url", "download_url", "payload", "payload_b64", "id"})
-UPDATE_FIELDS = frozenset({"state", "log", "worker", "result", "result_b64", "error"})
+UPDATE_FIELDS = frozenset({"state", "log", "worker", "lease", "result", "result_b64", "error"})
+# A poller's lease is a token the controller made (about 22 characters); anything longer is not one.
+MAX_LEASE = 200
 USER_STATES = frozenset({"canceled"})
 POLLER_STATES = frozenset({"working", "finished", "failed"})
 
@@ -69,6 +71,7 @@ class Update:
     worker: str | None
     result: bytes | None
     error: str | None
+    lease: str | None = None
 
 
 def max_body(max_payload: int) -> int:
@@ -155,6 +158,7 @@ def parse_update(body: bytes, max_result: int) -> Update:
         worker=_text(data, "worker", MAX_ID_LENGTH),
         result=_bytes(data, "result", max_result),
         error=_text(data, "error", MAX_ERROR),
+        lease=_text(data, "lease", MAX_LEASE),
     )
     if update.state is None and update.log is None:
         raise ApiError(400, "give state and/or log")

@@ -17,6 +17,7 @@ into wall-clock seconds for the timestamps a person reads.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -71,6 +72,10 @@ def udp_job_id(host: str, port: int, task_id: int) -> str:
     return f"udp-{host}-{port}-{task_id}"
 
 
+# Bytes of log text a job keeps by default (config: max_log_size).
+DEFAULT_MAX_LOG_SIZE = 65536
+
+
 @dataclass(eq=False, slots=True)
 class JobNotes:
     """What a person gave a job or was told about it, kept apart from `Job` because most
@@ -79,7 +84,8 @@ class JobNotes:
     name: str = ""
     info_url: str = ""
     download_url: str = ""
-    log: list[str] = field(default_factory=list)
+    log: deque[str] = field(default_factory=deque)
+    log_size: int = 0  # bytes of `log` (UTF-8)
 
 
 def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobNotes | None:
@@ -127,10 +133,24 @@ class Job:
         """The lines pollers sent about it (a copy)."""
         return list(self.notes.log) if self.notes is not None else []
 
-    def add_log(self, line: str) -> None:
+    def add_log(self, line: str, limit: int = DEFAULT_MAX_LOG_SIZE) -> None:
+        """Append a log entry, keeping at most `limit` bytes of log text (UTF-8): the oldest
+        entries go first, whole; an entry longer than `limit` keeps its newest bytes."""
         if self.notes is None:
             self.notes = JobNotes()
-        self.notes.log.append(line)
+        notes = self.notes
+        raw = line.encode("utf-8", "surrogatepass")
+        if len(raw) > limit:
+            raw = raw[len(raw) - limit :]
+            start = 0
+            while start < len(raw) and raw[start] & 0xC0 == 0x80:  # a cut character's tail
+                start += 1
+            raw = raw[start:]
+            line = raw.decode("utf-8", "surrogatepass")
+        while notes.log and notes.log_size + len(raw) > limit:
+            notes.log_size -= len(notes.log.popleft().encode("utf-8", "surrogatepass"))
+        notes.log.append(line)
+        notes.log_size += len(raw)
 
     @property
     def state(self) -> JobState:
@@ -245,6 +265,11 @@ class JobBook:
         keep = self.result_retention if retain_for is None else max(0.0, retain_for)
         job.expires_at = now + keep
         self._deadlines.push(job.expires_at, job)
+
+    def forget(self, job: Job) -> None:
+        """Forget a job now (its retention deadline, if any, is then skipped)."""
+        if self._by_id.get(job.id) is job:
+            del self._by_id[job.id]
 
     def expire(self, now: float) -> list[Job]:
         """Forget the jobs whose retention is over (at most MAX_FORGET_PER_CALL a call)."""

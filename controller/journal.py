@@ -62,6 +62,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     notified INTEGER NOT NULL DEFAULT 0,  -- 1: the submitter has the outcome, or repeats ran out
     expires_at REAL                   -- when a finished record may be forgotten
 );
+-- The lease of each job a poller holds: it must show it to keep the job after a restart.
+CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
 """
 
 # Version 1 kept UDP tasks only, in the words of the UDP door.
@@ -103,6 +105,13 @@ _PROGRESS_FINISH = (
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
 _DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
+_LEASED = "INSERT OR REPLACE INTO leases (ref, lease) VALUES (?, ?)"
+_UNLEASED = "DELETE FROM leases WHERE ref = ?"
+# Leases of jobs no longer live (ended, or forgotten), dropped at start.
+_STALE_LEASES = (
+    "DELETE FROM leases WHERE ref NOT IN"
+    " (SELECT ref FROM jobs WHERE state IN ('pending', 'working'))"
+)
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
@@ -130,6 +139,7 @@ class JobRow:
     failed_post: bool
     notified: bool
     expires_at: float | None
+    lease: str = ""  # the lease of the poller that held it ("": none)
 
 
 @dataclass
@@ -270,6 +280,8 @@ class Journal:
             out.first_worker_id = row[0] if row else 1
             self.ceiling = self.durable_ceiling = out.first_worker_id + WORKER_ID_BLOCK
             db.execute(_CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
+            db.execute(_STALE_LEASES)
+            leases = dict(db.execute("SELECT ref, lease FROM leases").fetchall())
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
@@ -295,6 +307,7 @@ class Journal:
                         failed_post=bool(r[15]),
                         notified=bool(r[16]),
                         expires_at=r[17],
+                        lease=str(leases.get(r[0], "")),
                     )
                 )
             out.next_ref = (out.jobs[-1].ref + 1) if out.jobs else 1
@@ -374,6 +387,14 @@ class Journal:
             row[position] = value
         self._staged[index] = (sql, tuple(row))
         return True
+
+    def job_leased(self, ref: int, lease: str) -> None:
+        """A poller claimed the job with this lease."""
+        self._stage((_LEASED, (ref, lease)))
+
+    def job_unleased(self, ref: int) -> None:
+        """The job a poller held ended: its lease is of no more use."""
+        self._stage((_UNLEASED, (ref,)))
 
     def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))

@@ -20,8 +20,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 # The states a job's hash may hold once it ended (section 7's words).
 FINAL_STATES = ("finished", "failed", "canceled", "deleted")
-# How long a results stream grows before old entries are trimmed (approximately).
+# How long a results stream grows before old entries are trimmed (approximately), where the
+# writer gives no time to trim by (a cancel through the client).
 RESULTS_MAXLEN = 100_000
+# The state READ_SCRIPT (and the door's other reads) give an entry whose `job:<id>` key is
+# not a hash: that entry fails alone.
+WRONG_TYPE = "!wrongtype"
 # The `error` of a job canceled through the client.
 CANCEL_ERROR = "canceled by a user"
 
@@ -51,6 +55,12 @@ def results_stream(stream: str) -> str:
     return f"{stream}:results"
 
 
+def acked_set(stream: str) -> str:
+    """The sorted set of the jobs stream's acknowledged entries, scored by when (ms): what
+    TRIM_SCRIPT removes from the stream once result_retention has passed."""
+    return f"{stream}:acked"
+
+
 def cancel_channel(stream: str) -> str:
     """Where a cancel is announced, so that the controller running the job stops it at once."""
     return f"{stream}:cancel"
@@ -67,30 +77,53 @@ def entry_job_id(stream: str, entry_id: str) -> str:
 _IS_FINAL = " or ".join(f"s == '{state}'" for state in FINAL_STATES)
 
 # Outcomes of several jobs, each written unless its hash is final already, then their
-# entries acknowledged. KEYS: results stream, jobs stream, then one job hash per job.
-# ARGV: group, updated_at, retention (ms), then per job: id, state, result, error,
-# the number of its entries, and their ids.
+# entries acknowledged (and noted, with the time, for TRIM_SCRIPT). A `job:<id>` that is
+# not a hash keeps no outcome (the results stream still says it), and a key of the wrong
+# type never fails the others: each call that touches one is a pcall.
+# KEYS: results stream, jobs stream, acknowledged set, then one job hash per job.
+# ARGV: group, updated_at, retention (ms), the results stream's oldest id to keep, now (ms),
+# then per job: id, state, result, error, the number of its entries, and their ids.
 OUTCOMES_SCRIPT = f"""
-local a = 4
+local a = 6
 local written = 0
-for k = 3, #KEYS do
+for k = 4, #KEYS do
   local id, state, result, err = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local acks = tonumber(ARGV[a + 4])
   a = a + 5
-  local s = redis.call('HGET', KEYS[k], 'state')
-  if not ({_IS_FINAL}) then
-    redis.call('HSET', KEYS[k], 'state', state, 'result', result, 'error', err,
-               'updated_at', ARGV[2])
-    redis.call('PEXPIRE', KEYS[k], ARGV[3])
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', '{RESULTS_MAXLEN}', '*', 'id', id, 'state', state)
+  local s = redis.pcall('HGET', KEYS[k], 'state')
+  local hash = type(s) ~= 'table'
+  if not hash or not ({_IS_FINAL}) then
+    if hash then
+      redis.call('HSET', KEYS[k], 'state', state, 'result', result, 'error', err,
+                 'updated_at', ARGV[2])
+      redis.call('PEXPIRE', KEYS[k], ARGV[3])
+    end
+    redis.pcall('XADD', KEYS[1], 'MINID', '~', ARGV[4], '*', 'id', id, 'state', state)
     written = written + 1
   end
   for i = 1, acks do
-    redis.call('XACK', KEYS[2], ARGV[1], ARGV[a])
+    redis.pcall('XACK', KEYS[2], ARGV[1], ARGV[a])
+    redis.pcall('ZADD', KEYS[3], ARGV[5], ARGV[a])
     a = a + 1
   end
 end
 return written
+"""
+
+# Entries of the jobs stream acknowledged before a cutoff are deleted (a page at a time), and
+# the results stream keeps its entries from a cutoff on (approximately, as XTRIM MINID ~).
+# KEYS: acknowledged set, jobs stream, results stream.
+# ARGV: acknowledged before (ms), page size, the results stream's oldest id to keep.
+# Returns how many entries it deleted (a full page: call again).
+TRIM_SCRIPT = """
+local ids = redis.pcall('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, ARGV[2])
+if type(ids) ~= 'table' or ids.err then ids = {} end
+if #ids > 0 then
+  redis.pcall('XDEL', KEYS[2], unpack(ids))
+  redis.pcall('ZREM', KEYS[1], unpack(ids))
+end
+redis.pcall('XTRIM', KEYS[3], 'MINID', '~', ARGV[3])
+return #ids
 """
 
 # New entries for a consumer (XREADGROUP without blocking), each with the state of its
@@ -108,7 +141,8 @@ for _, e in ipairs(r[1][2]) do
   local state = false
   for j = 1, #fields, 2 do
     if fields[j] == 'id' then
-      state = redis.call('HGET', '{JOB_PREFIX}' .. fields[j + 1], 'state')
+      state = redis.pcall('HGET', '{JOB_PREFIX}' .. fields[j + 1], 'state')
+      if type(state) == 'table' then state = '{WRONG_TYPE}' end
     end
   end
   out[#out + 1] = {{e[1], fields, state or ''}}

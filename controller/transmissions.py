@@ -24,6 +24,8 @@ TRANSMISSION_MEMORY = 120.0
 PLAIN_ACK = b"ack"
 # Cap on remembered transmissions, so a flood of distinct ids cannot grow memory without bound.
 MAX_TRANSMISSIONS = 200_000
+# What one remembered transmission costs besides its answer: a dict slot, the key's tuple.
+SEEN_OVERHEAD = 100
 # First interval between repeats of an unacknowledged success notification (then doubling).
 NOTIFY_FIRST_INTERVAL = 0.5
 
@@ -44,9 +46,20 @@ class Seen:
         self._new: dict[tuple[Address, int], bytes | None] = {}
         self._old: dict[tuple[Address, int], bytes | None] = {}
         self._turn_at = math.inf  # when the new generation becomes the old one
+        self._new_bytes = 0  # the answers each generation holds (for the door's memory cap)
+        self._old_bytes = 0
 
     def __len__(self) -> int:
         return len(self._new) + len(self._old)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the answers held (a plain acknowledgement, rebuilt, counts as its key)."""
+        return self._new_bytes + self._old_bytes
+
+    def shed(self, now: float) -> None:
+        """Drop the older generation now (the door is over its memory)."""
+        self._turn(now)
 
     def get(self, addr: Address, txid: int) -> tuple[bytes | None] | None:
         """(the answer given, or None for silence) if this request was seen; else None."""
@@ -62,7 +75,10 @@ class Seen:
     def remember(self, addr: Address, txid: int, answer: bytes | None, now: float) -> None:
         if not self._new and not self._old:
             self._turn_at = now + TRANSMISSION_MEMORY
-        self._new[(addr, txid)] = answer
+        key = (addr, txid)
+        if key not in self._new:
+            self._new_bytes += SEEN_OVERHEAD + (len(answer) if answer is not None else 0)
+        self._new[key] = answer
         if len(self._new) >= MAX_TRANSMISSIONS // 2:
             self._turn(now)
 
@@ -75,7 +91,9 @@ class Seen:
 
     def _turn(self, now: float) -> None:
         self._old = self._new
+        self._old_bytes = self._new_bytes
         self._new = {}
+        self._new_bytes = 0
         self._turn_at = now + TRANSMISSION_MEMORY if self._old else math.inf
 
 

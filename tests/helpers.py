@@ -305,9 +305,12 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def live_controller(tmp: Path, *args: str, **settings: Any) -> Iterator[LiveController]:
-    """A real controller (both doors, a journal in `tmp`) with `args` (e.g. --workers 2);
-    stopped by pid at the end, and checked for tracebacks."""
+def live_controller(
+    tmp: Path, *args: str, launcher: tuple[str, ...] = (), **settings: Any
+) -> Iterator[LiveController]:
+    """A real controller (both doors, a journal in `tmp`) with `args` (e.g. --workers 2),
+    started through `launcher` (e.g. prlimit and its options) if given; stopped by pid at
+    the end, and checked for tracebacks."""
     http_port, udp_port = free_tcp_port(), free_udp_port()
     config = write_config(
         tmp,
@@ -322,7 +325,8 @@ def live_controller(tmp: Path, *args: str, **settings: Any) -> Iterator[LiveCont
     # Its log goes to a file, not a pipe: a pipe nobody reads blocks a talkative controller.
     log = tmp / "controller.log"
     with log.open("ab") as sink:
-        proc = subprocess.Popen(controller_argv(config, *args, log_level="WARNING"), stderr=sink)
+        argv = [*launcher, *controller_argv(config, *args, log_level="WARNING")]
+        proc = subprocess.Popen(argv, stderr=sink)
     url = f"http://127.0.0.1:{http_port}"
     try:
         wait_for_condition(lambda: _answers(f"{url}/health/") or proc.poll() is not None, 20)

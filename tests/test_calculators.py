@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from typing import Any
 
 from controller.calclink import (
     CalculatorLink,
@@ -159,11 +160,43 @@ def test_perform_task_repeated_until_acknowledged_or_dial_timeout():
 
 def test_a_calculator_reports_a_job_it_held_before_a_restart_and_keeps_it():
     c = core()
-    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0)
+    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0, lease="127.0.0.9:7000")
     c.calculators.heartbeat(CALC, False, 0.5)  # busy: still running it
     [done] = finished(c.calculators.completed(CALC, 9, True, b"kept", "", 1.0))
     assert done.state is TaskState.SUCCESS and done.result == b"kept"
     assert c.expire(10.0) == []  # nothing left to place again after the grace
+
+
+def test_a_completed_task_from_another_port_is_ignored_and_counted():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    forger = (CALC[0], CALC[1] + 1)
+    c.calculators.heartbeat(forger, False, 0.0)  # registered too, but busy: holds nothing
+    task, _ = c.submit(5, b"in", "j", 0.1)
+    c.calculators.acknowledged(CALC, task.ref, 0.2)
+    assert c.calculators.completed(forger, 5, True, b"FORGED", "", 0.3) == []
+    assert c.calculators.ignored_reports == 1 and task.state is TaskState.RUNNING
+    [done] = finished(c.calculators.completed(CALC, 5, True, b"real", "", 0.4))
+    assert done.result == b"real"
+
+
+def test_after_a_restart_only_the_address_perform_task_went_to_keeps_the_job():
+    c = core()
+    c.recover(1, 9, b"", "j", 0.0, running=True, attempts=1, grace=3.0, lease="127.0.0.9:7000")
+    forger = (CALC[0], CALC[1] + 1)
+    c.calculators.heartbeat(forger, False, 0.5)
+    assert c.calculators.completed(forger, 9, True, b"FORGED", "", 1.0) == []
+    assert c.calculators.ignored_reports == 1
+    c.calculators.heartbeat(CALC, False, 1.5)
+    [done] = finished(c.calculators.completed(CALC, 9, True, b"kept", "", 2.0))
+    assert done.result == b"kept"
+
+
+def test_the_address_a_job_is_placed_on_is_its_lease():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    task, _ = c.submit(5, b"in", "j", 0.1)
+    assert task.lease == "127.0.0.9:7000"
 
 
 def test_garbage_from_a_calculator_is_dropped_and_counted():
@@ -172,3 +205,28 @@ def test_garbage_from_a_calculator_is_dropped_and_counted():
         assert fd.datagram(data, CALC, 0.0) == []
     assert fd.stats.unparseable == 2 and fd.stats.refused == 1  # the last: no status
     assert fd.datagram(datagram("heartbeat", status="ready"), CALC, 0.1) == [Heartbeat(CALC, True)]
+
+
+def test_calculator_addresses_are_forgotten_after_silence():
+    c = Core(calculator_timeout=TIMEOUT, forget_remote_after=60.0)
+    for port in range(2000, 3000):
+        c.calculators.heartbeat(("127.0.0.9", port), True, 0.0)
+    assert len(c.calculators.roster) == 1000
+    c.expire(TIMEOUT)  # silent: dropped as workers, still known by address
+    assert c.workers == {} and len(c.calculators.roster) == 1000
+    c.expire(59.999)
+    assert len(c.calculators.roster) == 1000
+    c.expire(60.0)
+    assert len(c.calculators.roster) == 0 and c.calculators.addresses == {}
+    assert c.calculators.names == {} and c.calculators._by_addr == {}
+
+
+def test_a_calculators_done_count_survives_a_timeout():
+    c = core()
+    c.calculators.heartbeat(CALC, True, 0.0)
+    c.submit(5, b"in", "j", 0.1)
+    c.calculators.completed(CALC, 5, True, b"out", "", 0.2)
+    c.expire(TIMEOUT + 1)  # silent: dropped
+    c.calculators.heartbeat(CALC, True, TIMEOUT + 2)
+    workers: Any = c.status(TIMEOUT + 2)["workers"]
+    assert [row["done"] for row in workers] == [1]

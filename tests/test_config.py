@@ -36,6 +36,14 @@ GOOD = [
         "metrics_address",
         ClientAddress("127.0.0.1", 9100),
     ),
+    ({}, "max_connections", 1000),
+    ({}, "http_body_timeout", 30.0),
+    ({}, "max_log_size", 65536),
+    ({}, "udp_memory", 67108864),
+    ({"max_connections": 8}, "max_connections", 8),
+    ({"http_body_timeout": 0.5}, "http_body_timeout", 0.5),
+    ({"max_log_size": 100}, "max_log_size", 100),
+    ({"udp_memory": 4096}, "udp_memory", 4096),
 ]
 
 BAD = [
@@ -60,6 +68,11 @@ BAD = [
     ({"max_extra_size": 0}, "key 'max_extra_size' must be more than 0"),
     ([1, 2], "must be a JSON object"),
     ({"metrics_address": 9100}, "key 'metrics_address' must be an object"),
+    ({"max_connections": 0}, "key 'max_connections' must be more than 0"),
+    ({"max_connections": "many"}, "key 'max_connections' must be a whole number"),
+    ({"http_body_timeout": 0}, "key 'http_body_timeout' must be more than 0"),
+    ({"max_log_size": -1}, "key 'max_log_size' must not be negative"),
+    ({"udp_memory": 1.5}, "key 'udp_memory' must be a whole number"),
 ]
 
 

@@ -15,7 +15,7 @@ from controller import datagram as dg
 from controller import transmissions
 from controller.core.model import Task, TaskState
 from controller.datagram import MAX_INLINE_RESULT
-from controller.frontdoor import Delivered, FrontDoor, Send, Submit
+from controller.frontdoor import Delivered, Evict, FrontDoor, Send, Submit
 from controller.jobs import MAX_FORGET_PER_CALL, Job, JobBook, JobState
 from controller.transmissions import NOTIFY_FIRST_INTERVAL, TRANSMISSION_MEMORY
 
@@ -38,10 +38,10 @@ class Door:
         self.book = JobBook(result_retention=result_retention)
         self.tasks: dict[int, Task] = {}
         self.submitted: list[tuple[int, bytes, object]] = []
+        self.evicted: list[str] = []
         kwargs.setdefault("allowed_clients", [ipaddress.ip_network("127.0.0.0/8")])
-        self.door = FrontDoor(
-            self.book, status_report=lambda: {"tasks": {"queued": len(self.tasks)}}, **kwargs
-        )
+        kwargs.setdefault("status_report", lambda: {"tasks": {"queued": len(self.tasks)}})
+        self.door = FrontDoor(self.book, **kwargs)
         self.stats = self.door.stats
 
     def _apply(self, actions, now) -> list[Send]:
@@ -54,6 +54,12 @@ class Door:
                 self.book.add(job)
             elif isinstance(action, Delivered):
                 self.book.retain(self.book.get(action.job_id), now)
+            elif isinstance(action, Evict):
+                evicted = self.book.get(action.job_id)
+                assert evicted is not None
+                self.book.forget(evicted)
+                self.door.forget(evicted)
+                self.evicted.append(action.job_id)
         return [action for action in actions if isinstance(action, Send)]
 
     def datagram(self, data, addr, now):
@@ -538,3 +544,82 @@ def test_answers_to_a_jobs_submitter_are_the_ones_marked_for_batches():
     [status] = fd.datagram(packet("get_task", txid=2, task_id=5), CLIENT, 1.0)
     [refused] = fd.datagram(packet(txid=3, task_id=0, pad=PAD.decode()), CLIENT, 1.0)
     assert not status.batched and not refused.batched and refused.independent
+
+
+def test_the_literal_form_is_read_up_to_4096_bytes_only():
+    fd, sched = door()
+    small = "{'method': 'add_task', 'params': {'task_id': 5, 'payload': '%s'}, 'packet_type': 1, 'transmission_id': 7}"
+    fits = small % ("x" * (4096 - len(small % "")))
+    assert len(fits.encode()) == 4096
+    [(ack, _)] = sent(fd.datagram(fits.encode(), CLIENT, 0.0))
+    assert "error" not in ack and len(sched.submitted) == 1
+    big = (small % ("y" * 5000)).replace("'transmission_id': 7", "'transmission_id': 8")
+    assert fd.datagram(big.encode(), CLIENT, 0.1) == []  # not JSON: silence, counted
+    assert len(sched.submitted) == 1 and fd.stats.unparseable == 1
+
+
+def test_get_result_answers_at_most_60000_bytes_whatever_length_asks():
+    fd, _ = door()
+    fd.datagram(packet(task_id=5), CLIENT, 0.0)
+    finish(fd, 1, result=bytes(range(256)) * 1000)
+    for length in (60_000, 10**9, 2**63):
+        [answer] = fd.datagram(
+            packet("get_result", 10 + length % 7, task_id=5, offset=0, length=length), CLIENT, 1.0
+        )
+        assert len(answer.data) <= 60_000
+
+
+def test_status_is_never_over_1200_bytes_and_keeps_its_counts():
+    workers = [
+        {
+            "id": n,
+            "kind": "poller",
+            "name": "p" * 200 + str(n),
+            "pid": None,
+            "state": "idle",
+            "task": 0,
+            "last_pulse_s": 0.1,
+            "done": n,
+        }
+        for n in range(500)
+    ]
+
+    def report():
+        return {
+            "workers": [dict(w) for w in workers],
+            "workers_total": 500,
+            "kinds": {"poller": {"workers": 500, "idle": 500, "done": 124750}},
+            "tasks": {"queued": 0, "running": 0, "success": 124750},
+            "worker_losses": {f"cause {n}": n for n in range(100)},
+            "redis": {"connected": False, "last_error": "e" * 5000},
+        }
+
+    fd, _ = door(status_report=report)
+    for txid in (1, 2**62):
+        [answer] = fd.datagram(packet("status", txid), CLIENT, 0.0)
+        assert len(answer.data) <= 1200
+        params = json.loads(answer.data)["params"]
+        assert params["workers_total"] == 500 and params["tasks"]["success"] == 124750
+        assert params["kinds"]["poller"]["done"] == 124750
+    assert fd.datagram(packet("status", 3), ("192.0.2.1", 9), 0.0) == []  # not a client
+
+
+def test_udp_memory_evicts_the_oldest_delivered_jobs_first():
+    fd, _ = door(memory=5000)
+    for task_id in range(1, 21):  # each delivered job holds ~1,300 bytes (result + record)
+        fd.datagram(packet(txid=task_id, task_id=task_id), CLIENT, 0.0)
+        [(note, _)] = finish(fd, task_id, result=b"r" * 1000)
+        ack = {"method": "ack", "packet_type": 2, "transmission_id": note["transmission_id"]}
+        fd.datagram(json.dumps(ack).encode(), CLIENT, 0.1)  # delivered: kept for retention
+    assert fd.evicted  # the oldest went first
+    assert fd.evicted == [f"udp-127.0.0.1-40000-{n}" for n in range(1, len(fd.evicted) + 1)]
+    kept = [t for t in range(1, 21) if fd.known(CLIENT, t)]
+    assert kept and kept == list(range(kept[0], 21))
+    assert fd.door._retained_bytes + fd.door.seen.held_bytes <= 5000
+
+
+def test_udp_memory_sheds_remembered_answers_under_a_flood_of_requests():
+    fd, _ = door(memory=20_000)
+    for txid in range(1, 5000):  # get_task for unknown tasks: each answer remembered
+        fd.datagram(packet("get_task", txid, task_id=1) + PAD, CLIENT, 0.0)
+    assert fd.door.seen.held_bytes <= 20_000

@@ -6,6 +6,7 @@ import base64
 import collections
 import functools
 import ipaddress
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -60,8 +61,7 @@ async def http_controller(
         http_address=ClientAddress("127.0.0.1", 0),
     ).replace(**settings)
     store = Journal.open(journal) if journal is not None else None
-    if store is not None:
-        store.load()
+    recovered = store.load() if store is not None else None
     shell, desk, udp = assemble(config, store)
     web = HttpDoor(config, desk, shell)
     web.bind()
@@ -77,6 +77,8 @@ async def http_controller(
             committer = Committer(store, on_committed=desk.write_ahead.release)
             await nursery.start(committer.run)
         await nursery.start(desk.run)
+        if recovered is not None:
+            desk.recover(recovered, trio.current_time())
         await nursery.start(shell.serve)
         await nursery.start(udp.serve)
         await nursery.start(web.serve)
@@ -492,14 +494,116 @@ async def test_pollers_take_jobs_with_ping_and_report_with_put(sockdir):
         await http.post("/job/", json={"id": "pj", "payload": "in"})
         job = (await http.get("/ping/", params={"worker": "p1", "wait": 5})).json()
         assert job["id"] == "pj" and job["state"] == "requested" and job["worker"] == "p1"
-        wrong = await http.put("/job/pj/", json={"state": "working", "worker": "p2"})
+        lease = job["lease"]
+        assert len(lease) >= 22  # 128 bits, URL-safe base64
+        wrong = await http.put(
+            "/job/pj/", json={"state": "working", "worker": "p2", "lease": lease}
+        )
         assert wrong.status_code == 409
-        working = await http.put("/job/pj/", json={"state": "working", "worker": "p1", "log": "1"})
+        working = await http.put(
+            "/job/pj/", json={"state": "working", "worker": "p1", "log": "1", "lease": lease}
+        )
         assert working.json()["state"] == "working" and working.json()["log"] == ["1"]
-        done = await http.put("/job/pj/", json={"state": "finished", "worker": "p1", "result": "o"})
+        done = await http.put(
+            "/job/pj/", json={"state": "finished", "worker": "p1", "result": "o", "lease": lease}
+        )
         assert done.json()["state"] == "finished" and done.json()["result"] == "o"
-        late = await http.put("/job/pj/", json={"state": "finished", "worker": "p1", "result": "o"})
+        late = await http.put(
+            "/job/pj/", json={"state": "finished", "worker": "p1", "result": "o", "lease": lease}
+        )
         assert late.status_code == 409
+
+
+@pytest.mark.parametrize("lease", [None, "", "not-the-lease", "\udc80"])
+async def test_a_forged_report_without_the_lease_is_409_and_changes_nothing(sockdir, lease):
+    async with (
+        http_controller(sockdir, workers=0, claim_timeout=30, lease_timeout=30) as ctl,
+        client(ctl.url) as http,
+    ):
+        await http.post("/job/", json={"id": "fj", "payload": "in"})
+        claim = (await http.get("/ping/", params={"worker": "holder", "wait": 5})).json()
+        forged: dict[str, Any] = {"state": "finished", "worker": "holder", "result": "FORGED"}
+        if lease is not None:
+            forged["lease"] = lease
+        before = (await http.get("/job/fj/")).json()
+        for body in (forged, {**forged, "state": "working"}, {**forged, "state": "failed"}):
+            resp = await http.put("/job/fj/", content=json.dumps(body))  # \u-escaped
+            assert resp.status_code == 409 and resp.json()["code"] == 409, resp.text
+        after = (await http.get("/job/fj/")).json()
+        assert after == before and after["state"] == "requested"
+        # the holder, with its lease, still reports
+        done = await http.put(
+            "/job/fj/",
+            json={"state": "finished", "worker": "holder", "result": "ok", "lease": claim["lease"]},
+        )
+        assert done.json()["result"] == "ok"
+
+
+async def _claimed_by_p(sockdir: Path, job_id: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A controller whose poller `p` claims and confirms job `job_id`, stopped once that is
+    on disk; the poller's working report (with its lease)."""
+    async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": job_id, "payload": "in"})
+        claim = (await http.get("/ping/", params={"worker": "p", "wait": 5})).json()
+        report = {"state": "working", "worker": "p", "lease": claim["lease"]}
+        assert (await http.put(f"/job/{job_id}/", json=report)).status_code == 200
+        await ctl.desk.write_ahead.committed()
+    return report
+
+
+async def test_after_a_restart_only_the_lease_keeps_a_pollers_job(sockdir, tmp_path):
+    path = tmp_path / "j.sqlite3"
+    settings: dict[str, Any] = {"workers": 0, "journal": path, "lease_timeout": 30}
+    report = await _claimed_by_p(sockdir, "rj", settings)
+    async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
+        forged = {**report, "lease": "guess", "state": "finished", "result": "FORGED"}
+        assert (await http.put("/job/rj/", json=forged)).status_code == 409
+        assert (await http.get("/job/rj/")).json()["state"] == "working"  # still its holder's
+        assert (await http.put("/job/rj/", json=report)).status_code == 200  # renewed
+        done = await http.put("/job/rj/", json={**report, "state": "finished", "result": "ok"})
+        assert done.json()["state"] == "finished" and done.json()["result"] == "ok"
+        assert done.json()["attempts"] == 1  # kept, not run again
+
+
+async def test_after_a_restart_a_pollers_job_is_placed_again_without_its_holder(sockdir, tmp_path):
+    path = tmp_path / "j.sqlite3"
+    settings: dict[str, Any] = {"workers": 0, "journal": path, "lease_timeout": 0.5}
+    report = await _claimed_by_p(sockdir, "gone", settings)
+    async with http_controller(sockdir, **settings) as ctl, client(ctl.url) as http:
+        again = (await http.get("/ping/", params={"worker": "q", "wait": 10})).json()
+        assert again["id"] == "gone" and again["lease"] != report["lease"]
+        assert (await http.put("/job/gone/", json=report)).status_code == 409  # the old holder
+
+
+async def test_a_log_append_to_a_final_job_is_409(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "fin", "payload": "x"})
+        assert (await http.get("/job/fin/", params={"wait": 10})).json()["state"] == "finished"
+        resp = await http.put("/job/fin/", json={"log": "late"})
+        assert resp.status_code == 409 and "log" in resp.json()["message"]
+        assert (await http.get("/job/fin/")).json()["log"] == []
+        assert ctl.desk.book.get("fin") is not None
+
+
+async def test_a_jobs_log_keeps_max_log_size_bytes(sockdir):
+    async with http_controller(sockdir, workers=0, max_log_size=10) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "lg"})
+        for line in ("aaaa", "bbbb", "cccc", "0123456789AB"):
+            assert (await http.put("/job/lg/", json={"log": line})).status_code == 200
+        assert (await http.get("/job/lg/")).json()["log"] == ["23456789AB"]
+        assert ctl.desk.book.get("lg") is not None
+
+
+async def test_the_lease_is_shown_in_the_claim_only(sockdir):
+    async with (
+        http_controller(sockdir, workers=0, claim_timeout=30, lease_timeout=30) as ctl,
+        client(ctl.url) as http,
+    ):
+        await http.post("/job/", json={"id": "sj", "payload": "in"})
+        lease = (await http.get("/ping/", params={"worker": "p", "wait": 5})).json()["lease"]
+        for path in ("/job/sj/", "/job/", "/", "/job/sj/?wait=0.1"):
+            assert lease not in (await http.get(path)).text
+        assert "lease" not in (await http.get("/job/sj/")).json()
 
 
 async def test_a_waiting_ping_gets_a_job_submitted_later(sockdir):
@@ -520,11 +624,11 @@ async def test_a_waiting_ping_gets_a_job_submitted_later(sockdir):
 async def test_a_canceled_pollers_job_gets_409_at_its_next_put(sockdir):
     async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
         await http.post("/job/", json={"id": "c"})
-        await http.get("/ping/", params={"worker": "p", "wait": 5})
-        await http.put("/job/c/", json={"state": "working", "worker": "p"})
+        claim = (await http.get("/ping/", params={"worker": "p", "wait": 5})).json()
+        report = {"state": "working", "worker": "p", "lease": claim["lease"]}
+        assert (await http.put("/job/c/", json=report)).status_code == 200
         assert (await http.put("/job/c/", json={"state": "canceled"})).json()["state"] == "canceled"
-        lease = await http.put("/job/c/", json={"state": "working", "worker": "p"})
-        assert lease.status_code == 409
+        assert (await http.put("/job/c/", json=report)).status_code == 409
 
 
 # httpx leaves its upload generator unfinished when the server closes mid-upload (its

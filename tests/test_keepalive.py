@@ -104,9 +104,35 @@ async def test_one_watcher_however_many_requests(autojump_clock):
     assert len(spawned) <= 3, spawned  # hypercorn's own timer: one task per request
 
 
-def test_install_replaces_hypercorns_timer_for_its_trio_server():
-    from hypercorn.trio import tcp_server
+def test_fit_gives_a_hypercorn_server_an_idle_timer():
+    from hypercorn.config import Config
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
 
-    assert keepalive.install() is True
-    assert getattr(tcp_server, "TrioSingleTask", None) is IdleTimer
-    assert keepalive.install() is True  # again: no harm
+    server = TCPServer(None, Config(), WorkerContext(None), {}, None)
+    assert keepalive.usable() is True
+    assert keepalive.fit(server) is True
+    assert isinstance(server.idle_task, IdleTimer)
+
+
+def test_a_hypercorn_without_the_timer_keeps_its_own(monkeypatch):
+    from hypercorn.trio import tcp_server, worker_context
+
+    class Other:
+        async def restart(self, task_group: Any, action: Any) -> None: ...
+
+        async def stop(self) -> None: ...
+
+    monkeypatch.delattr(tcp_server, "TrioSingleTask")
+    assert keepalive.usable() is False
+    monkeypatch.setattr(tcp_server, "TrioSingleTask", Other, raising=False)
+    assert keepalive.usable() is False  # not the class the worker context has
+    monkeypatch.setattr(worker_context, "TrioSingleTask", Other)
+
+    class Server:
+        idle_task = worker_context.TrioSingleTask()
+
+    server = Server()
+    mine = server.idle_task
+    monkeypatch.undo()
+    assert keepalive.fit(server) is False and server.idle_task is mine

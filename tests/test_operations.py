@@ -199,6 +199,25 @@ async def test_supervisor_backs_off_for_a_worker_that_exits_at_once(caplog):
     assert "exited with status 3" in caplog.text
 
 
+async def test_supervisor_rides_out_a_failed_start(caplog, monkeypatch):
+    real = trio.lowlevel.open_process
+    failures = [OSError(errno.EMFILE, "Too many open files")]
+
+    async def flaky(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", flaky)
+    supervisor = Supervisor(1, ["sleep", "30"])
+    with caplog.at_level(logging.WARNING, logger="controller.supervisor"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.run)
+            await wait_until(lambda: 0 in supervisor.pids, timeout=5)
+            nursery.cancel_scope.cancel()
+    assert "Too many open files" in caplog.text
+
+
 # ---------------------------------------------------------------- peer credentials
 
 

@@ -167,6 +167,26 @@ def test_bad_entries_fail_with_a_clear_error_and_nothing_is_lost(setup):
     wait_for_condition(lambda: group(setup.r)["pending"] == 0)
 
 
+def test_keys_of_the_wrong_type_fail_their_entry_alone(setup):
+    setup.r.rpush("job:listy", "mine")  # someone's list where a job's hash would go
+    setup.r.xadd("jobs", {"payload": "x", "id": "listy"})
+    with Client(setup.url) as client:
+        assert client.submit("after the list").result(timeout=20) == b"after the list"
+    wait_for_condition(lambda: results_for(setup.r, "listy") == [b"failed"])
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+    assert setup.r.lrange("job:listy", 0, -1) == [b"mine"]  # left as it was
+    assert "Traceback" not in setup.controller_log.read_text()
+
+
+def test_an_oversized_name_fails_its_entry_alone(setup):
+    setup.r.xadd("jobs", {"payload": "x", "id": "big-name", "name": "n" * 20_000})
+    with Client(setup.url) as client:
+        assert client.submit("after the name").result(timeout=20) == b"after the name"
+        with pytest.raises(JobFailed) as info:
+            client.get("big-name").result(timeout=20)
+    assert "name is 20000 bytes" in info.value.error
+
+
 def test_failed_job(setup):
     with Client(setup.url) as client:
         job = client.submit("fail now")
@@ -355,3 +375,47 @@ def test_a_tls_redis_serves_the_door_through_redis_py_in_threads(tmp_path):
             assert status["redis"]["connected"] is True and status["redis"]["read"] == 20
             r.close()
             plain.close()
+
+
+def test_acknowledged_entries_and_old_results_are_trimmed(tmp_path):
+    # Small stream nodes, so that the approximate trim (MINID ~) removes whole nodes soon.
+    with redis_server(tmp_path, "--stream-node-max-entries", "2") as server:
+        settings = {"url": server.url, "claim_after": 2}
+        with live_controller(tmp_path, "--workers", "1", redis=settings, result_retention=1) as ctl:
+            del ctl
+            r = redis.Redis.from_url(server.url)
+            try:
+                with Client(server.url) as client:
+                    jobs = [client.submit(f"t{n}") for n in range(10)]
+                    assert [j.result(timeout=20) for j in jobs] == [
+                        f"t{n}".encode() for n in range(10)
+                    ]
+                assert r.xlen("jobs:results") >= 10
+                # Acknowledged and past result_retention: gone from the stream, the set
+                # that noted them empty, the results stream down to a node at most.
+                wait_for_condition(lambda: r.xlen("jobs") == 0, 30)
+                wait_for_condition(lambda: r.zcard("jobs:acked") == 0, 30)
+                wait_for_condition(lambda: r.xlen("jobs:results") <= 2, 30)
+                assert group(r)["pending"] == 0
+                with Client(server.url) as client:  # and the door goes on
+                    assert client.submit("later").result(timeout=20) == b"later"
+            finally:
+                r.close()
+
+
+def test_an_unacknowledged_entry_is_never_trimmed(tmp_path):
+    with redis_server(tmp_path, "--stream-node-max-entries", "2") as server:
+        settings = {"url": server.url, "claim_after": 60}
+        r = redis.Redis.from_url(server.url)
+        try:
+            # Read by a consumer that never acknowledges it (a controller that stopped).
+            r.xgroup_create("jobs", "controllers", id="0", mkstream=True)
+            held = r.xadd("jobs", {"payload": "held"})
+            r.xreadgroup("controllers", "gone", {"jobs": ">"})
+            with live_controller(tmp_path, "--workers", "1", redis=settings, result_retention=1):
+                with Client(server.url) as client:
+                    assert client.submit("other").result(timeout=20) == b"other"
+                wait_for_condition(lambda: r.zcard("jobs:acked") == 0, 30)
+                assert [entry for entry, _ in r.xrange("jobs")] == [held]
+        finally:
+            r.close()

@@ -17,7 +17,13 @@ import pytest
 import trio
 
 from controller.client import Client, JobFailed
-from tests.helpers import live_controller, lossy_router, reap, wait_for_condition
+from tests.helpers import (
+    live_controller,
+    lossy_router,
+    reap,
+    run_udp_client,
+    wait_for_condition,
+)
 
 
 def remote_worker(*args: str, execlog: Path | None = None) -> subprocess.Popen[bytes]:
@@ -60,11 +66,22 @@ def test_three_kinds_side_by_side_every_job_once(tmp_path: Path) -> None:
                 listing = json.loads(
                     urllib.request.urlopen(f"{ctl.url}/job/?limit=1000", timeout=5).read()
                 )
+            out = run_udp_client(ctl.udp_port, "status", "--json")
+            status = json.loads(out.stdout)
+            shown = run_udp_client(ctl.udp_port, "status").stdout.decode()
         finally:
             reap(calc)
             reap(poll)
     assert results == [f"job{n}".encode() for n in range(60)]
     holders = {job["worker"] for job in listing.values()}
+    # udp-client status counts every kind's jobs, the pollers' too (between their pings).
+    by_holder = collections.Counter(job["worker"] for job in listing.values())
+    kinds = status["kinds"]
+    assert kinds["poller"]["done"] == by_holder["p1"] > 0
+    calculated = sum(n for h, n in by_holder.items() if h and h.startswith("127.0.0.1:"))
+    assert kinds["calculator"]["done"] == calculated > 0
+    assert kinds["local"]["done"] == by_holder["1"]
+    assert f"idle, done {by_holder['p1']})" in shown.split("poller", 1)[1]
     assert "p1" in holders and any(h and h.startswith("127.0.0.1:") for h in holders)
     assert "1" in holders  # the local worker
     assert all(count == 1 for count in executions(execlog).values())  # no failure: once each

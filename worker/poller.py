@@ -2,7 +2,8 @@
 
 Loop: `GET /ping/?worker=NAME&wait=20`; with a job, `PUT state=working` to
 confirm it, run it, repeat that PUT every `--pulse` seconds while it runs (the
-lease), and end with `PUT state=finished` (result) or `state=failed` (error).
+lease), and end with `PUT state=finished` (result) or `state=failed` (error); each PUT
+shows the `lease` token the claim carried.
 A 409 on the lease means the job was canceled or taken back: the job is
 stopped at once and the poller asks for the next. While the controller is
 unreachable it retries with capped backoff, logging once per outage.
@@ -131,15 +132,17 @@ class Poller:
 
     async def _work(self, http: AsyncHttpPool, job: dict[str, Any]) -> None:
         job_id, task_id = job["id"], int(job["task_id"])
+        # The claim's lease: every report on this job shows it, or the controller refuses it.
+        lease = str(job.get("lease", ""))
         path = f"/job/{quote(job_id, safe='')}/"
-        if not await self._put(http, path, {"state": "working"}):
+        if not await self._put(http, path, {"state": "working"}, lease):
             return  # taken back before it started
         payload = dg.read_bytes(job, "payload") or b""
         outcome: dict[str, Any] = {}
         stderr: list[bytes] = []
         STDERR_LINES.set(stderr)  # this task's context: the runner appends what it writes
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._lease, http, path, stderr, nursery.cancel_scope)
+            nursery.start_soon(self._lease, http, path, lease, stderr, nursery.cancel_scope)
             try:
                 result = await self.runner(task_id, payload)
                 outcome = {"state": "finished"}
@@ -151,12 +154,13 @@ class Poller:
                 outcome = {"state": "failed", "error": f"worker error: {exc}"}
             nursery.cancel_scope.cancel()
         if outcome:
-            await self._put(http, path, outcome)  # the report; a 409 means it was taken back
+            await self._put(http, path, outcome, lease)  # a 409: it was taken back
 
     async def _lease(
         self,
         http: AsyncHttpPool,
         path: str,
+        lease: str,
         stderr: list[bytes],
         job_scope: trio.CancelScope,
     ) -> None:
@@ -167,14 +171,14 @@ class Poller:
             if stderr:
                 body["log"] = b"".join(stderr).decode("utf-8", "replace")[-MAX_LOG:]
                 stderr.clear()
-            if not await self._put(http, path, body):
+            if not await self._put(http, path, body, lease):
                 log.warning("%s was canceled or taken back: stopping it", path)
                 job_scope.cancel()
                 return
 
-    async def _put(self, http: AsyncHttpPool, path: str, body: dict[str, Any]) -> bool:
+    async def _put(self, http: AsyncHttpPool, path: str, body: dict[str, Any], lease: str) -> bool:
         """False when the controller says this poller no longer holds the job (409/404)."""
-        body = {**body, "worker": self.name}
+        body = {**body, "worker": self.name, "lease": lease}
         while True:
             try:
                 resp = await http.request("PUT", path, json=body)

@@ -96,7 +96,17 @@ def summary(outcomes: list[Outcome], duplicates: int, elapsed: float) -> str:
 
 def format_status(report: dict[str, Any]) -> str:
     workers = report.get("workers", [])
-    lines = [f"workers: {report.get('workers_total', len(workers))}"]
+    total = report.get("workers_total", len(workers))
+    lines = [f"workers: {total}"]
+    kinds = report.get("kinds")
+    if kinds:
+        lines.append(
+            "  by kind: "
+            + ", ".join(
+                f"{kind} {k.get('workers', 0)} ({k.get('idle', 0)} idle, done {k.get('done', 0)})"
+                for kind, k in kinds.items()
+            )
+        )
     if workers:
         lines.append(
             f"  {'worker':<22} {'kind':<10} {'pid':>8}  {'state':<9} {'task':>8}"
@@ -108,6 +118,8 @@ def format_status(report: dict[str, Any]) -> str:
                 f"  {name:<22} {w.get('kind', 'local'):<10} {w['pid'] or '-':>8}  "
                 f"{w['state']:<9} {w['task']:>8} {w['last_pulse_s']:>9.1f} s {w['done']:>8}"
             )
+        if isinstance(total, int) and total > len(workers):
+            lines.append(f"  ... and {total - len(workers)} more (the answer has room for few)")
     tasks = report.get("tasks", {})
     lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in tasks.items()))
     lines.append(

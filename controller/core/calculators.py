@@ -14,7 +14,6 @@ calculator silent for `calculator_timeout` is dead: its job is placed again
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 from controller.core.model import (
@@ -26,6 +25,7 @@ from controller.core.model import (
     WorkerState,
 )
 from controller.core.recovery import Recovery
+from controller.core.roster import Roster
 from controller.core.scheduler import Scheduler
 
 log = logging.getLogger("controller.core")
@@ -41,21 +41,31 @@ class Calculators:
 
     label = "calculator"
 
-    def __init__(self, scheduler: Scheduler, recovery: Recovery, timeout: float) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        recovery: Recovery,
+        timeout: float,
+        forget_after: float = 3600.0,
+    ) -> None:
         self.scheduler = scheduler
         self.recovery = recovery
         self.timeout = timeout
-        self._ids: dict[Address, int] = {}
-        self._next_id = itertools.count(FIRST_CALCULATOR_ID)
         self._by_addr: dict[Address, Worker] = {}
-        self.addresses: dict[int, Address] = {}
-        self.names: dict[int, str] = {}
+        # Numbers and names by address, forgotten forget_after seconds after the calculator
+        # was last heard (result_retention).
+        self.roster: Roster[Address] = Roster(
+            scheduler, FIRST_CALCULATOR_ID, forget_after, _name, self._forget
+        )
+        self.addresses = self.roster.keys
+        self.names = self.roster.names
         self.ignored_reports = 0
 
     # ------------------------------------------------------------ the scheduler's side
 
     def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
         address = self.addresses[worker.worker_id]
+        task.lease = self.names[worker.worker_id]  # only this address may report on it
         actions.append(PerformTask(address, task.ref, task.task_id, task.payload))
 
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
@@ -66,14 +76,10 @@ class Calculators:
     def heartbeat(self, address: Address, ready: bool, now: float) -> list[Action]:
         sched = self.scheduler
         worker = self._live(address)
+        wid = self.roster.heard(address, now)
         if worker is None:
-            wid = self._ids.get(address)
-            if wid is None:
-                wid = self._ids[address] = next(self._next_id)
-                self.addresses[wid] = address
-                host = f"[{address[0]}]" if ":" in address[0] else address[0]
-                self.names[wid] = f"{host}:{address[1]}"
             worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+            worker.done = self.roster.done.get(wid, 0)
             self._by_addr[address] = worker
             sched.add_worker(worker)
             log.info("calculator %s registered", self.names[wid])
@@ -118,9 +124,11 @@ class Calculators:
         worker = self._live(address)
         task = worker.task if worker is not None else None
         actions: list[Action] = []
+        orphan = self.recovery.orphan(task_id) if worker is not None and task is None else None
         held_before_restart = (
             worker is not None
-            and task is None
+            and orphan is not None
+            and orphan.lease == self.names[worker.worker_id]  # perform_task went here
             and worker.state is not WorkerState.ASSIGNING
             and self.recovery.claim(worker, task_id, now, actions)
         )
@@ -138,10 +146,14 @@ class Calculators:
             sched.finished(worker, output, now, actions)
         else:
             sched.failed(worker, error or "the calculator reported an error", now, actions)
+        self.roster.done[worker.worker_id] = worker.done
         sched.dispatch(actions)
         return actions
 
     # ------------------------------------------------------------ helpers
+
+    def _forget(self, address: Address) -> None:
+        self._by_addr.pop(address, None)
 
     def _live(self, address: Address) -> Worker | None:
         worker = self._by_addr.get(address)
@@ -168,3 +180,9 @@ class Calculators:
         name = self.names[worker.worker_id]
         log.warning("calculator %s silent for calculator_timeout; dropping it", name)
         self.scheduler.lost(worker, now, actions, cause="calculator silent")
+
+
+def _name(address: Address) -> str:
+    """host:port, with an IPv6 host in brackets."""
+    host = f"[{address[0]}]" if ":" in address[0] else address[0]
+    return f"{host}:{address[1]}"

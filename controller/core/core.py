@@ -20,6 +20,7 @@ from controller.core.model import (
     TaskState,
     Worker,
     WorkerExited,
+    WorkerState,
 )
 from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
@@ -37,6 +38,7 @@ class Core:
         claim_timeout: float = 300.0,
         lease_timeout: float = 30.0,
         calculator_timeout: float = 5.0,
+        forget_remote_after: float = 3600.0,
     ) -> None:
         self.scheduler = Scheduler(
             max_retries=max_retries,
@@ -45,8 +47,14 @@ class Core:
         )
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
-        self.pollers = Pollers(self.scheduler, self.recovery, claim_timeout, lease_timeout)
-        self.calculators = Calculators(self.scheduler, self.recovery, calculator_timeout)
+        # Remote workers' names and addresses are forgotten forget_remote_after seconds after
+        # they were last heard (the shell passes result_retention).
+        self.pollers = Pollers(
+            self.scheduler, self.recovery, claim_timeout, lease_timeout, forget_remote_after
+        )
+        self.calculators = Calculators(
+            self.scheduler, self.recovery, calculator_timeout, forget_remote_after
+        )
         # The shells' hot paths call these directly: no dispatch on the event's type,
         # no extra frame (`handle` does the same for any event).
         self.pulse = self.local.pulse
@@ -151,9 +159,23 @@ class Core:
             }
             for w in itertools.islice(self.workers.values(), max_workers)
         ]
+        kinds: dict[str, dict[str, int]] = {}
+        for w in self.workers.values():
+            kind = kinds.setdefault(w.kind.label, {"workers": 0, "idle": 0, "done": 0})
+            kind["workers"] += 1
+            kind["idle"] += w.state is WorkerState.IDLE
+            kind["done"] += w.done
+        # Remote workers that are not workers right now (a poller between jobs) did jobs too.
+        for kind_of in (self.pollers, self.calculators):
+            live = {w.worker_id for w in self.workers.values() if w.kind is kind_of}
+            away = sum(n for wid, n in kind_of.roster.done.items() if wid not in live)
+            if away:
+                entry = kinds.setdefault(kind_of.label, {"workers": 0, "idle": 0, "done": 0})
+                entry["done"] += away
         return {
             "workers": workers,
             "workers_total": len(self.workers),
+            "kinds": kinds,
             "tasks": {
                 "queued": by_state.get("queued", 0),
                 "running": by_state.get("running", 0),

@@ -163,6 +163,8 @@ class Task:
     deadline: float = 0.0
     last_error: str = ""
     created_at: float = 0.0
+    # A poller's claim token for this task ("": none): its every report must carry it.
+    lease: str = ""
 
     def advance(self, event: TaskEvent) -> None:
         self.state = next_task_state(self.state, event)

@@ -6,18 +6,22 @@ worker the job has not failed on" works for pollers too); when the scheduler
 places a job on it, the kind emits `HandOut` and the shell answers the waiting
 request with that job (now `requested`). The poller confirms with
 `PUT state=working` (accepted; then the same PUT renews its lease), and ends
-with `finished` or `failed`. A job not confirmed within `claim_timeout`, or
+with `finished` or `failed`. The claim carries a lease, a random token the
+shell makes (`handed`): a report is taken only from the named poller holding
+the job and showing that token (`holds`), so nobody who merely knows a
+poller's name can report for it. A job not confirmed within `claim_timeout`, or
 whose poller is silent for `lease_timeout`, is placed again (one attempt
 used). A ping that ends with no job (`gave_up`) removes the idle poller.
 """
 
 from __future__ import annotations
 
-import itertools
+import hmac
 import logging
 
 from controller.core.model import Action, HandOut, Task, Worker, WorkerEvent, WorkerState
 from controller.core.recovery import Recovery
+from controller.core.roster import Roster
 from controller.core.scheduler import Scheduler
 
 log = logging.getLogger("controller.core")
@@ -32,16 +36,24 @@ class Pollers:
     label = "poller"
 
     def __init__(
-        self, scheduler: Scheduler, recovery: Recovery, claim_timeout: float, lease_timeout: float
+        self,
+        scheduler: Scheduler,
+        recovery: Recovery,
+        claim_timeout: float,
+        lease_timeout: float,
+        forget_after: float = 3600.0,
     ) -> None:
         self.scheduler = scheduler
         self.recovery = recovery
         self.claim_timeout = claim_timeout
         self.lease_timeout = lease_timeout
-        self._ids: dict[str, int] = {}
-        self._next_id = itertools.count(FIRST_POLLER_ID)
         self._by_name: dict[str, Worker] = {}
-        self.names: dict[int, str] = {}
+        # Numbers, names and done counts by name, forgotten forget_after seconds after the
+        # poller was last heard (the HTTP door passes result_retention).
+        self.roster: Roster[str] = Roster(
+            scheduler, FIRST_POLLER_ID, forget_after, str, self._forget
+        )
+        self.names = self.roster.names
 
     # ------------------------------------------------------------ the scheduler's side
 
@@ -60,6 +72,7 @@ class Pollers:
         (A poller already known stays as it is: idle, or holding its job.)"""
         sched = self.scheduler
         if self._live(name) is not None:
+            self.roster.heard(name, now)
             return []
         worker = self._new(name, now)
         sched.ready(worker)
@@ -67,10 +80,13 @@ class Pollers:
         sched.dispatch(actions)
         return actions
 
-    def adopt(self, name: str, task_id: int, now: float) -> bool:
+    def adopt(self, name: str, task_id: int, lease: str, now: float) -> bool:
         """Poller `name` reports on a job it held before the controller restarted: it keeps
-        it (no second run) if that job is waiting to be claimed."""
+        it (no second run) if that job is waiting to be claimed and `lease` is its lease."""
         if self._live(name) is not None:
+            return False
+        orphan = self.recovery.orphan(task_id)
+        if orphan is None or not same_lease(orphan.lease, lease):
             return False
         worker = self._new(name, now)
         actions: list[Action] = []
@@ -82,11 +98,9 @@ class Pollers:
         return False
 
     def _new(self, name: str, now: float) -> Worker:
-        wid = self._ids.get(name)
-        if wid is None:
-            wid = self._ids[name] = next(self._next_id)
-            self.names[wid] = name
+        wid = self.roster.heard(name, now)
         worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+        worker.done = self.roster.done.get(wid, 0)  # what it did in its earlier lives
         worker.last_pulse = now
         self._by_name[name] = worker
         self.scheduler.add_worker(worker)
@@ -100,10 +114,13 @@ class Pollers:
             self.scheduler.lost(worker, now, actions, cause="shutdown")
         return actions
 
-    def handed(self, name: str, now: float) -> None:
-        """The job went out in the /ping/ answer: it must be confirmed within claim_timeout."""
+    def handed(self, name: str, now: float, lease: str) -> None:
+        """The job went out in the /ping/ answer with `lease`: it must be confirmed within
+        claim_timeout, and every report on it must show that lease."""
         worker = self._live(name)
         if worker is not None and worker.state is WorkerState.ASSIGNING:
+            assert worker.task is not None
+            worker.task.lease = lease
             worker.deadline = now + self.claim_timeout
             self.scheduler.at(worker.deadline, self._deadline_due, worker)
 
@@ -119,15 +136,19 @@ class Pollers:
             self.scheduler.dispatch(actions)
         return actions
 
-    def holds(self, name: str, ref: int) -> bool:
+    def holds(self, name: str, ref: int, lease: str) -> bool:
+        """Poller `name` holds job `ref` under `lease`."""
         worker = self._live(name)
-        return worker is not None and worker.task is not None and worker.task.ref == ref
+        if worker is None or worker.task is None or worker.task.ref != ref:
+            return False
+        return same_lease(worker.task.lease, lease)
 
     def working(self, name: str, ref: int, now: float) -> list[Action]:
         """`PUT state=working`: the first confirms the job, the next ones renew the lease."""
         worker = self._held(name, ref)
         actions: list[Action] = []
         worker.last_pulse = now
+        self.roster.heard(name, now)
         if worker.state is WorkerState.ASSIGNING:
             self.scheduler.accepted(worker, now, actions)
         worker.deadline = now + self.lease_timeout
@@ -141,6 +162,7 @@ class Pollers:
             self.scheduler.accepted(worker, now, actions)
         worker.advance(WorkerEvent.FETCH)
         self.scheduler.finished(worker, result, now, actions)
+        self._ended(name, worker, now)
         self.scheduler.lost(worker, now, actions, cause="shutdown")  # it pings again for more
         self.scheduler.dispatch(actions)
         return actions
@@ -152,11 +174,20 @@ class Pollers:
             self.scheduler.accepted(worker, now, actions)
         worker.advance(WorkerEvent.FETCH)
         self.scheduler.failed(worker, error or f"poller {name} reported failure", now, actions)
+        self._ended(name, worker, now)
         self.scheduler.lost(worker, now, actions, cause="shutdown")
         self.scheduler.dispatch(actions)
         return actions
 
     # ------------------------------------------------------------ helpers
+
+    def _ended(self, name: str, worker: Worker, now: float) -> None:
+        """A job ended on it: its done count outlives this life as a worker."""
+        self.roster.heard(name, now)
+        self.roster.done[worker.worker_id] = worker.done
+
+    def _forget(self, name: str) -> None:
+        self._by_name.pop(name, None)
 
     def _live(self, name: str) -> Worker | None:
         worker = self._by_name.get(name)
@@ -194,3 +225,11 @@ class Pollers:
             if task is not None:
                 task.last_error = f"poller {name} silent for lease_timeout"
             sched.lost(worker, now, actions, cause="lease timeout")
+
+
+def same_lease(expected: str, given: str) -> bool:
+    """`given` is the lease `expected` (never when no lease was issued), compared in
+    constant time."""
+    return bool(expected) and hmac.compare_digest(
+        expected.encode("utf-8", "surrogatepass"), given.encode("utf-8", "surrogatepass")
+    )

@@ -39,10 +39,13 @@ class Recovery:
         failed_on: tuple[int, ...] = (),
         placement_left: float | None = None,
         grace: float = 3.0,
+        lease: str = "",
     ) -> None:
-        """Put back a task a previous run had accepted but not finished."""
+        """Put back a task a previous run had accepted but not finished (`lease`: the
+        token its poller holds, which it must show to keep it)."""
         sched = self.scheduler
         task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task.lease = lease
         task.created_at = now
         task.failed_on = frozenset(failed_on)
         sched.tasks[ref] = task
@@ -54,6 +57,11 @@ class Recovery:
             sched.at(now + grace, self._grace_due, task)
         else:
             sched.enqueue(task, now, placement_left=placement_left)
+
+    def orphan(self, task_id: int) -> Task | None:
+        """The one recovered task with this number that a worker may still claim, if any."""
+        candidates = self._orphans.get(task_id)
+        return candidates[0] if candidates is not None and len(candidates) == 1 else None
 
     def claim(self, worker: Worker, task_id: int, now: float, actions: list[Action]) -> bool:
         """`worker` reports holding `task_id`: give it the recovered task if that is unambiguous."""

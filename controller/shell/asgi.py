@@ -12,9 +12,12 @@ the lifespan protocol is answered so that hypercorn starts and stops cleanly.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl
+
+import trio
 
 from controller import httpapi
 
@@ -31,6 +34,10 @@ JOB_PREFIX = "/job/"
 
 class ClientDisconnect(Exception):
     """The client went away before its request body ended."""
+
+
+class BodyTimeout(Exception):
+    """The client was silent too long in the middle of its body, or took too long in all."""
 
 
 class Request:
@@ -62,10 +69,19 @@ class Request:
                 return bytes(value).decode("latin-1")
         return None
 
-    async def stream(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; ClientDisconnect if the client leaves first."""
+    async def stream(
+        self, silence: float = math.inf, deadline: float = math.inf
+    ) -> AsyncIterator[bytes]:
+        """The body as it arrives; ClientDisconnect if the client leaves first, BodyTimeout
+        if it sends nothing for `silence` seconds or is not done by `deadline` (trio time)."""
         while True:
-            message = await self._receive()
+            message: Message | None = None
+            with trio.move_on_at(min(deadline, trio.current_time() + silence)):
+                message = await self._receive()
+            if message is None:
+                if trio.current_time() >= deadline:
+                    raise BodyTimeout("the request's body did not end in time")
+                raise BodyTimeout(f"the client sent nothing for {silence:g} s mid-body")
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect
             body = message.get("body", b"")

@@ -42,6 +42,7 @@ from controller.core import (
 )
 from controller.core.model import Task
 from controller.reactor import Reactor
+from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 from controller.shell.durability import WriteAhead
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
@@ -126,6 +127,7 @@ class CoreShell:
             claim_timeout=config.claim_timeout,
             lease_timeout=config.lease_timeout,
             calculator_timeout=config.calculator_timeout,
+            forget_remote_after=config.result_retention,
         )
         # Where a job for a calculator goes (the UDP door sends perform_task).
         self.on_perform: Callable[[PerformTask], None] | None = None
@@ -145,6 +147,8 @@ class CoreShell:
         self._own_uid = os.getuid()
         self._dir_gid = -1
         self._sock: socket.socket | None = None
+        self._accept_failed = Throttled(log, "main.sock: cannot accept a connection")
+        self._dial_failed = Throttled(log, "cannot dial a worker")
 
     # ------------------------------------------------------------ running
 
@@ -238,7 +242,21 @@ class CoreShell:
                 conn = accept_unix(sock)
             except BlockingIOError:
                 return
+            except OSError as exc:
+                if one_connection(exc):  # that peer's trouble (ECONNABORTED...)
+                    continue
+                # Out of descriptors (or worse): the pulses wait in the backlog; look again
+                # after a pause.
+                now = trio.current_time()
+                self._accept_failed(exc.strerror or exc, now)
+                self.reactor.unwatch(sock)
+                self.reactor.call_at(now + ACCEPT_PAUSE, self._resume_accept)
+                return
             self._serve_pulse(conn)
+
+    def _resume_accept(self, now: float) -> None:
+        if self._sock is not None:
+            self.reactor.watch(self._sock, select.EPOLLIN, self._accept)
 
     def _serve_pulse(self, conn: _socket.socket) -> None:
         cfg = self.config
@@ -309,15 +327,19 @@ class CoreShell:
         msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
-        Outgoing(
-            self.reactor,
-            path,
-            wire.encode_frame(msg, action.extra),
-            pb.WorkerResponse,
-            functools.partial(self._dialled, action, path),
-            timeout=cfg.dial_timeout,
-            max_extra_size=cfg.max_extra_size,
-        )
+        try:
+            Outgoing(
+                self.reactor,
+                path,
+                wire.encode_frame(msg, action.extra),
+                pb.WorkerResponse,
+                functools.partial(self._dialled, action, path),
+                timeout=cfg.dial_timeout,
+                max_extra_size=cfg.max_extra_size,
+            )
+        except OSError as exc:  # no descriptor for the socket: the worker did not answer
+            self._dial_failed(exc.strerror or exc, trio.current_time())
+            self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
 
     def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         wid = action.worker_id

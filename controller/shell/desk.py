@@ -22,7 +22,7 @@ import trio
 
 from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
-from controller.frontdoor import Delivered, DoorAction, Send, Submit
+from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
 from controller.jobs import Job, JobBook, JobState, notes_of
 from controller.journal import Journal, Recovered
 from controller.shell.durability import WriteAhead
@@ -81,6 +81,7 @@ class JobDesk:
         self.on_finished = on_finished
         self.doors: dict[str, Door] = {}
         self._picked = itertools.count(FIRST_PICKED_TASK_ID)
+        self._leased: set[int] = set()  # refs of live jobs with a lease in the journal
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -109,6 +110,8 @@ class JobDesk:
                 self.submit(action.job_id, "udp", action.addr, action.task_id, action.payload, now)
             elif isinstance(action, Delivered):
                 self.delivered(action.job_id, now)
+            elif isinstance(action, Evict):
+                self.evict(action.job_id)
             else:
                 self.scheduling.execute(self._calculator(action, now))
         if sends:
@@ -175,6 +178,18 @@ class JobDesk:
             self.journal.job_delivered(job.ref, self.book.result_retention)
         self._timer.poke_at(job.expires_at)
 
+    def evict(self, job_id: str) -> None:
+        """Forget a delivered job before its retention ends (its door is over its memory)."""
+        job = self.book.get(job_id)
+        if job is None or not job.delivered:
+            return
+        self.book.forget(job)
+        if self.journal is not None:
+            self.journal.job_forgotten(job.ref)
+        door = self.doors.get(job.door)
+        if door is not None:
+            door.forget(job)
+
     def cancel(self, job: Job, now: float) -> bool:
         """Cancel a live job (a local worker holding it gets RESTART); False if it ended."""
         if job.state.final:
@@ -194,6 +209,13 @@ class JobDesk:
             self.journal.job_deleted(job.ref)
         if self.on_finished is not None:
             self.on_finished(job)
+
+    def leased(self, ref: int, lease: str) -> None:
+        """A remote worker holds job `ref` under `lease` (a poller's token, a calculator's
+        address): journaled, so that only that holder can keep the job across a restart."""
+        if self.journal is not None:
+            self.journal.job_leased(ref, lease)
+            self._leased.add(ref)
 
     # ------------------------------------------------------------ from the scheduler
 
@@ -217,6 +239,9 @@ class JobDesk:
             return
         if self.journal is not None:
             self.journal.job_finished(job)
+            if job.ref in self._leased:
+                self._leased.discard(job.ref)
+                self.journal.job_unleased(job.ref)
         if self.on_finished is not None:
             self.on_finished(job)
         self._tell(job, now)
@@ -276,8 +301,14 @@ class JobDesk:
                     attempts=row.attempts,
                     failed_on=tuple(row.failed_on),
                     placement_left=core.timeout_task_placement - (wall - row.queued_at),
-                    grace=RECOVERY_GRACE,
+                    # A poller's job waits a lease_timeout for its holder to renew.
+                    grace=max(RECOVERY_GRACE, core.pollers.lease_timeout)
+                    if row.lease
+                    else RECOVERY_GRACE,
+                    lease=row.lease,
                 )
+                if row.lease:
+                    self._leased.add(row.ref)
                 job.task = core.tasks[row.ref]
                 self.book.add(job)
                 continue

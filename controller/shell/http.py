@@ -12,6 +12,7 @@ a thousand of them cost no CPU while they wait.
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from typing import Any
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
 
 from controller import httpapi
 from controller.config import Config
@@ -29,6 +31,7 @@ from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
 from controller.shell import keepalive
 from controller.shell.asgi import (
+    BodyTimeout,
     ClientDisconnect,
     Request,
     Response,
@@ -40,14 +43,19 @@ from controller.shell.asgi import (
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http_access import Gate, read_tokens
+from controller.shell.http_conn import Connections, serve_connections
 from controller.shell.openapi import OPENAPI
 from controller.shell.statuspage import render_status_page
 
 log = logging.getLogger("controller.http")
 
 
-# A connection that sends no request for this long is closed (also the keep-alive idle time).
+# A connection that sends no request for this long is closed (also the keep-alive idle time),
+# and so is one silent this long in the middle of a request's body. Read when the door
+# starts serving and at each body: tests lower it by setting controller.shell.http.IDLE_TIMEOUT.
 IDLE_TIMEOUT = 5.0
+# Bytes of randomness in a poller's lease (128 bits).
+LEASE_BYTES = 16
 # How much of a body over the limit is read and dropped before the 413 goes out.
 DRAIN_LIMIT = 4 * 1024 * 1024
 
@@ -58,6 +66,7 @@ class PingWaiter:
 
     event: trio.Event = field(default_factory=trio.Event)
     job: Job | None = None
+    lease: str = ""
 
 
 class HttpDoor:
@@ -91,7 +100,8 @@ class HttpDoor:
         self.app = Router(routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal)
         desk.on_finished = self.job_ended
         self.pollers = core.pollers
-        self._idle_timer = keepalive.install()
+        self.connections = Connections(config.max_connections)
+        self._idle_timer = keepalive.usable()
 
     # ------------------------------------------------------------ serving
 
@@ -114,20 +124,36 @@ class HttpDoor:
         host, port = sock.getsockname()[:2]
         return host, port
 
-    async def serve(
-        self, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
-    ) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._sockets is None:
             self.bind()
         self.started_at = trio.current_time()
         host, port = self.address()
         log.info("HTTP job API and status page on http://%s:%d/", host, port)
-        await worker_serve(
-            ASGIWrapper(self.app),  # type: ignore[arg-type]
-            self._hypercorn_config(),
-            sockets=self._sockets,
-            task_status=task_status,
-        )
+        hc = self._hypercorn_config()
+        app = ASGIWrapper(self.app)  # type: ignore[arg-type]
+        context = WorkerContext(None)
+        idle_timer = self._idle_timer
+
+        async def connection(stream: trio.abc.Stream) -> None:
+            server = TCPServer(app, hc, context, {}, stream)  # type: ignore[arg-type]
+            if idle_timer:
+                keepalive.fit(server)
+            await server.run()
+
+        ssl_context = hc.create_ssl_context() if self._sockets.secure_sockets else None
+        listeners = [
+            (trio.socket.from_stdlib_socket(sock), ssl_context)
+            for sock in self._sockets.secure_sockets
+        ] + [
+            (trio.socket.from_stdlib_socket(sock), None) for sock in self._sockets.insecure_sockets
+        ]
+        try:
+            await serve_connections(
+                listeners, connection, self.connections, task_status=task_status
+            )
+        finally:
+            await context.terminated.set()
 
     def _hypercorn_config(self) -> HypercornConfig:
         address = self.config.http_address
@@ -143,6 +169,7 @@ class HttpDoor:
         server_log.setLevel(logging.WARNING)  # its "Running on ..." repeats our own line
         hc.errorlog = server_log
         hc.backlog = 1024
+        hc.alpn_protocols = ["http/1.1"]  # no HTTP/2 over TLS either
         return hc
 
     def hand_out(self, action: HandOut) -> None:
@@ -154,8 +181,10 @@ class HttpDoor:
             self.execute(self.pollers.undeliverable(action.name, now))
             return
         waiter.job = job
+        waiter.lease = secrets.token_urlsafe(LEASE_BYTES)
         waiter.event.set()
-        self.pollers.handed(action.name, now)
+        self.pollers.handed(action.name, now, waiter.lease)
+        self.desk.leased(job.ref, waiter.lease)
 
     def job_ended(self, job: Job) -> None:
         """The desk's hook: a job ended (or was deleted): wake its long-polls."""
@@ -247,22 +276,26 @@ class HttpDoor:
         state = job.state
         if state is JobState.DELETED:
             raise ApiError(409, "the job is deleted: it takes no change")
+        if update.log is not None and state.final:
+            raise ApiError(409, f"the job is {state.value}: its log is closed")
+        name = update.worker
         if update.state is JobState.CANCELED:
             if state.final and state is not JobState.CANCELED:
                 raise ApiError(409, f"the job is {state.value}: it can no longer be canceled")
             self.desk.cancel(job, trio.current_time())
-        elif update.state is not None:
-            # working / finished / failed come from the poller that holds the job.
-            name = update.worker
+        elif name is not None or update.state is not None:
+            # A poller's report: taken only from the poller holding the job, with its lease.
             now = trio.current_time()
-            if name and job.task is not None and not self.pollers.holds(name, job.ref):
-                self.pollers.adopt(name, job.task_id, now)  # held before a restart?
-            if not name or not self.pollers.holds(name, job.ref):
+            lease = update.lease or ""
+            holds = self.pollers.holds
+            if name and job.task is not None and not holds(name, job.ref, lease):
+                self.pollers.adopt(name, job.task_id, lease, now)  # held before a restart?
+            if not name or not holds(name, job.ref, lease):
                 who = f" ({name})" if name else ""
                 raise ApiError(
-                    409, f"no poller{who} holds this job: it cannot be set {update.state.value}"
+                    409, f"no poller{who} holds this job under that lease: the report is refused"
                 )
-            if update.state is JobState.WORKING:
+            if update.state is JobState.WORKING or update.state is None:
                 actions = self.pollers.working(name, job.ref, now)
             elif update.state is JobState.FINISHED:
                 actions = self.pollers.finished(name, job.ref, update.result or b"", now)
@@ -270,7 +303,7 @@ class HttpDoor:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
             self.execute(actions)
         if update.log is not None:
-            job.add_log(update.log)
+            job.add_log(update.log, self.config.max_log_size)
             job.updated_at = trio.current_time()
         return self._job_response(job, 200)
 
@@ -303,7 +336,10 @@ class HttpDoor:
                     self.execute(self.pollers.gave_up(worker, trio.current_time()))
         if waiter.job is None:
             return Response(status=204)
-        return self._job_response(waiter.job, 200)
+        await self.desk.write_ahead.committed()  # the lease survives a restart
+        answer = httpapi.job_json(waiter.job, self.book.wall_offset, self.core.worker_name)
+        answer["lease"] = waiter.lease  # in this answer only
+        return json_response(answer)
 
     async def openapi(self, request: Request) -> Response:
         return json_response(OPENAPI)
@@ -331,8 +367,9 @@ class HttpDoor:
         too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
         chunks = []
         size = 0
+        deadline = trio.current_time() + self.config.http_body_timeout
         try:
-            async for chunk in request.stream():
+            async for chunk in request.stream(IDLE_TIMEOUT, deadline):
                 size += len(chunk)
                 if size > self.max_body:
                     too_big = True
@@ -345,6 +382,8 @@ class HttpDoor:
                 chunks.append(chunk)
         except ClientDisconnect:  # it went away mid-body: nobody to answer, nothing done
             raise ApiError(400, "the client closed the connection before the body ended") from None
+        except BodyTimeout as exc:  # answered, and the connection closed: the body is unread
+            raise ApiError(408, str(exc)) from None
         if too_big:
             raise ApiError(413, f"the body is over {self.max_body} bytes")
         return b"".join(chunks)

@@ -22,6 +22,7 @@ from controller.journal import Journal, JournalError
 from controller.priority import DEFAULT_ADJUSTMENT, adjust, parse_adjustment
 from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell, StartupError
+from controller.shell.descriptors import raise_nofile_limit
 from controller.shell.desk import JobDesk
 from controller.shell.metrics import Metrics
 from controller.shell.sdnotify import Notifier
@@ -162,6 +163,9 @@ async def run_controller(
     busy_poll: float | None = 0.0,
     worker_nice: int | None = None,
 ) -> None:
+    before, soft = raise_nofile_limit()
+    if soft != before:
+        log.info("descriptor limit raised from %d to %d", before, soft)
     journal = recovered = None
     if config.journal is not None:
         journal = Journal.open(config.journal)

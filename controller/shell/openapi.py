@@ -144,7 +144,10 @@ OPENAPI: dict[str, Any] = {
                     _WAIT,
                 ],
                 "responses": {
-                    "200": _json(_JOB, "the next job, now requested by this poller"),
+                    "200": _json(
+                        {"$ref": "#/components/schemas/Claim"},
+                        "the next job, now requested by this poller, with its lease",
+                    ),
                     "204": {"description": "no job came within wait"},
                     **_errors(400, 401, 403),
                 },
@@ -210,10 +213,33 @@ OPENAPI: dict[str, Any] = {
                     },
                     "log": {"type": "string", "maxLength": httpapi.MAX_LOG},
                     "worker": {"type": "string", "maxLength": httpapi.MAX_ID_LENGTH},
+                    "lease": {
+                        "type": "string",
+                        "maxLength": httpapi.MAX_LEASE,
+                        "description": "a poller's report (a PUT naming `worker`) must carry the "
+                        "lease its claim (GET /ping/) gave; without it or with another: 409",
+                    },
                     "result": _TEXT,
                     "result_b64": {"type": "string", "format": "byte"},
                     "error": {"type": "string", "maxLength": httpapi.MAX_ERROR},
                 },
+            },
+            "Claim": {
+                "allOf": [
+                    _JOB,
+                    {
+                        "type": "object",
+                        "required": ["lease"],
+                        "properties": {
+                            "lease": {
+                                "type": "string",
+                                "minLength": 22,
+                                "description": "a random token (128 bits) shown in this answer "
+                                "only: every later PUT of this poller on this job carries it",
+                            }
+                        },
+                    },
+                ]
             },
             "Job": {
                 "type": "object",

@@ -13,6 +13,7 @@ cursor, which only the door's keeper task moves.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ log = logging.getLogger("controller.redis")
 READ_BLOCK_MS = 1000
 # Outcomes written per round trip, at most (and entries read per page of our own).
 WRITE_BATCH = 500
+# Acknowledged entries deleted per script call (each call holds Redis for its page).
+TRIM_PAGE = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,7 @@ class StreamCalls:
         self.group = settings.group
         self.consumer = consumer
         self.retention_ms = retention_ms
+        self.acked = streams.acked_set(self.stream)
         self.claim_after_ms = claim_after_ms
         # ValueError for a URL redis-py cannot use (the door turns it into a StartupError).
         self.redis = redis.Redis.from_url(
@@ -126,9 +130,10 @@ class StreamCalls:
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
             pipe.hget(streams.job_key(entry.job_id), "state")
-        states = pipe.execute()
+        # A `job:<id>` of another type fails its entry alone, not the read.
+        states = pipe.execute(raise_on_error=False)
         return [
-            Entry(e.entry_id, e.fields, s.decode() if s else "", e.job_id)
+            Entry(e.entry_id, e.fields, _state(s), e.job_id)
             for e, s in zip(entries, states, strict=True)
         ]
 
@@ -142,8 +147,10 @@ class StreamCalls:
         self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], stamp: str
     ) -> tuple[list[Any], list[Any]]:
         """Keys and arguments of `streams.OUTCOMES_SCRIPT` for these outcomes and entries."""
-        keys = [streams.results_stream(self.stream), self.stream]
-        args: list[Any] = [self.group, stamp, self.retention_ms]
+        keys = [streams.results_stream(self.stream), self.stream, self.acked]
+        now_ms = int(time.time() * 1000)
+        oldest = f"{max(0, now_ms - self.retention_ms)}-0"
+        args: list[Any] = [self.group, stamp, self.retention_ms, oldest, now_ms]
         for job_id, outcome in outcomes.items():
             keys.append(streams.job_key(job_id))
             acked = acks[job_id]
@@ -159,8 +166,26 @@ class StreamCalls:
             pipe.xclaim(self.stream, self.group, self.consumer, 0, chunk, justid=True)
         for job_id in live:
             pipe.hget(streams.job_key(job_id), "state")
-        answers = pipe.execute()[-len(live) :] if live else []
-        return [state.decode() if state else "" for state in answers]
+        answers = pipe.execute(raise_on_error=False)
+        for answer in answers[: len(answers) - len(live)]:
+            if isinstance(answer, Exception):  # a claim failed (NOGROUP...): the caller retries
+                raise answer
+        return [_state(state) for state in answers[len(answers) - len(live) :]]
+
+    def trim(self) -> int:
+        """Delete the jobs stream's entries acknowledged over `retention` ago and trim the
+        results stream to about `retention`; how many entries were deleted."""
+        now_ms = int(time.time() * 1000)
+        cutoff = max(0, now_ms - self.retention_ms)
+        keys = [self.acked, self.stream, streams.results_stream(self.stream)]
+        deleted = 0
+        while True:
+            done: Any = self.redis.eval(
+                streams.TRIM_SCRIPT, len(keys), *keys, cutoff, TRIM_PAGE, f"{cutoff}-0"
+            )
+            deleted += int(done)
+            if int(done) < TRIM_PAGE:
+                return deleted
 
     def claim(self, count: int) -> list[Entry]:
         """Entries idle past `claim_after` on another consumer: a controller that stopped."""
@@ -198,3 +223,11 @@ class StreamCalls:
                 ids.append(message["data"].decode("utf-8", "replace"))
             message = pubsub.get_message(timeout=0)
         return ids
+
+
+def _state(answer: Any) -> str:
+    """A job hash's `state` as read in a pipeline: "" for none, WRONG_TYPE for a key that
+    is not a hash."""
+    if isinstance(answer, Exception):
+        return streams.WRONG_TYPE if "WRONGTYPE" in str(answer) else ""
+    return answer.decode("utf-8", "replace") if answer else ""

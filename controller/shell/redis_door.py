@@ -40,7 +40,7 @@ import trio
 from controller import streams
 from controller.config import Config
 from controller.frontdoor import DoorAction, Send
-from controller.httpapi import ID_RULE, rfc3339, valid_id
+from controller.httpapi import ID_RULE, MAX_TEXT, rfc3339, valid_id
 from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
@@ -68,6 +68,8 @@ WRITE_GATHER_WAIT = 0.005
 ANSWER_TIMEOUT = 10.0
 # How often the lag and pending count are read (and stopped consumers' entries looked for).
 KEEP_INTERVAL = 1.0
+# How often acknowledged entries past result_retention are deleted (and results trimmed).
+TRIM_INTERVAL = 10.0
 
 
 class RedisDoor:
@@ -105,7 +107,14 @@ class RedisDoor:
         self.last_error = ""
         self.lag: int | None = None
         self.pending: int | None = None
-        self.counters = {"read": 0, "claimed": 0, "skipped": 0, "written": 0, "canceled": 0}
+        self.counters = {
+            "read": 0,
+            "claimed": 0,
+            "skipped": 0,
+            "written": 0,
+            "canceled": 0,
+            "trimmed": 0,  # acknowledged entries deleted from the stream
+        }
         desk.doors["redis"] = self
         shell.on_room = self._maybe_room
 
@@ -293,9 +302,14 @@ class RedisDoor:
         """Why an entry cannot become a job ("" when it can)."""
         if b"id" in entry.fields and not valid_id(job_id):
             return ID_RULE
+        if entry.hash_state == streams.WRONG_TYPE:
+            return f"{streams.job_key(job_id)} is not a hash: it cannot hold this job's state"
         size = len(entry.fields.get(b"payload", b""))
         if size > self.max_payload:
             return f"payload is {size} bytes, over max_extra_size ({self.max_payload})"
+        name = len(entry.fields.get(b"name", b""))
+        if name > MAX_TEXT:
+            return f"name is {name} bytes, over {MAX_TEXT}"
         return ""
 
     def _settle_if_ended(self, job_id: str) -> None:
@@ -371,13 +385,18 @@ class RedisDoor:
 
     async def _keep_loop(self) -> None:
         refresh_every = self.settings.claim_after / 3
-        refreshed = trio.current_time()
+        # A short result_retention (tests) is trimmed more often than every TRIM_INTERVAL.
+        trim_every = min(TRIM_INTERVAL, max(self.calls.retention_ms / 4000, KEEP_INTERVAL))
+        refreshed = trimmed = trio.current_time()
         while True:
             await trio.sleep(min(KEEP_INTERVAL, refresh_every))
             if self._reread:  # the reader sets the group up first
                 continue
             self._look_over_held()
             now = trio.current_time()
+            if now - trimmed >= trim_every:
+                trimmed = now
+                self.counters["trimmed"] += await self._call(self.calls.trim)
             if now - refreshed >= refresh_every:
                 refreshed = now
                 held = [entry for entries in self.entries.values() for entry in entries]

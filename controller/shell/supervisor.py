@@ -18,6 +18,7 @@ import sys
 import trio
 
 from controller import priority
+from controller.shell.descriptors import Throttled
 
 log = logging.getLogger("controller.supervisor")
 
@@ -68,6 +69,7 @@ class Supervisor:
         self.nice = nice
         self.restarts = 0
         self.pids: dict[int, int] = {}  # slot -> pid
+        self._spawn_failed = Throttled(log, "cannot start a local worker")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -81,7 +83,13 @@ class Supervisor:
             started = trio.current_time()
             # Its own session: a Ctrl-C at the terminal reaches only the controller, which then
             # stops the workers once (they drain); --exit-with-parent covers a SIGKILLed controller.
-            proc = await trio.lowlevel.open_process(self.argv, start_new_session=True)
+            try:
+                proc = await trio.lowlevel.open_process(self.argv, start_new_session=True)
+            except OSError as exc:  # out of descriptors or processes: not fatal, try again
+                self._spawn_failed(f"worker slot {slot}: {exc.strerror or exc}", started)
+                await trio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX)
+                continue
             if self.cpus is not None:
                 # It inherited the controller's CPUs; Python is still starting up.
                 with contextlib.suppress(ProcessLookupError):

@@ -85,6 +85,7 @@ class UdpDoor:
                 max_result=config.max_extra_size,
                 first_txid=int(time.time() * 1000) + (1 << 50),
             ),
+            memory=config.udp_memory,
         )
         shell.on_perform = self.perform
         self._sock: stdsocket.socket | None = None
@@ -174,6 +175,9 @@ class UdpDoor:
         It reveals nothing a crash could take back from its submitter, so it does not wait
         for the journal."""
         now = trio.current_time()
+        task = self._live_tasks.get(action.ref)
+        if task is not None and task.lease:  # its holder's address, for after a restart
+            self.desk.leased(action.ref, task.lease)
         send = self.door.perform(action.address, action.ref, action.task_id, action.payload, now)
         self.transmit((send,))
         self._timer.poke()

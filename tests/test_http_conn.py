@@ -1,0 +1,314 @@
+"""The HTTP door's connections: the cap on open ones, HTTP/1.1 only, the silences and the
+body's time limit, against an in-process controller over real sockets; a real controller
+under a small descriptor limit; and a calculator's report forged from another port."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+
+from controller.shell import http as http_module
+from controller.shell import keepalive
+from tests.helpers import live_controller, run_udp_client, wait_for_condition, wait_until
+from tests.test_http import client, http_controller
+
+SHORT_IDLE = 0.5  # the door's IDLE_TIMEOUT in these tests
+
+
+_OPENED: list[trio.SocketStream] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_what_the_test_opened():
+    yield
+    while _OPENED:
+        with contextlib.suppress(OSError):
+            os.close(_OPENED.pop().socket.detach())
+
+
+async def _connect(url: str) -> trio.SocketStream:
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    _OPENED.append(stream)
+    return stream
+
+
+async def _read_until_closed(stream: trio.SocketStream, timeout: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection (fails on a timeout)."""
+    got = b""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:  # reset: closed too
+                return got
+            if not chunk:
+                return got
+            got += chunk
+
+
+async def _get(stream: trio.SocketStream, path: str = "/health/") -> bytes:
+    await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    got = b""
+    with trio.fail_after(10):
+        while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+            chunk = await stream.receive_some(65536)
+            assert chunk, got
+            got += chunk
+    return got
+
+
+@pytest.fixture
+def short_idle(monkeypatch):
+    monkeypatch.setattr(http_module, "IDLE_TIMEOUT", SHORT_IDLE)
+
+
+async def test_a_connection_past_max_connections_is_closed_at_once(sockdir):
+    async with http_controller(sockdir, workers=1, max_connections=3) as ctl:
+        held = [await _connect(ctl.url) for _ in range(3)]
+        await wait_until(lambda: ctl.web.connections.open == 3)
+        extra = await _connect(ctl.url)
+        assert await _read_until_closed(extra) == b""  # accepted, then closed with no answer
+        assert ctl.web.connections.refused == 1
+        # the ones within the limit are served
+        assert (await _get(held[0])).startswith(b"HTTP/1.1 200")
+        for stream in held:
+            await stream.aclose()
+        await wait_until(lambda: ctl.web.connections.open == 0)
+        again = await _connect(ctl.url)
+        assert (await _get(again)).startswith(b"HTTP/1.1 200")
+        await again.aclose()
+
+
+async def test_the_http2_preface_is_closed_without_switching(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert await _read_until_closed(stream) == b""  # no SETTINGS frame, nothing
+
+
+async def test_the_http2_preface_in_small_pieces_is_closed_too(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        for piece in (b"PR", b"I * HT", b"TP/2.0\r", b"\n\r\nSM\r\n\r\n"):
+            await stream.send_all(piece)
+        assert await _read_until_closed(stream) == b""
+
+
+async def test_an_h2c_upgrade_is_never_switched(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(
+            b"GET /health/ HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+            b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+        )
+        answer = await _read_until_closed(stream)
+        assert b"101" not in answer.split(b"\r\n", 1)[0]
+        assert b"\x00\x00" not in answer  # no HTTP/2 frame either
+
+
+async def test_http_1_1_still_served_after_refusing_http2(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        assert (await _get(stream)).startswith(b"HTTP/1.1 200")
+        assert (await _get(stream)).startswith(b"HTTP/1.1 200")  # kept alive
+        await stream.aclose()
+
+
+async def test_an_idle_kept_alive_connection_is_closed(sockdir, short_idle):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        assert (await _get(stream)).startswith(b"HTTP/1.1 200")
+        assert await _read_until_closed(stream) == b""
+        await wait_until(lambda: ctl.web.connections.open == 0)
+
+
+async def test_an_idle_connection_is_closed_with_hypercorns_own_timer(
+    sockdir, short_idle, monkeypatch
+):
+    monkeypatch.setattr(keepalive, "usable", lambda: False)
+    fitted: list[object] = []
+    monkeypatch.setattr(keepalive, "fit", fitted.append)
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        assert (await _get(stream)).startswith(b"HTTP/1.1 200")
+        assert await _read_until_closed(stream) == b""
+    assert fitted == []
+
+
+async def test_a_connection_silent_mid_head_is_closed(sockdir, short_idle):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(b"GET /health/ HTTP/1.1\r\nHost: x\r\n")  # no blank line: more due
+        assert await _read_until_closed(stream) == b""
+        await wait_until(lambda: ctl.web.connections.open == 0)
+
+
+async def test_a_connection_silent_mid_body_is_closed(sockdir, short_idle):
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(
+            b"POST /job/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"payload": '
+        )
+        answer = await _read_until_closed(stream)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert ctl.desk.book.latest(10, None) == []  # nothing was added
+
+
+async def test_a_body_slower_than_http_body_timeout_is_cut(sockdir):
+    async with http_controller(sockdir, workers=1, http_body_timeout=1.0) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(
+            b'POST /job/ HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"payload": "'
+        )
+
+        async def trickle() -> None:  # a byte every 0.1 s: never silent, never done
+            while True:
+                await trio.sleep(0.1)
+                try:
+                    await stream.send_all(b"a")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            answer = await _read_until_closed(stream)
+            nursery.cancel_scope.cancel()
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"did not end in time" in answer
+
+
+def test_the_hypercorn_names_the_door_uses_are_there():
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+
+    params = list(inspect.signature(TCPServer.__init__).parameters)
+    assert params == ["self", "app", "config", "context", "state", "stream"]
+    assert list(inspect.signature(WorkerContext.__init__).parameters) == ["self", "max_requests"]
+    assert inspect.iscoroutinefunction(TCPServer.run)
+    assert hasattr(WorkerContext(None), "terminated")
+
+
+# ---------------------------------------------------------------- descriptors run out
+
+NOFILE = 128
+
+
+def _open_idle(port: int, count: int) -> list[socket.socket]:
+    held = []
+    for _ in range(count):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        except ConnectionResetError:  # one past max_connections, closed at once
+            continue
+        held.append(sock)
+    return held
+
+
+def _workers(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(f"{url}/health/", timeout=5) as answer:
+            return int(json.load(answer)["workers"])
+    except OSError:
+        return None
+
+
+def _log(tmp: Path) -> str:
+    return (tmp / "controller.log").read_text(errors="replace")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/bin/prlimit").exists(), reason="needs prlimit (util-linux)")
+def test_out_of_descriptors_the_controller_stays_up_and_recovers(tmp_path):
+    launcher = ("/usr/bin/prlimit", f"--nofile={NOFILE}")
+    with live_controller(
+        tmp_path, "--workers", "1", launcher=launcher, max_connections=1000
+    ) as ctl:
+        port = int(ctl.url.rsplit(":", 1)[1])
+        held = _open_idle(port, 2 * NOFILE)  # more than it has descriptors for
+        wait_for_condition(lambda: "cannot accept" in _log(tmp_path), 15)
+        # Jobs still flow meanwhile or once the idle connections are closed (5 s).
+        out = run_udp_client(ctl.udp_port, "add", "7", "--payload", "x", "--timeout", "30")
+        assert out.returncode == 0, out.stderr
+        assert ctl.proc.poll() is None
+        for sock in held:
+            sock.close()
+        out = run_udp_client(ctl.udp_port, "add", "8", "--payload", "y", "--timeout", "30")
+        assert out.returncode == 0, out.stderr
+        assert ctl.proc.poll() is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/usr/bin/prlimit").exists(), reason="needs prlimit (util-linux)")
+def test_max_connections_keeps_descriptors_for_the_rest(tmp_path):
+    launcher = ("/usr/bin/prlimit", f"--nofile={NOFILE}")
+    with live_controller(tmp_path, "--workers", "1", launcher=launcher, max_connections=40) as ctl:
+        port = int(ctl.url.rsplit(":", 1)[1])
+        held = _open_idle(port, 2 * NOFILE)
+        out = run_udp_client(ctl.udp_port, "add", "9", "--payload", "z", "--timeout", "30")
+        assert out.returncode == 0, out.stderr
+        for sock in held:
+            sock.close()
+        wait_for_condition(lambda: _workers(ctl.url) == 1)  # once the closes are seen
+        assert ctl.proc.poll() is None
+        # The cap kept descriptors free: no accept ever failed.
+        assert "cannot accept" not in _log(tmp_path)
+
+
+# ---------------------------------------------------------------- calculators cannot forge
+
+
+async def test_a_forged_completed_task_from_another_port_is_acknowledged_and_ignored(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl:
+        door = ("127.0.0.1", ctl.udp_port)
+        calc = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        forger = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with calc, forger:
+            await calc.bind(("127.0.0.1", 0))
+            await forger.bind(("127.0.0.1", 0))
+
+            async def send(sock, method, txid=None, **params):
+                packet = {"method": method, "params": params, "packet_type": 0}
+                if txid is not None:
+                    packet.update(packet_type=1, transmission_id=txid)
+                await sock.sendto(json.dumps(packet).encode(), door)
+
+            await send(calc, "heartbeat", status="ready")
+            await wait_until(lambda: len(ctl.shell.core.workers) == 1)
+            async with client(ctl.url) as http:
+                job = (await http.post("/job/", json={"id": "calc-job", "payload": "in"})).json()
+                with trio.fail_after(10):
+                    perform = json.loads((await calc.recvfrom(65536))[0])
+                assert perform["method"] == "perform_task"
+                ack = {
+                    "method": "ack",
+                    "packet_type": 2,
+                    "transmission_id": perform["transmission_id"],
+                }
+                await calc.sendto(json.dumps(ack).encode(), door)
+                await wait_until(lambda: ctl.desk.book.get("calc-job").state.value == "working")
+                # From another port of the same host: acknowledged, counted, not taken.
+                await send(forger, "heartbeat", status="busy")
+                task_id = job["task_id"]
+                await send(
+                    forger, "completed_task", 7, task_id=task_id, status="success", result="FORGED"
+                )
+                with trio.fail_after(10):
+                    answer = json.loads((await forger.recvfrom(65536))[0])
+                assert answer["transmission_id"] == 7 and "error" not in answer
+                assert ctl.shell.core.calculators.ignored_reports == 1
+                assert (await http.get("/job/calc-job/")).json()["state"] == "working"
+                await send(
+                    calc, "completed_task", 8, task_id=task_id, status="success", result="real"
+                )
+                done = (await http.get("/job/calc-job/", params={"wait": 10})).json()
+                assert done["state"] == "finished" and done["result"] == "real"
