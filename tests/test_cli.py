@@ -44,6 +44,20 @@ def test_version(module, prog):
     assert version()[0].isdigit()
 
 
+def test_the_version_is_written_in_one_place_that_pyproject_reads():
+    import tomllib
+    from pathlib import Path
+
+    import controller
+    from controller.cli import version
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"]
+    assert project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "controller.__version__"}
+    assert version() == controller.__version__ == "0.2.0"
+
+
 def test_help_points_at_documents_that_exist():
     from pathlib import Path
 
