@@ -27,9 +27,20 @@ import anyio
 import redis
 
 from controller import datagram as dg
+from controller.client.errors import ClientError, ControllerError, JobFailed
 from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
 from controller.client.stream import RedisBackend
-from controller.client.udp import UdpBackend, UdpError
+from controller.client.udp import UdpBackend
+
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "Client",
+    "ClientError",
+    "ControllerError",
+    "Job",
+    "JobFailed",
+]
 
 # get and cancel over udp://.
 _NO_SUCH_REQUEST = "get and cancel need http:// or redis:// (the UDP door has no such request)"
@@ -44,25 +55,6 @@ _UDP_STATES = {
     "error": "failed",
     "failed_post": "failed",
 }
-
-
-class JobFailed(Exception):
-    """The job ended without a result: failed, canceled or deleted; `error` says why."""
-
-    def __init__(self, job_id: str, state: str, error: str) -> None:
-        super().__init__(f"job {job_id} {state}: {error}")
-        self.job_id = job_id
-        self.state = state
-        self.error = error or state
-
-
-class ControllerError(Exception):
-    """The controller refused a request: `status` (HTTP status, or the UDP error code)."""
-
-    def __init__(self, status: int | str, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
 
 
 def _payload(payload: bytes | str) -> bytes:
@@ -228,10 +220,7 @@ class Client:
         udp = self._udp()
         task_id = next(udp.task_ids)
         params: dict[str, Any] = {"task_id": task_id, **_body(data, None, None)}
-        try:
-            udp.request("add_task", params, time.monotonic() + self.timeout)
-        except UdpError as exc:
-            raise ControllerError(exc.code, exc.message) from None
+        udp.request("add_task", params, time.monotonic() + self.timeout)
         return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
 
     def get(self, id: str) -> Job:

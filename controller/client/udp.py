@@ -17,21 +17,13 @@ import time
 from typing import Any
 
 from controller import datagram as dg
+from controller.client.errors import ControllerError
 
 # First repeat of an unacknowledged request, then doubling up to the cap.
 RESEND_FIRST = 0.2
 RESEND_MAX = 2.0
 # Without a notification this long, ask with get_task (it may have been lost).
 POLL_AFTER = 3.0
-
-
-class UdpError(Exception):
-    """The controller refused a request: `code` and `message` of its error acknowledgement."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 class UdpBackend:
@@ -64,7 +56,7 @@ class UdpBackend:
     # ------------------------------------------------------------ requests
 
     def request(self, method: str, params: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """Send until acknowledged; the acknowledgement's params. UdpError if refused,
+        """Send until acknowledged; the acknowledgement's params. ControllerError if refused,
         TimeoutError at the deadline."""
         txid = next(self._txid)
         data = dg.request(method, params, txid)
@@ -83,7 +75,7 @@ class UdpBackend:
                 interval = min(interval * 2, RESEND_MAX)
         error = ack.get("error")
         if isinstance(error, dict):
-            raise UdpError(str(error.get("code")), str(error.get("message", "")))
+            raise ControllerError(str(error.get("code")), str(error.get("message", "")))
         params_out = ack.get("params")
         return params_out if isinstance(params_out, dict) else {}
 
