@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.config import ClientAddress, Config, ConfigError, load_config
+from controller.config import ClientAddress, Config, ConfigError, HttpTls, load_config
 
 GOOD = [
     ({}, "max_retries", 3),
@@ -28,6 +28,13 @@ GOOD = [
         {"metrics_address": {"host": "127.0.0.1", "port": 9100}},
         "metrics_address",
         ClientAddress("127.0.0.1", 9100),
+    ),
+    ({}, "http_tls", None),
+    ({"http_tls": None}, "http_tls", None),
+    (
+        {"http_tls": {"cert": "/etc/c/cert.pem", "key": "/etc/c/key.pem"}},
+        "http_tls",
+        HttpTls(Path("/etc/c/cert.pem"), Path("/etc/c/key.pem")),
     ),
 ]
 
@@ -53,6 +60,10 @@ BAD = [
     ({"max_extra_size": 0}, "key 'max_extra_size' must be more than 0"),
     ([1, 2], "must be a JSON object"),
     ({"metrics_address": 9100}, "key 'metrics_address' must be an object"),
+    ({"http_tls": "cert.pem"}, "key 'http_tls' must be null or {\"cert\": FILE"),
+    ({"http_tls": {"cert": "c.pem"}}, "key 'http_tls' must be null or {\"cert\": FILE"),
+    ({"http_tls": {"cert": "c.pem", "key": ""}}, "key 'http_tls' key must be a file name"),
+    ({"http_tls": {"cert": 5, "key": "k.pem"}}, "key 'http_tls' cert must be a file name"),
 ]
 
 
