@@ -141,10 +141,11 @@ def test_controller_busy_poll_default_is_adaptive():
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--hub", "ftp://ctl:8080"], "--hub must be an http://HOST:PORT URL"),
-        (["--hub", "http://ctl:8080/api/"], "--hub must be an http://HOST:PORT URL"),
-        (["--hub", "http://ctl:99999"], "--hub must be an http://HOST:PORT URL"),
-        (["--hub", "http://ctl:port"], "--hub must be an http://HOST:PORT URL"),
+        (["--hub", "ftp://ctl:8080"], "expected an http[s]://HOST:PORT[/PREFIX/] URL"),
+        (["--hub", "http://ctl:99999"], "expected an http[s]://HOST:PORT[/PREFIX/] URL"),
+        (["--hub", "http://ctl:port"], "expected an http[s]://HOST:PORT[/PREFIX/] URL"),
+        (["--hub", "https://ctl:1", "--ca-file", "/no/such/ca.pem"], "CA file /no/such/ca.pem"),
+        (["--hub", "http://ctl:1", "--ca-file", "/no/such/ca.pem"], "https:// URLs only"),
         (["--hub", "http://127.0.0.1:9", "--token-file", "/no/such/token"], "/no/such/token"),
         (["--udp", "nohostport"], "expected HOST:PORT"),
         (["--udp", "h:99999"], "expected HOST:PORT"),

@@ -5,10 +5,13 @@
         job = client.submit(b"input", name="demo")
         print(job.result(timeout=30))
 
-`url` is `http://HOST:PORT` (the HTTP job API), `udp://HOST:PORT` (the UDP
-front door; the client picks each job's task_id, and `id`, `get` and `cancel`
-are not available there) or `redis://HOST:PORT/DB` (the Redis stream `jobs`,
-or `?stream=NAME`, that controllers consume; see controller/client/stream.py).
+`url` is `http://HOST:PORT[/PREFIX/]` or `https://HOST:PORT[/PREFIX/]` (the HTTP job
+API; https checks the certificate against the system's trust store, or only against
+`ca_file=` when given; HTTPS_PROXY, HTTP_PROXY and NO_PROXY are honoured),
+`udp://HOST:PORT` (the UDP front door; the client picks each job's task_id, and
+`id`, `get` and `cancel` are not available there) or `redis://HOST:PORT/DB` (the
+Redis stream `jobs`, or `?stream=NAME`, that controllers consume; see
+controller/client/stream.py).
 `job.state` uses the job states of the HTTP API (pending, requested, working,
 finished, failed, canceled, deleted) for all three.
 `job.result()` returns the result bytes, raises `JobFailed` (its `error` says
@@ -109,9 +112,10 @@ def _split(url: str) -> tuple[str, str, int]:
     port = url_port(parts, 6379 if parts.scheme == "redis" else None)
     if parts.scheme == "redis" and parts.hostname and port is not None:
         return parts.scheme, parts.hostname, port or 6379
-    if parts.scheme not in ("http", "udp") or not parts.hostname or not port:
+    if parts.scheme not in ("http", "https", "udp") or not parts.hostname or not port:
         raise ValueError(
-            f"expected http://HOST:PORT, udp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}"
+            "expected http://HOST:PORT[/PREFIX/], https://HOST:PORT[/PREFIX/], udp://HOST:PORT"
+            f" or redis://HOST:PORT/DB, got {url!r}"
         )
     return parts.scheme, parts.hostname, port
 
@@ -177,14 +181,21 @@ class Job:
 class Client:
     """Blocking client; one may be shared by threads."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
         self.scheme, host, port = _split(url)
         self.timeout = timeout
         self._http: HttpPool | None = None
         self._udp_backend: UdpBackend | None = None
         self._redis: RedisBackend | None = None
-        if self.scheme == "http":
-            self._http = HttpPool(host, port, token=token, timeout=MAX_WAIT + timeout)
+        if self.scheme in ("http", "https"):
+            self._http = HttpPool(url, token=token, timeout=MAX_WAIT + timeout, ca_file=ca_file)
         elif self.scheme == "redis":
             self._redis = RedisBackend(url, timeout)
         else:
@@ -331,12 +342,20 @@ class AsyncJob:
 class AsyncClient:
     """The same as `Client`, with coroutines; runs under asyncio and trio alike."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
-        self.scheme, host, port = _split(url)
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.scheme, _, _ = _split(url)
         self._http: AsyncHttpPool | None = None
         self._sync: Client | None = None
-        if self.scheme == "http":
-            self._http = AsyncHttpPool(host, port, token=token, timeout=MAX_WAIT + timeout)
+        if self.scheme in ("http", "https"):
+            timeout = MAX_WAIT + timeout
+            self._http = AsyncHttpPool(url, token=token, timeout=timeout, ca_file=ca_file)
         else:
             self._sync = Client(url, token=token, timeout=timeout)
 
