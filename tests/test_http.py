@@ -258,6 +258,8 @@ async def test_log_lines_are_appended_and_links_kept(sockdir):
         ("POST", "/job/", b'{"payload": 5}', (400, "payload must be text")),
         ("POST", "/job/", b'{"name": ["x"]}', (400, "name must be text")),
         ("POST", "/job/", b'{"colour": "red"}', (400, "unknown field 'colour'")),
+        ("POST", "/job/", b"\r", (400, "not valid JSON")),
+        ("POST", "/job/", b" \n", (400, "not valid JSON")),
         ("POST", "/job/", b'{"payload_b64": null}', (400, "payload_b64 must be text, got null")),
         ("POST", "/job/", b'{"payload": null}', (400, "payload must be text, got null")),
         ("POST", "/job/", b'{"name": null}', (400, "name must be text, got null")),
