@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -177,6 +177,20 @@ def test_a_certificate_that_cannot_be_loaded_stops_the_start(tmp_path: Path, pki
 # ---------------------------------------------------------------- a path prefix
 
 
+def _accept_in_threads(sock: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+    """Serve each connection `sock` accepts on a thread of its own, until it is closed."""
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
 class ReverseProxy:
     """Serves the controller at http://127.0.0.1:PORT/jobs-api/...: each request's path is
     taken off its prefix and sent on to the controller (h11 on both sides, kept
@@ -191,15 +205,7 @@ class ReverseProxy:
         self.forwarded: list[bytes] = []
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/jobs-api/"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        _accept_in_threads(self.sock, self._serve)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError, h11.ProtocolError):
@@ -301,15 +307,7 @@ class ConnectProxy:
     def __post_init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        _accept_in_threads(self.sock, self._serve)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -201,11 +202,7 @@ class _H11Answer:
             self.got_bytes = True
         conn = self._conn
         try:
-            conn.receive_data(data)
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    return None
+            for event in _events(conn, data):
                 if isinstance(event, h11.Response):
                     self._status = event.status_code
                 elif isinstance(event, h11.Data):
@@ -221,6 +218,7 @@ class _H11Answer:
                         raise ConnectionError("the server closed the connection mid-answer")
                     raise Stale("the server closed the connection without answering")
                 # InformationalResponse (1xx): the real answer follows.
+            return None
         except h11.RemoteProtocolError as exc:
             if not data and self.got_bytes:  # the end of the stream, with an answer begun
                 raise ConnectionError(
@@ -250,13 +248,8 @@ class Tunnel:
         return out + conn.send(h11.EndOfMessage())
 
     def feed(self, data: bytes) -> bool:
-        conn = self._conn
         try:
-            conn.receive_data(data)
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    return False
+            for event in _events(self._conn, data):
                 if isinstance(event, h11.ConnectionClosed):
                     raise ConnectionError(f"proxy {self.proxy} closed the connection")
                 if isinstance(event, h11.Response):
@@ -265,11 +258,20 @@ class Tunnel:
                         raise ConnectionError(
                             f"proxy {self.proxy} refused CONNECT {self.authority}: {why}"
                         )
-                    if conn.trailing_data[0]:  # the server spoke before the client did
+                    if self._conn.trailing_data[0]:  # it spoke before the client did
                         raise ConnectionError(f"proxy {self.proxy}: bytes after its answer")
                     return True
+            return False
         except h11.RemoteProtocolError as exc:
             raise ConnectionError(f"proxy {self.proxy}: a malformed answer: {exc}") from None
+
+
+def _events(conn: h11.Connection, data: bytes) -> Iterator[object]:
+    """What h11 makes of `data` (b"": the end of the stream), event by event, until it needs
+    more."""
+    conn.receive_data(data)
+    while (event := conn.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+        yield event
 
 
 def target(path: str, query: dict[str, Any] | None) -> str:
