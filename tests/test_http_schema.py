@@ -27,7 +27,9 @@ def test_every_answer_matches_the_document(live_api: schemathesis.BaseSchema) ->
     """Each operation with EXAMPLES generated requests, valid and not (schemathesis's own
     pytest plugin does not run under this pytest, so the operations are driven here)."""
     operations = [result.ok() for result in live_api.get_all_operations()]
-    assert {operation.label for operation in operations} == {
+    # GET /openapi.json too, unless schemathesis leaves out the schema it loaded (it does
+    # without a schemathesis.toml in the working directory).
+    assert {operation.label for operation in operations} - {"GET /openapi.json"} == {
         "GET /health/",
         "GET /job/",
         "POST /job/",
@@ -36,7 +38,7 @@ def test_every_answer_matches_the_document(live_api: schemathesis.BaseSchema) ->
         "DELETE /job/{job_id}/",
         "GET /ping/",
         "GET /",
-    }  # and GET /openapi.json, which schemathesis leaves out of a schema it loaded from it
+    }
 
     for operation in operations:
 
