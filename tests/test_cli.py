@@ -147,6 +147,7 @@ def test_controller_busy_poll_default_is_adaptive():
         (["--hub", "https://ctl:1", "--ca-file", "/no/such/ca.pem"], "CA file /no/such/ca.pem"),
         (["--hub", "http://ctl:1", "--ca-file", "/no/such/ca.pem"], "https:// URLs only"),
         (["--hub", "http://127.0.0.1:9", "--token-file", "/no/such/token"], "/no/such/token"),
+        (["--ca-file", "/etc/ssl/ca.pem"], "--ca-file goes with an https --hub"),
         (["--udp", "nohostport"], "expected HOST:PORT"),
         (["--udp", "h:99999"], "expected HOST:PORT"),
         (["--udp", "h:1", "--hub", "http://h:2"], "not allowed with argument"),

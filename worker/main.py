@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             config = config.replace(socket_dir=Path(args.socket_dir))
         if args.exec_argv is not None and not args.exec_argv:
             raise SetupError("--exec needs a command")
+        if args.ca_file is not None and args.hub is None:
+            raise SetupError("--ca-file goes with an https --hub")
         runner = build_runner(args.exec_argv, args.handler, config.max_extra_size)
     except (ConfigError, SetupError, AffinityError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
