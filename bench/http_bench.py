@@ -73,8 +73,7 @@ async def _one_at_a_time(url: str, jobs: int) -> list[float]:
 
 
 def _pool(url: str) -> AsyncHttpPool:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return AsyncHttpPool(host, int(port), timeout=120)
+    return AsyncHttpPool(url, timeout=120)
 
 
 async def _pulse_latency(sockdir: Any, pulses: int = 500) -> list[float]:

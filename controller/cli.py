@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from importlib import metadata
+
+import controller
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Where the configuration keys, the decisions and the layout are explained.
@@ -14,11 +15,8 @@ DOCS = "docs/design-notes.md"
 
 
 def version() -> str:
-    """The installed package's version (the source tree's when it is not installed)."""
-    try:
-        return metadata.version("job-controller")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+    """The package's version: controller.__version__, which pyproject.toml reads too."""
+    return controller.__version__
 
 
 def add_common_flags(parser: argparse.ArgumentParser, *, log_level: bool = True) -> None:

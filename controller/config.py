@@ -44,6 +44,14 @@ class RedisSettings:
 
 
 @dataclass(frozen=True)
+class HttpTls:
+    """The HTTP door's certificate (chain) and private key, PEM files."""
+
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
 class Config:
     socket_dir: Path = Path("/run/controller")
     client_address: ClientAddress = field(default_factory=ClientAddress)
@@ -82,6 +90,8 @@ class Config:
     max_log_size: int = 65536
     # Bytes of encoded answers the UDP door holds for repeats and retained results.
     udp_memory: int = 67108864
+    # The HTTP door over TLS with this certificate and key; None: plain HTTP.
+    http_tls: HttpTls | None = None
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (flags override the file)."""
@@ -201,6 +211,17 @@ def _redis(value: Any) -> RedisSettings | None:
     return RedisSettings(**settings)
 
 
+def _http_tls(value: Any) -> HttpTls | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"cert", "key"}:
+        raise ValueError(f'must be null or {{"cert": FILE, "key": FILE}}, got {value!r}')
+    for name in ("cert", "key"):
+        if not isinstance(value[name], str) or not value[name]:
+            raise ValueError(f"{name} must be a file name, got {value[name]!r}")
+    return HttpTls(Path(value["cert"]), Path(value["key"]))
+
+
 def _uids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ValueError(f"must be a list of numeric uids, got {value!r}")
@@ -232,6 +253,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "http_body_timeout": _positive_seconds,
     "max_log_size": _size,
     "udp_memory": _size,
+    "http_tls": _http_tls,
 }
 
 

@@ -5,7 +5,8 @@ too, safely). `packet_type` 0: no acknowledgement wanted, 1: wanted, 2: this
 is one. Everything both sides must agree on lives here: packet types, size
 limits, how payloads and results travel (text, or base64 when not UTF-8),
 and the error acknowledgement, which always carries `code` and `message`
-and never outgrows the request it answers.
+and never outgrows the request it answers. And the one resend rule of every
+sender that waits for an acknowledgement (`resend_after`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,23 @@ MAX_CHUNK = 32_768
 MAX_LITERAL = 4096
 # Largest answer to `status`: at most a few times a small request, so it amplifies little.
 MAX_STATUS = 1200
+# The resend rule (resend_after): the first repeat after RESEND_FIRST seconds, the wait
+# doubling up to RESEND_MAX, at most RESEND_COUNT repeats (about a minute of them).
+RESEND_FIRST = 0.2
+RESEND_MAX = 2.0
+RESEND_COUNT = 32
+
+
+def resend_after(sent: int) -> float | None:
+    """How long to wait for the acknowledgement after a request's `sent`-th send before
+    sending it again; None when it has been repeated RESEND_COUNT times (send no more).
+
+    The one rule of every sender that waits for an acknowledgement: udp-client's and
+    the library's requests (which also end at their own deadline) and a calculator's
+    completed_task."""
+    if sent > RESEND_COUNT:
+        return None
+    return float(min(RESEND_FIRST * 2.0 ** min(sent - 1, 16), RESEND_MAX))
 
 
 class BadPacket(Exception):

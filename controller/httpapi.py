@@ -94,7 +94,7 @@ def new_job_id() -> str:
 
 
 def _object(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
-    if not body.strip():
+    if not body:  # no body: every field left out (white space alone is not JSON)
         return {}
     try:
         data = json.loads(body)
@@ -105,6 +105,11 @@ def _object(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
     unknown = sorted(set(data) - allowed)
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+    for name, value in data.items():
+        # Every field of a request body is text: null is refused like a number would be,
+        # never taken as "not given" (the document says text, and a job's text is text).
+        if value is None:
+            raise ApiError(400, f"{name} must be text, got null")
     return data
 
 

@@ -13,6 +13,7 @@ import json
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -296,9 +297,9 @@ class LiveController:
     proc: subprocess.Popen[bytes]
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, context: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        with urllib.request.urlopen(url, timeout=1, context=context) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
@@ -306,11 +307,16 @@ def _answers(url: str) -> bool:
 
 @contextlib.contextmanager
 def live_controller(
-    tmp: Path, *args: str, launcher: tuple[str, ...] = (), **settings: Any
+    tmp: Path,
+    *args: str,
+    launcher: tuple[str, ...] = (),
+    ca_file: Path | None = None,
+    **settings: Any,
 ) -> Iterator[LiveController]:
     """A real controller (both doors, a journal in `tmp`) with `args` (e.g. --workers 2),
     started through `launcher` (e.g. prlimit and its options) if given; stopped by pid at
-    the end, and checked for tracebacks."""
+    the end, and checked for tracebacks. With `http_tls` among the settings its URL is
+    https://, trusted through `ca_file`."""
     http_port, udp_port = free_tcp_port(), free_udp_port()
     config = write_config(
         tmp,
@@ -327,9 +333,13 @@ def live_controller(
     with log.open("ab") as sink:
         argv = [*launcher, *controller_argv(config, *args, log_level="WARNING")]
         proc = subprocess.Popen(argv, stderr=sink)
-    url = f"http://127.0.0.1:{http_port}"
+    tls = settings.get("http_tls") is not None
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{http_port}"
+    context = ssl.create_default_context(cafile=ca_file) if tls else None
     try:
-        wait_for_condition(lambda: _answers(f"{url}/health/") or proc.poll() is not None, 20)
+        wait_for_condition(
+            lambda: _answers(f"{url}/health/", context) or proc.poll() is not None, 20
+        )
         assert proc.poll() is None, "the controller did not start"
         yield LiveController(url, udp_port, proc)
     finally:

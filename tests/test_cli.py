@@ -44,6 +44,20 @@ def test_version(module, prog):
     assert version()[0].isdigit()
 
 
+def test_the_version_is_written_in_one_place_that_pyproject_reads():
+    import tomllib
+    from pathlib import Path
+
+    import controller
+    from controller.cli import version
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"]
+    assert project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "controller.__version__"}
+    assert version() == controller.__version__ == "0.2.0"
+
+
 def test_help_points_at_documents_that_exist():
     from pathlib import Path
 
@@ -155,11 +169,13 @@ def test_controller_busy_poll_default_is_adaptive():
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--hub", "ftp://ctl:8080"], "--hub must be an http://HOST:PORT URL"),
-        (["--hub", "http://ctl:8080/api/"], "--hub must be an http://HOST:PORT URL"),
-        (["--hub", "http://ctl:99999"], "--hub must be an http://HOST:PORT URL"),
-        (["--hub", "http://ctl:port"], "--hub must be an http://HOST:PORT URL"),
+        (["--hub", "ftp://ctl:8080"], "expected an http[s]://HOST:PORT[/PREFIX/] URL"),
+        (["--hub", "http://ctl:99999"], "expected an http[s]://HOST:PORT[/PREFIX/] URL"),
+        (["--hub", "http://ctl:port"], "expected an http[s]://HOST:PORT[/PREFIX/] URL"),
+        (["--hub", "https://ctl:1", "--ca-file", "/no/such/ca.pem"], "CA file /no/such/ca.pem"),
+        (["--hub", "http://ctl:1", "--ca-file", "/no/such/ca.pem"], "https:// URLs only"),
         (["--hub", "http://127.0.0.1:9", "--token-file", "/no/such/token"], "/no/such/token"),
+        (["--ca-file", "/etc/ssl/ca.pem"], "--ca-file goes with an https --hub"),
         (["--udp", "nohostport"], "expected HOST:PORT"),
         (["--udp", "h:99999"], "expected HOST:PORT"),
         (["--udp", "h:1", "--hub", "http://h:2"], "not allowed with argument"),

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import h11
 import pytest
 import trio
 from hypothesis import given, settings
@@ -26,7 +27,7 @@ from controller.client.http import (
     http_address,
     token_problem,
 )
-from controller.client.httpwire import Exchange
+from controller.client.httpwire import MAX_HEAD, Exchange
 from tests.helpers import free_tcp_port, wait_until
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
@@ -113,7 +114,7 @@ def keep_alive_server() -> Iterator[Server]:
 
 def test_a_kept_connection_serves_the_next_request():
     with keep_alive_server() as server:
-        pool = HttpPool("127.0.0.1", server.port, token="secret", timeout=5)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}", token="secret", timeout=5)
         for _ in range(3):
             answer = pool.request("POST", "/job/", json={"payload": "x"})
             assert (answer.status, answer.json()) == (200, {"ok": True})
@@ -132,7 +133,7 @@ def test_a_connection_the_server_closed_meanwhile_is_replaced():
         conn.sendall(OK)  # and close: the client still holds the connection as kept
 
     with serving(once_then_close) as server:
-        pool = HttpPool("127.0.0.1", server.port, timeout=5)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}", timeout=5)
         assert [pool.request("GET", "/health/").status for _ in range(3)] == [200, 200, 200]
         pool.close()
     assert server.accepted == 3
@@ -150,7 +151,7 @@ def test_a_reused_connection_closed_unread_is_retried_once_on_a_new_one():
         answer_all(conn, n, [server])
 
     with serving(script) as server:
-        pool = HttpPool("127.0.0.1", server.port, timeout=5)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}", timeout=5)
         pool.request("GET", "/health/")
         # The peek sees nothing yet (the server has not closed): the request goes out on it.
         assert pool.request("GET", "/health/").status == 200
@@ -172,7 +173,7 @@ def test_a_bad_answer_on_a_new_connection_is_a_connection_error(reply, message):
         conn.sendall(reply)
 
     with serving(script) as server:
-        pool = HttpPool("127.0.0.1", server.port, timeout=5)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}", timeout=5)
         with pytest.raises(ConnectionError, match=message) as info:
             pool.request("POST", "/job/", json={})
         assert f"http://127.0.0.1:{server.port}" in str(info.value)
@@ -186,25 +187,25 @@ def test_silence_is_a_timeout_error_and_refusal_a_connection_refused_error():
         conn.recv(1)  # until the client gives up
 
     with serving(silent) as server:
-        pool = HttpPool("127.0.0.1", server.port, timeout=5)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}", timeout=5)
         with pytest.raises(TimeoutError, match=r"no answer within 0\.3 s"):
             pool.request("GET", "/job/x/", timeout=0.3)
         pool.close()
     port = free_tcp_port()
     with pytest.raises(ConnectionRefusedError, match=f"http://127.0.0.1:{port}"):
-        HttpPool("127.0.0.1", port).request("GET", "/health/")
+        HttpPool(f"http://127.0.0.1:{port}").request("GET", "/health/")
 
 
 def test_a_closed_pool_refuses_requests():
     with keep_alive_server() as server:
-        pool = HttpPool("127.0.0.1", server.port)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}")
         pool.close()
         with pytest.raises(ValueError, match="closed"):
             pool.request("GET", "/health/")
 
 
 async def _async_rounds(port: int) -> list[int]:
-    pool = AsyncHttpPool("127.0.0.1", port, timeout=5)
+    pool = AsyncHttpPool(f"http://127.0.0.1:{port}", timeout=5)
     try:
         return [(await pool.request("GET", "/health/")).status for _ in range(3)]
     finally:
@@ -244,7 +245,7 @@ async def test_async_errors_and_a_cancelled_request_leaves_no_kept_connection():
             conn.sendall(OK)
 
     with serving(script) as server:
-        pool = AsyncHttpPool("127.0.0.1", server.port, timeout=5)
+        pool = AsyncHttpPool(f"http://127.0.0.1:{server.port}", timeout=5)
         with pytest.raises(ConnectionError, match="mid-answer"):
             await pool.request("GET", "/health/")
         with pytest.raises(TimeoutError, match=r"no answer within 0\.2 s"):
@@ -259,7 +260,7 @@ async def test_async_errors_and_a_cancelled_request_leaves_no_kept_connection():
     assert after_first == {2: b"", 3: b""}  # the timed-out and the cancelled one: closed
     port = free_tcp_port()
     with pytest.raises(ConnectionRefusedError, match=f"http://127.0.0.1:{port}"):
-        await AsyncHttpPool("127.0.0.1", port).request("GET", "/health/")
+        await AsyncHttpPool(f"http://127.0.0.1:{port}").request("GET", "/health/")
 
 
 def test_urls_and_tokens_that_cannot_be_used_are_value_errors():
@@ -267,8 +268,16 @@ def test_urls_and_tokens_that_cannot_be_used_are_value_errors():
 
     assert http_address("http://ctl.example:8080/") == ("ctl.example", 8080)
     assert http_address("http://[::1]:8080") == ("::1", 8080)
-    for bad in ("http://h:99999", "http://h:abc", "http://h", "https://h:1", "http://h:1/api"):
-        with pytest.raises(ValueError, match="http://HOST:PORT"):
+    assert http_address("https://ctl.example:8443/jobs-api/") == ("ctl.example", 8443)
+    for bad in (
+        "http://h:99999",
+        "http://h:abc",
+        "http://h",
+        "ftp://h:1",
+        "http://u@h:1",
+        "http://h:1/?q",
+    ):
+        with pytest.raises(ValueError, match=r"http\[s\]://HOST:PORT"):
             http_address(bad)
     for bad in ("http://h:99999", "udp://h:abc", "redis://h:abc/0"):
         with pytest.raises(ValueError, match="expected http://HOST:PORT"):
@@ -345,7 +354,8 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
         (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", False),
         (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", False),
-        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", True),
+        # h11's rule: an HTTP/1.0 answer closes the connection, keep-alive or not
+        (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok", False),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", False),
     ):
         exchange = Exchange()
@@ -356,13 +366,13 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
         (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "Content-Length"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "Transfer-Encoding"),
-        (b"HTTP/1.1 200 OK\r\n bad header\r\n\r\n", "header"),
-        (b"HTTP/1.1 101 Switching\r\n\r\n", "status 101"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+2\r\nok\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "no CRLF"),
+        (b"HTTP/1.1 200 OK\r\n bad header\r\n\r\n", "continuation line"),
+        (b"HTTP/1.1 101 Switching\r\n\r\n", "SWITCH_UPGRADE"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk header"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nok\r\n", "chunk header"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk header"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+2\r\nok\r\n", "chunk header"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "chunk footer"),
         (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20_000, "head over"),
     ):
         with pytest.raises(ConnectionError, match=why):
@@ -370,7 +380,7 @@ def test_no_body_answers_and_what_ends_a_kept_connection():
     with pytest.raises(ValueError, match="request target"):
         Exchange().request("GET", "/a b", b"", b"")
     with pytest.raises(ValueError, match="token"):
-        HttpPool("127.0.0.1", 1, token="two\r\nX-Injected: 1")
+        HttpPool("http://127.0.0.1:1", token="two\r\nX-Injected: 1")
 
 
 async def test_the_client_library_raises_builtins_for_an_unreachable_controller():
@@ -404,7 +414,7 @@ def test_a_kept_connection_is_checked_whatever_its_descriptor_number():
 
 def test_a_forked_child_does_not_use_its_parents_kept_connections():
     with keep_alive_server() as server:
-        pool = HttpPool("127.0.0.1", server.port, timeout=5)
+        pool = HttpPool(f"http://127.0.0.1:{server.port}", timeout=5)
         assert pool.request("GET", "/health/").status == 200  # one connection kept
         pid = os.fork()
         if pid == 0:  # the child: its own connection, or exit 1
@@ -417,3 +427,147 @@ def test_a_forked_child_does_not_use_its_parents_kept_connections():
         assert pool.request("GET", "/health/").status == 200  # the parent's still serves
         pool.close()
     assert server.accepted == 2  # the parent's connection, and the child's own
+
+
+# ---------------------------------------------------------------- the codec against h11
+
+
+def _h11_answer(data: bytes, method: str) -> tuple[int, bytes] | None:
+    """What h11 makes of an answer that ends with the stream: (status, body), or None when
+    it refuses it."""
+    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+    conn.send(h11.Request(method=method, target="/x/", headers=[(b"Host", b"h:1")]))
+    conn.send(h11.EndOfMessage())
+    status, body = 0, b""
+    try:
+        conn.receive_data(data)
+        conn.receive_data(b"")
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return status, body
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.NEED_DATA:
+                return None
+    except h11.RemoteProtocolError:
+        return None
+
+
+def _codec_answer(data: bytes, method: str, splits: list[int]) -> tuple[int, bytes] | None:
+    try:
+        answer = _feed_in_pieces(data, splits, method)
+    except ConnectionError:
+        return None
+    return answer.status, answer.body
+
+
+_STATUS_LINES = st.sampled_from(
+    [
+        b"HTTP/1.1 200 OK",
+        b"HTTP/1.1 201 Created",
+        b"HTTP/1.1 404 Not Found",
+        b"HTTP/1.1 204 No Content",
+        b"HTTP/1.1 304 Not Modified",
+        b"HTTP/1.0 200 OK",
+        b"HTTP/1.1 200",
+        b"HTTP/1.1 200 ",
+        b"HTTP/1.1 599 Whatever it is",
+        b"HTTP/1.1 100 Continue",
+        b"HTTP/1.1 101 Switching",
+        b"HTTP/1.1 99 Low",
+        b"HTTP/1.1 1000 High",
+        b"HTTP/1.1 2x0 Bad",
+        b"HTTP/2 200 OK",
+        b"HTTP/1.1  200 OK",
+        b"http/1.1 200 OK",
+        b"HTTP/1.1 200 O\x01K",
+        b"ICY 200 OK",
+        b"",
+    ]
+)
+_HEADER_LINES = st.sampled_from(
+    [
+        b"Content-Type: application/json",
+        b"Content-Length: 0",
+        b"Content-Length: 3",
+        b"Content-Length: 5",
+        b"Content-Length:5",
+        b"Content-Length:  5  ",
+        b"Content-Length: 05",
+        b"Content-Length: -1",
+        b"Content-Length: 5, 5",
+        b"Content-Length: x",
+        b"Content-Length: 99999999999999999999999",
+        b"content-length: 5",
+        b"Transfer-Encoding: chunked",
+        b"Transfer-Encoding: Chunked",
+        b"Transfer-Encoding: gzip",
+        b"Transfer-Encoding: gzip, chunked",
+        b"Transfer-Encoding: chunked, chunked",
+        b"Transfer-Encoding:",
+        b"Connection: close",
+        b"Connection: keep-alive",
+        b"X-Other: y",
+        b"X-Empty:",
+        b"X-Tab:\tv\t",
+        b"X-Ctl: a\x01b",
+        b"X-Del: a\x7fb",
+        b"X-High: \xe9t\xe9",
+        b"X-Folded: a",
+        b" continued",
+        b"\tcontinued",
+        b"NoColon",
+        b": no name",
+        b"Bad Name: v",
+        b"Bad@Name: v",
+        b"X-Space : v",
+        b"X-Null: \x00",
+        b"X-CR: a\rb",
+    ]
+)
+_CHUNK_SIZES = st.sampled_from(
+    [b"%x", b"%X", b"0%x", b"%x;ext=1", b"%x ; ext", b"%x ", b" %x", b"0x%x", b"+%x", b"%x\t"]
+)
+
+
+@st.composite
+def _answers(draw: st.DrawFn) -> bytes:
+    out = b""
+    if draw(st.booleans()):
+        out += b"HTTP/1.1 100 Continue\r\n\r\n"
+    out += draw(_STATUS_LINES) + b"\r\n"
+    out += b"".join(line + b"\r\n" for line in draw(st.lists(_HEADER_LINES, max_size=5)))
+    out += draw(st.sampled_from([b"\r\n", b"\n", b""]))
+    if draw(st.booleans()):  # chunks
+        for data in draw(st.lists(st.binary(min_size=1, max_size=20), max_size=3)):
+            size = draw(_CHUNK_SIZES)
+            out += size.replace(b"%x", b"%x" % len(data)).replace(b"%X", b"%X" % len(data))
+            out += b"\r\n" + data + draw(st.sampled_from([b"\r\n", b"\n", b"XX", b""]))
+        out += draw(st.sampled_from([b"0\r\n\r\n", b"0\r\nT: v\r\n\r\n", b"0\r\n", b""]))
+    else:
+        out += draw(st.binary(max_size=12))
+    return out
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    data=_answers(),
+    method=st.sampled_from(["GET", "POST", "HEAD"]),
+    splits=st.lists(st.integers(0, 300), max_size=4),
+)
+def test_the_codec_gives_h11s_answer_or_both_refuse(data, method, splits):
+    assert _codec_answer(data, method, splits) == _h11_answer(data, method), data
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    prefix=st.sampled_from(
+        [b"", b"HTTP/1.1 200 OK\r\n", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    ),
+    data=st.binary(max_size=200),
+)
+def test_the_codec_gives_h11s_answer_or_both_refuse_for_any_bytes(prefix, data):
+    assert _codec_answer(prefix + data, "GET", []) == _h11_answer(prefix + data, "GET")

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
-from controller.client import AsyncClient, Client, ControllerError, JobFailed
+from controller.client import AsyncClient, Client, ClientError, ControllerError, JobFailed
 from tests.helpers import LiveController, live_controller
 
 
@@ -86,6 +87,19 @@ def test_get_unknown_id_and_refused_requests(live):
             client.submit(12345)
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         Client("ftp://127.0.0.1:1")
+
+
+def test_the_librarys_exceptions_share_one_base_and_refusals_over_udp_are_controller_errors(
+    live,
+):
+    assert issubclass(JobFailed, ClientError) and issubclass(ControllerError, ClientError)
+    assert not issubclass(ClientError, OSError | ValueError | KeyError)
+    with Client(f"udp://127.0.0.1:{live.udp_port}") as client:
+        # A task this client never submitted (padded: the door answers no larger than asked).
+        params = {"task_id": 1, "padding": "x" * 200}
+        with pytest.raises(ClientError) as info:
+            client._udp().request("get_task", params, time.monotonic() + 10)
+        assert isinstance(info.value, ControllerError) and info.value.status == "unknown_task"
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from controller.config import (
     ClientAddress,
     Config,
     ConfigError,
+    HttpTls,
     load_config,
     parse_config,
     secret_files,
@@ -44,6 +45,13 @@ GOOD = [
     ({"http_body_timeout": 0.5}, "http_body_timeout", 0.5),
     ({"max_log_size": 100}, "max_log_size", 100),
     ({"udp_memory": 4096}, "udp_memory", 4096),
+    ({}, "http_tls", None),
+    ({"http_tls": None}, "http_tls", None),
+    (
+        {"http_tls": {"cert": "/etc/c/cert.pem", "key": "/etc/c/key.pem"}},
+        "http_tls",
+        HttpTls(Path("/etc/c/cert.pem"), Path("/etc/c/key.pem")),
+    ),
 ]
 
 BAD = [
@@ -73,6 +81,10 @@ BAD = [
     ({"http_body_timeout": 0}, "key 'http_body_timeout' must be more than 0"),
     ({"max_log_size": -1}, "key 'max_log_size' must not be negative"),
     ({"udp_memory": 1.5}, "key 'udp_memory' must be a whole number"),
+    ({"http_tls": "cert.pem"}, "key 'http_tls' must be null or {\"cert\": FILE"),
+    ({"http_tls": {"cert": "c.pem"}}, "key 'http_tls' must be null or {\"cert\": FILE"),
+    ({"http_tls": {"cert": "c.pem", "key": ""}}, "key 'http_tls' key must be a file name"),
+    ({"http_tls": {"cert": 5, "key": "k.pem"}}, "key 'http_tls' cert must be a file name"),
 ]
 
 

@@ -260,6 +260,11 @@ async def test_log_lines_are_appended_and_links_kept(sockdir):
         ("POST", "/job/", b'{"payload": 5}', (400, "payload must be text")),
         ("POST", "/job/", b'{"name": ["x"]}', (400, "name must be text")),
         ("POST", "/job/", b'{"colour": "red"}', (400, "unknown field 'colour'")),
+        ("POST", "/job/", b"\r", (400, "not valid JSON")),
+        ("POST", "/job/", b" \n", (400, "not valid JSON")),
+        ("POST", "/job/", b'{"payload_b64": null}', (400, "payload_b64 must be text, got null")),
+        ("POST", "/job/", b'{"payload": null}', (400, "payload must be text, got null")),
+        ("POST", "/job/", b'{"name": null}', (400, "name must be text, got null")),
         ("POST", "/job/", b'{"payload_b64": "***"}', (400, "not valid base64")),
         ("POST", "/job/", b'{"payload": "a", "payload_b64": "YQ=="}', (400, "not both")),
         ("POST", "/job/", b'{"id": ""}', (400, "id must be")),
@@ -291,6 +296,17 @@ async def test_bad_requests_get_their_error_object(sockdir, method, path, body, 
         assert error["code"] == status and part in error["message"]
         assert (await http.get("/health/")).status_code == 200  # nothing else harmed
         assert ctl.shell.core.counters.submitted == 0
+
+
+async def test_null_where_a_put_takes_text_is_refused(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        assert (await http.post("/job/", json={"id": "n"})).status_code == 201
+        for body in ({"state": "failed", "error": None}, {"log": None}, {"state": None}):
+            resp = await http.put("/job/n/", json=body)
+            assert resp.status_code == 400, resp.text
+            assert "must be text, got null" in resp.json()["message"]
+        job = (await http.get("/job/n/")).json()
+        assert job["state"] == "pending" and job["error"] == "" and job["log"] == []
 
 
 async def test_put_states_a_job_does_not_allow(sockdir):

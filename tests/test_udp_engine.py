@@ -5,6 +5,7 @@ result read in chunks, refusals, timeouts, repeats, and run_many's window and er
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import socket as stdsocket
 from collections.abc import AsyncIterator, Callable
@@ -83,7 +84,7 @@ async def session(
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Repeats and polls in tens of milliseconds instead of tenths of seconds."""
-    monkeypatch.setattr(engine, "RESEND_FIRST", 0.05)
+    monkeypatch.setattr(dg, "RESEND_FIRST", 0.05)
     monkeypatch.setattr(engine, "POLL_AFTER", 0.05)
 
 
@@ -280,3 +281,76 @@ async def test_cancelling_a_caller_forgets_its_job(quick) -> None:
         # a notification for it now is a repeat
         script.notify(client.sock.getsockname(), 6)
         await wait_until(lambda: client.duplicates == 1)
+
+
+# ---------------------------------------------------------------- the one resend rule
+
+
+def test_the_resend_rule_doubles_from_its_first_wait_to_its_cap_and_ends() -> None:
+    waits = [dg.resend_after(sent) for sent in range(1, dg.RESEND_COUNT + 2)]
+    assert waits[:5] == [0.2, 0.4, 0.8, 1.6, 2.0]
+    assert set(waits[4:-1]) == {dg.RESEND_MAX} and waits[-1] is None
+
+
+@pytest.fixture
+def few_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dg, "RESEND_FIRST", 0.01)
+    monkeypatch.setattr(dg, "RESEND_MAX", 0.02)
+    monkeypatch.setattr(dg, "RESEND_COUNT", 3)
+
+
+async def test_udp_client_sends_a_request_at_most_one_plus_the_rules_count(few_repeats) -> None:
+    async with session(lambda *_: None, timeout=1.0) as (client, script):
+        outcome = await client.run_task(9, {})
+        assert outcome.status == "timeout" and "not acknowledged" in outcome.error
+        assert len(script.of("add_task")) == 1 + 3
+
+
+def test_the_librarys_udp_client_follows_the_same_rule(few_repeats) -> None:
+    from controller.client import Client
+
+    silent = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.settimeout(0.5)
+    port = silent.getsockname()[1]
+    with silent, Client(f"udp://127.0.0.1:{port}", timeout=1.0) as client:
+        with pytest.raises(TimeoutError, match="add_task was not acknowledged"):
+            client.submit(b"x")
+        copies = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                copies.append(dg.decode(silent.recv(65536)))
+    assert [packet["method"] for packet in copies] == ["add_task"] * (1 + 3)  # type: ignore[index]
+
+
+async def test_a_calculators_unacknowledged_report_follows_the_rule_then_the_heartbeats(
+    few_repeats,
+) -> None:
+    from worker.calculator import Calculator
+    from worker.runner import build_runner
+
+    controller = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
+    controller.bind(("127.0.0.1", 0))
+    controller.setblocking(False)
+    calculator = Calculator(
+        controller.getsockname(), build_runner(None, None, 1000), pulse_period=0.1
+    )
+    seen: list[str] = []
+    with controller, trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(calculator.run)
+            address = None
+            while len([m for m in seen if m == "completed_task"]) < 3 + 1 + 3:
+                await trio.lowlevel.wait_readable(controller)
+                data, address = controller.recvfrom(65536)
+                packet = dg.decode(data)
+                assert packet is not None
+                seen.append(str(packet.get("method")))
+                if seen == ["heartbeat"]:  # give it a job; acknowledge nothing it sends
+                    controller.sendto(dg.request("perform_task", {"task_id": 5}, 77), address)
+            nursery.cancel_scope.cancel()
+    reports = [i for i, method in enumerate(seen) if method == "completed_task"]
+    # At most 1 + 3 sent on their own (sent, then the rule's 3 repeats); every later one
+    # goes right after a heartbeat.
+    alone = [i for i in reports if seen[i - 1] != "heartbeat"]
+    assert 1 <= len(alone) <= 4 and len(reports) >= 7, seen

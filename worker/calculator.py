@@ -3,8 +3,11 @@
 It sends `heartbeat` every `--pulse` seconds (`busy` while it runs a job,
 `ready` otherwise, and one `ready` at once when a job ends), takes
 `perform_task` (acknowledging every copy, running one job at a time), and
-reports with `completed_task`, repeated until the controller acknowledges
-it. A controller that restarts simply hears the next heartbeat. A result
+reports with `completed_task`, repeated under the one resend rule of the
+datagram format (controller/datagram.py, `resend_after`) until the controller
+acknowledges it; past that rule's count, it goes with every heartbeat instead,
+so that a controller that was away long gets it when it is back. A controller
+that restarts simply hears the next heartbeat. A result
 too large for one datagram is reported as an error. SIGTERM/SIGINT: finish
 the running job and its report (bounded by --drain-timeout), then exit 0.
 """
@@ -29,9 +32,6 @@ log = logging.getLogger("worker.calculator")
 
 # How many recent transmission ids and successful reports the calculator remembers.
 MEMORY = 10_000
-# completed_task is repeated at doubling intervals from this until acknowledged.
-REPORT_FIRST_REPEAT = 0.1
-REPORT_MAX_REPEAT = 2.0
 
 
 class Calculator:
@@ -54,6 +54,7 @@ class Calculator:
         self._txid = itertools.count(int(time.time() * 1000))
         self._running: int | None = None  # task_id of the job being run
         self._report: tuple[int, bytes] | None = None  # (txid, datagram) not yet acknowledged
+        self._report_with_beats = False  # its repeats are spent: it goes with the heartbeats
         self._reported = 0  # task_id of the last report
         # Recent perform_task transmission ids (copies are acknowledged, not acted on), and
         # the reports of recent successes (a job asked for again is reported, not rerun).
@@ -82,6 +83,8 @@ class Calculator:
         while True:
             status = "busy" if self._running is not None or self._report else "ready"
             self._send(dg.request("heartbeat", {"status": status}))
+            if self._report is not None and self._report_with_beats:
+                self._send(self._report[1])
             with trio.move_on_after(self.pulse_period):
                 await self._beat_now.wait()
             self._beat_now = trio.Event()
@@ -202,12 +205,17 @@ class Calculator:
     async def _send_report(self, task_id: int, txid: int, data: bytes) -> None:
         """completed_task, repeated until acknowledged."""
         self._report = (txid, data)
+        self._report_with_beats = False
         self._reported = task_id
         self._report_acked = trio.Event()
         self._running = None
-        interval = REPORT_FIRST_REPEAT
+        sent = 0
         while self._report is not None and self._report[0] == txid:
             self._send(data)
-            with trio.move_on_after(interval):
+            sent += 1
+            wait = dg.resend_after(sent)
+            if wait is None:
+                self._report_with_beats = True
+                return
+            with trio.move_on_after(wait):
                 await self._report_acked.wait()
-            interval = min(interval * 2, REPORT_MAX_REPEAT)

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=(
             "Examples: worker --socket-dir ./.run --handler mypkg.jobs:run | "
             "worker --udp ctl.example:5555 --exec ./job.sh | "
-            "worker --hub http://ctl.example:8080 --token-file /etc/controller/token "
+            "worker --hub https://ctl.example:8443 --token-file /etc/controller/token "
             "--exec ./job.sh (--exec takes the rest of the line)"
         ),
     )
@@ -73,10 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--hub",
         metavar="URL",
-        help="be a poller: ask the controller's HTTP API (http://HOST:PORT) for jobs",
+        help="be a poller: ask the controller's HTTP API (http[s]://HOST:PORT[/PREFIX/]) for "
+        "jobs; HTTPS_PROXY, HTTP_PROXY and NO_PROXY are honoured",
     )
     parser.add_argument(
         "--token-file", metavar="FILE", help="with --hub: a file whose first line is the token"
+    )
+    parser.add_argument(
+        "--ca-file",
+        metavar="FILE",
+        help="with an https --hub: trust only this CA (PEM) instead of the system's trust store",
     )
     parser.add_argument(
         "--name", metavar="NAME", help="with --hub: the poller's name (default: HOST-PID)"
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             config = config.replace(socket_dir=Path(args.socket_dir))
         if args.exec_argv is not None and not args.exec_argv:
             raise SetupError("--exec needs a command")
+        if args.ca_file is not None and args.hub is None:
+            raise SetupError("--ca-file goes with an https --hub")
         runner = build_runner(args.exec_argv, args.handler, config.max_extra_size)
     except (ConfigError, SetupError, AffinityError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 runner,
                 name=args.name,
                 token_file=args.token_file,
+                ca_file=args.ca_file,
                 pulse_period=args.pulse,
                 drain_timeout=args.drain_timeout,
             )

@@ -1,4 +1,5 @@
-"""`worker --hub http://HOST:PORT`: a poller, a worker that asks the HTTP job API for work.
+"""`worker --hub http[s]://HOST:PORT[/PREFIX/]`: a poller, a worker that asks the HTTP job
+API for work.
 
 Loop: `GET /ping/?worker=NAME&wait=20`; with a job, `PUT state=working` to
 confirm it, run it, repeat that PUT every `--pulse` seconds while it runs (the
@@ -7,6 +8,8 @@ shows the `lease` token the claim carried.
 A 409 on the lease means the job was canceled or taken back: the job is
 stopped at once and the poller asks for the next. While the controller is
 unreachable it retries with capped backoff, logging once per outage.
+Over https the controller's certificate is checked against the system's trust
+store, or only against --ca-file; HTTPS_PROXY/HTTP_PROXY/NO_PROXY are honoured.
 SIGTERM/SIGINT: finish the running job and report it (bounded by
 --drain-timeout), then exit 0.
 """
@@ -23,7 +26,7 @@ from urllib.parse import quote
 import trio
 
 from controller import datagram as dg
-from controller.client.http import AsyncHttpPool, http_address, token_problem
+from controller.client.http import AsyncHttpPool, Endpoint, endpoint, token_problem
 from worker.leaving import leave_on_signals
 from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
 
@@ -59,13 +62,14 @@ class Poller:
         *,
         name: str | None = None,
         token_file: str | None = None,
+        ca_file: str | None = None,
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
     ) -> None:
         try:
-            self._where = http_address(hub)
-        except ValueError:
-            raise SetupError(f"--hub must be an http://HOST:PORT URL, got {hub!r}") from None
+            self._where: Endpoint = endpoint(hub, ca_file=ca_file)
+        except ValueError as exc:  # the URL, the CA file or a *_PROXY variable, named in it
+            raise SetupError(f"--hub {hub}: {exc}") from None
         self.hub = hub.rstrip("/")
         self.runner = runner
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
@@ -77,8 +81,7 @@ class Poller:
         self._idle_scope = trio.CancelScope()  # the /ping/ in flight, if any
 
     async def run(self) -> int:
-        host, port = self._where
-        http = AsyncHttpPool(host, port, token=self._token, timeout=PING_WAIT + 30)
+        http = AsyncHttpPool(self._where, token=self._token, timeout=PING_WAIT + 30)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, nursery.cancel_scope)

@@ -1,6 +1,8 @@
 """Clients of the controller.
 
-`Client`, `AsyncClient`, `JobFailed` (api.py): the Python library, over http:// and udp://.
+`Client`, `AsyncClient` (api.py): the Python library, over http://, https://, udp:// and
+redis://. Its exceptions (errors.py) share one base, `ClientError`: `JobFailed` and
+`ControllerError` under it.
 `UdpSession` (engine.py): the UDP engine of the `udp-client` command (cli.py, output.py).
 """
 
@@ -9,14 +11,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from controller.client.engine import Outcome, UdpSession
+from controller.client.errors import ClientError, ControllerError, JobFailed
 
 if TYPE_CHECKING:
-    from controller.client.api import AsyncClient, AsyncJob, Client, ControllerError, Job, JobFailed
+    from controller.client.api import AsyncClient, AsyncJob, Client, Job
 
 __all__ = [
     "AsyncClient",
     "AsyncJob",
     "Client",
+    "ClientError",
     "ControllerError",
     "Job",
     "JobFailed",
@@ -27,7 +31,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # The library (and redis-py) is loaded on first use, so that udp-client starts quickly.
-    if name in {"AsyncClient", "AsyncJob", "Client", "ControllerError", "Job", "JobFailed"}:
+    if name in {"AsyncClient", "AsyncJob", "Client", "Job"}:
         from controller.client import api
 
         return getattr(api, name)

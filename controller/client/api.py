@@ -5,10 +5,13 @@
         job = client.submit(b"input", name="demo")
         print(job.result(timeout=30))
 
-`url` is `http://HOST:PORT` (the HTTP job API), `udp://HOST:PORT` (the UDP
-front door; the client picks each job's task_id, and `id`, `get` and `cancel`
-are not available there) or `redis://HOST:PORT/DB` (the Redis stream `jobs`,
-or `?stream=NAME`, that controllers consume; see controller/client/stream.py).
+`url` is `http://HOST:PORT[/PREFIX/]` or `https://HOST:PORT[/PREFIX/]` (the HTTP job
+API; https checks the certificate against the system's trust store, or only against
+`ca_file=` when given; HTTPS_PROXY, HTTP_PROXY and NO_PROXY are honoured),
+`udp://HOST:PORT` (the UDP front door; the client picks each job's task_id, and
+`id`, `get` and `cancel` are not available there) or `redis://HOST:PORT/DB` (the
+Redis stream `jobs`, or `?stream=NAME`, that controllers consume; see
+controller/client/stream.py).
 `job.state` uses the job states of the HTTP API (pending, requested, working,
 finished, failed, canceled, deleted) for all three.
 `job.result()` returns the result bytes, raises `JobFailed` (its `error` says
@@ -27,9 +30,20 @@ import anyio
 import redis
 
 from controller import datagram as dg
+from controller.client.errors import ClientError, ControllerError, JobFailed
 from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
 from controller.client.stream import RedisBackend
-from controller.client.udp import UdpBackend, UdpError
+from controller.client.udp import UdpBackend
+
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "Client",
+    "ClientError",
+    "ControllerError",
+    "Job",
+    "JobFailed",
+]
 
 # get and cancel over udp://.
 _NO_SUCH_REQUEST = "get and cancel need http:// or redis:// (the UDP door has no such request)"
@@ -44,25 +58,6 @@ _UDP_STATES = {
     "error": "failed",
     "failed_post": "failed",
 }
-
-
-class JobFailed(Exception):
-    """The job ended without a result: failed, canceled or deleted; `error` says why."""
-
-    def __init__(self, job_id: str, state: str, error: str) -> None:
-        super().__init__(f"job {job_id} {state}: {error}")
-        self.job_id = job_id
-        self.state = state
-        self.error = error or state
-
-
-class ControllerError(Exception):
-    """The controller refused a request: `status` (HTTP status, or the UDP error code)."""
-
-    def __init__(self, status: int | str, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
 
 
 def _payload(payload: bytes | str) -> bytes:
@@ -117,9 +112,10 @@ def _split(url: str) -> tuple[str, str, int]:
     port = url_port(parts, 6379 if parts.scheme == "redis" else None)
     if parts.scheme == "redis" and parts.hostname and port is not None:
         return parts.scheme, parts.hostname, port or 6379
-    if parts.scheme not in ("http", "udp") or not parts.hostname or not port:
+    if parts.scheme not in ("http", "https", "udp") or not parts.hostname or not port:
         raise ValueError(
-            f"expected http://HOST:PORT, udp://HOST:PORT or redis://HOST:PORT/DB, got {url!r}"
+            "expected http://HOST:PORT[/PREFIX/], https://HOST:PORT[/PREFIX/], udp://HOST:PORT"
+            f" or redis://HOST:PORT/DB, got {url!r}"
         )
     return parts.scheme, parts.hostname, port
 
@@ -185,14 +181,21 @@ class Job:
 class Client:
     """Blocking client; one may be shared by threads."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
         self.scheme, host, port = _split(url)
         self.timeout = timeout
         self._http: HttpPool | None = None
         self._udp_backend: UdpBackend | None = None
         self._redis: RedisBackend | None = None
-        if self.scheme == "http":
-            self._http = HttpPool(host, port, token=token, timeout=MAX_WAIT + timeout)
+        if self.scheme in ("http", "https"):
+            self._http = HttpPool(url, token=token, timeout=MAX_WAIT + timeout, ca_file=ca_file)
         elif self.scheme == "redis":
             self._redis = RedisBackend(url, timeout)
         else:
@@ -228,10 +231,7 @@ class Client:
         udp = self._udp()
         task_id = next(udp.task_ids)
         params: dict[str, Any] = {"task_id": task_id, **_body(data, None, None)}
-        try:
-            udp.request("add_task", params, time.monotonic() + self.timeout)
-        except UdpError as exc:
-            raise ControllerError(exc.code, exc.message) from None
+        udp.request("add_task", params, time.monotonic() + self.timeout)
         return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
 
     def get(self, id: str) -> Job:
@@ -342,12 +342,20 @@ class AsyncJob:
 class AsyncClient:
     """The same as `Client`, with coroutines; runs under asyncio and trio alike."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0) -> None:
-        self.scheme, host, port = _split(url)
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.scheme, _, _ = _split(url)
         self._http: AsyncHttpPool | None = None
         self._sync: Client | None = None
-        if self.scheme == "http":
-            self._http = AsyncHttpPool(host, port, token=token, timeout=MAX_WAIT + timeout)
+        if self.scheme in ("http", "https"):
+            timeout = MAX_WAIT + timeout
+            self._http = AsyncHttpPool(url, token=token, timeout=timeout, ca_file=ca_file)
         else:
             self._sync = Client(url, token=token, timeout=timeout)
 

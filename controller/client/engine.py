@@ -9,8 +9,11 @@ job: a round trip costs its datagrams and the Python between them
 a deadline served by one timer task: requests repeated with a doubling
 interval until acknowledged, get_task for a job whose notification seems
 lost, the session's timeout. A result too large for one datagram is read
-with get_result. The datagram format is controller/datagram.py, shared with
-the front door.
+with get_result. The datagram format and the resend rule are
+controller/datagram.py, shared with the front door and the calculators.
+
+It is also the library's udp:// engine (controller/client/udp.py): `request`
+alone, and `notified` for the notifications of the tasks it submits that way.
 """
 
 from __future__ import annotations
@@ -32,9 +35,6 @@ from controller.deadlines import Deadlines
 
 # udp-client's exit statuses: success, job error or failed_post, usage error, no answer.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
-# First repeat of an unacknowledged request, then doubling up to the cap.
-RESEND_FIRST = 0.2
-RESEND_MAX = 2.0
 # With no notification this long after the acknowledgement, ask with get_task (then again).
 POLL_AFTER = 3.0
 # Datagrams handled in a row before the receiver lets other tasks run.
@@ -69,8 +69,8 @@ class _Request:
     data: bytes
     deadline: float
     answered: Answered
-    interval: float  # until it is sent again (RESEND_FIRST, then doubling)
-    at: float = 0.0  # when it is sent again
+    sent: int = 0  # how many times it was sent (dg.resend_after says when the next)
+    at: float = 0.0  # when it is sent again, or its deadline once it is sent no more
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +111,9 @@ class UdpSession:
         self._deadlines: Deadlines[_Request | _Job] = Deadlines()
         self._timer_at = math.inf  # when the timer task wakes next
         self._timer_wake = trio.Event()
+        # Given, it takes the notifications of tasks this session does not run itself
+        # (submitted with `request`); else they count as duplicates. Called in the receiver.
+        self.notified: Callable[[dict[str, Any]], None] | None = None
 
     # ------------------------------------------------------------ the tasks beside
 
@@ -179,12 +182,19 @@ class UdpSession:
     ) -> _Request:
         """Send until acknowledged; `answered(ack)` then, or `answered(None)` at the deadline."""
         txid = next(self._txid)
-        request = _Request(txid, dg.request(method, params, txid), deadline, answered, RESEND_FIRST)
+        request = _Request(txid, dg.request(method, params, txid), deadline, answered)
         self._requests[txid] = request
-        self._send(request.data)
-        request.at = min(deadline, trio.current_time() + request.interval)
-        self._arm(request.at, request)
+        self._resend(request, trio.current_time())
         return request
+
+    def _resend(self, request: _Request, now: float) -> None:
+        """Send it (again), and arm its next repeat, or its deadline once it may be sent no
+        more (dg.resend_after)."""
+        self._send(request.data)
+        request.sent += 1
+        wait = dg.resend_after(request.sent)
+        request.at = request.deadline if wait is None else min(request.deadline, now + wait)
+        self._arm(request.at, request)
 
     def _request_due(self, request: _Request, when: float, now: float) -> None:
         if self._requests.get(request.txid) is not request or request.at != when:
@@ -193,10 +203,7 @@ class UdpSession:
             del self._requests[request.txid]
             request.answered(None)
             return
-        self._send(request.data)
-        request.interval = min(request.interval * 2, RESEND_MAX)
-        request.at = min(request.deadline, now + request.interval)
-        self._arm(request.at, request)
+        self._resend(request, now)
 
     def _drop(self, request: _Request | None) -> None:
         """Forget a request: its `answered` is never called. A job drops its one request when
@@ -292,6 +299,9 @@ class UdpSession:
             return
         task_id = params.get("task_id")
         job = self._jobs.get(task_id) if isinstance(task_id, int) else None
+        if job is None and self.notified is not None:
+            self.notified(params)
+            return
         if job is None or job.settled:
             self.duplicates += 1  # a repeat of an outcome already reported
             return

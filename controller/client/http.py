@@ -1,39 +1,60 @@
-"""HTTP/1.1 for the client library and the poller: requests over kept connections.
+"""HTTP/1.1 for the client library and the poller: requests over kept connections, plain
+or TLS, directly or through a proxy.
 
 `HttpPool` (blocking, shared by threads) and `AsyncHttpPool` (anyio: asyncio or
 trio) send a request and return the whole answer as an `Answer` (status and
 body bytes). Both keep idle connections for the next request, so a job's
-`POST` and its `GET ?wait=` cost no TCP handshake. The protocol is
+`POST` and its `GET ?wait=` cost no TCP (or TLS) handshake. The protocol is
 controller/client/httpwire.py (sans-IO); the two pools only move its bytes.
 
+Where they go is an `Endpoint` (`endpoint(url)`): `http://HOST:PORT[/PREFIX/]` or
+`https://...` (the certificate verified against the system's trust store, or only
+against `ca_file`), every request's path under PREFIX. `HTTPS_PROXY` / `HTTP_PROXY`
+(and `NO_PROXY`) from the environment send the connection through that proxy with
+CONNECT, for https and http alike, so the proxy sees no request and no token.
+
 Why not httpx: it spent ~550 us of CPU per request here, more than the
-controller's server side. Why not h11: its validating state machine cost
-~47 us per exchange, a third of a poller's CPU; ours costs ~4
-(docs/design-notes.md, "The Python client").
+controller's server side (docs/design-notes.md, "The Python client").
 
 A kept connection the server has closed meanwhile (its keep-alive timeout) is
 noticed before use by a zero-timeout poll, and a request on a reused
 connection that fails before any byte of an answer came back is sent once more
 on a new connection: the server closed it without reading the request.
-Failures raise `OSError`s: `ConnectionError` (refused, reset, closed early),
-`TimeoutError` (no answer within `timeout` seconds).
+Failures raise `OSError`s: `ConnectionError` (refused, reset, closed early, a
+proxy's refusal, a certificate not trusted), `TimeoutError` (no answer within
+`timeout` seconds).
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import anyio
 import anyio.abc
+from anyio.streams.tls import TLSStream
 
-from controller.client.httpwire import Answer, Exchange, Stale, encode_json, target
+from controller.client.httpwire import (
+    Answer,
+    Exchange,
+    Headers,
+    Stale,
+    Tunnel,
+    encode_json,
+    head_lines,
+    target,
+)
 
 __all__ = ["Answer", "AsyncHttpPool", "HttpPool"]
 
@@ -74,38 +95,154 @@ def url_port(parts: SplitResult, default: int | None = None) -> int | None:
     return default if port is None else port
 
 
-def http_address(url: str) -> tuple[str, int]:
-    """(host, port) of `http://HOST:PORT` (a trailing slash allowed); ValueError otherwise."""
+URL_FORM = "http[s]://HOST:PORT[/PREFIX/]"
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """An HTTP proxy that opens tunnels with CONNECT."""
+
+    host: str
+    port: int
+    authorization: str  # a Proxy-Authorization value (from the proxy URL's user:password), or ""
+
+    def __str__(self) -> str:
+        return f"{_netloc(self.host)}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where requests go: the server, the path prefix, TLS and the proxy."""
+
+    scheme: str  # http or https
+    host: str
+    port: int
+    prefix: str  # "" or "/PREFIX", put before every request's path
+    tls: ssl.SSLContext | None
+    proxy: Proxy | None
+
+    @property
+    def authority(self) -> str:
+        return f"{_netloc(self.host)}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.authority}{self.prefix}"
+
+
+def _netloc(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def endpoint(url: str, *, ca_file: str | None = None) -> Endpoint:
+    """The Endpoint of an `http[s]://HOST:PORT[/PREFIX/]` URL, with the proxy the
+    environment names for it; ValueError when it cannot be used."""
     parts = urlsplit(url)
     port = url_port(parts)
-    if parts.scheme != "http" or not parts.hostname or not port or parts.path not in ("", "/"):
-        raise ValueError(f"expected an http://HOST:PORT URL, got {url!r}")
-    return parts.hostname, port
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or not port
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ValueError(f"expected an {URL_FORM} URL, got {url!r}")
+    prefix = parts.path.rstrip("/")
+    if any(c in prefix for c in " \r\n?#"):
+        raise ValueError(f"not a path prefix: {parts.path!r}")
+    tls = None
+    if parts.scheme == "https":
+        tls = tls_context(ca_file)
+    elif ca_file is not None:
+        raise ValueError("a CA file is for https:// URLs only")
+    return Endpoint(parts.scheme, parts.hostname, port, prefix, tls, _proxy_for(parts, port))
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """Certificates verified, host names checked: against the system's trust store, or
+    only against `ca_file` (PEM) when it is given."""
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ValueError) as exc:  # missing, unreadable, not PEM (ssl.SSLError)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"CA file {ca_file}: {why}") from None
+
+
+# The stdlib's reading of NO_PROXY (suffixes, "*", host:port), for the host given.
+_bypass: Callable[[str, dict[str, str]], bool] = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+
+
+def _proxy_for(parts: SplitResult, port: int) -> Proxy | None:
+    """The proxy HTTPS_PROXY or HTTP_PROXY (either case) names for this URL's scheme,
+    unless NO_PROXY covers its host."""
+    assert parts.hostname is not None
+    proxies = urllib.request.getproxies_environment()
+    url = proxies.get(parts.scheme)
+    if not url or _bypass(f"{parts.hostname}:{port}", proxies):
+        return None
+    if "://" not in url:
+        url = f"http://{url}"
+    proxy = urlsplit(url)
+    proxy_port = url_port(proxy, 80)
+    if proxy.scheme != "http" or not proxy.hostname or not proxy_port:
+        name = f"{parts.scheme.upper()}_PROXY"
+        raise ValueError(f"{name} must be an http://HOST:PORT proxy, got {url!r}")
+    authorization = ""
+    if proxy.username is not None:
+        pair = f"{unquote(proxy.username)}:{unquote(proxy.password or '')}"
+        authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
+    return Proxy(proxy.hostname, proxy_port, authorization)
+
+
+def http_address(url: str) -> tuple[str, int]:
+    """(host, port) of a usable `http[s]://HOST:PORT[/PREFIX/]` URL; ValueError otherwise."""
+    where = endpoint(url)
+    return where.host, where.port
 
 
 class _Base:
-    def __init__(self, host: str, port: int, *, token: str | None, timeout: float) -> None:
-        self.host = host
-        self.port = port
+    def __init__(
+        self,
+        url: str | Endpoint,
+        *,
+        token: str | None,
+        timeout: float,
+        ca_file: str | None,
+    ) -> None:
+        self.endpoint = where = url if isinstance(url, Endpoint) else endpoint(url, ca_file=ca_file)
         self.timeout = timeout
-        self.where = f"http://{host}:{port}"
-        netloc = f"[{host}]" if ":" in host else host
-        head = f"Host: {netloc}:{port}\r\n"
+        self.where = str(where)
+        head: Headers = [(b"Host", where.authority.encode("idna"))]
         if token:
             why = token_problem(token)
             if why:
                 raise ValueError(why)
-            head += f"Authorization: Bearer {token}\r\n"
-        self._head = head.encode("ascii")
-        self._json_head = self._head + b"Content-Type: application/json\r\n"
+            head.append((b"Authorization", f"Bearer {token}".encode("ascii")))
+        self._head = head_lines(head)
+        self._json_head = head_lines([*head, (b"Content-Type", b"application/json")])
+        self._tunnel_head: Headers = []
+        if where.proxy is not None and where.proxy.authorization:
+            self._tunnel_head = [(b"Proxy-Authorization", where.proxy.authorization.encode())]
 
     def _prepare(
         self, path: str, json: Any, query: dict[str, Any] | None, timeout: float | None
     ) -> tuple[str, bytes, bytes, float]:
-        """A request's target, header lines, body and timeout."""
+        """A request's target (under the prefix), header lines, body and timeout."""
         body = encode_json(json)
         limit = self.timeout if timeout is None else timeout
-        return target(path, query), self._json_head if body else self._head, body, limit
+        path = self.endpoint.prefix + target(path, query)
+        return path, self._json_head if body else self._head, body, limit
+
+    def _dialed(self) -> tuple[str, int]:
+        """The address a new connection goes to: the proxy's, or the server's."""
+        proxy = self.endpoint.proxy
+        return (proxy.host, proxy.port) if proxy else (self.endpoint.host, self.endpoint.port)
+
+    def _tunnel(self) -> tuple[Tunnel, bytes]:
+        where = self.endpoint
+        assert where.proxy is not None
+        tunnel = Tunnel(where.authority, str(where.proxy))
+        return tunnel, tunnel.request(self._tunnel_head)
 
     def _failure(
         self, exc: BaseException, reused: bool, exchange: Exchange, limit: float
@@ -122,8 +259,7 @@ class _Base:
 
 
 class _Kept:
-    """A blocking connection: its socket, when it was last used, and the timeout its socket
-    options hold."""
+    """A blocking connection: its socket, when it was last used, and the timeout it holds."""
 
     __slots__ = ("since", "sock", "timeout")
 
@@ -135,9 +271,13 @@ class _Kept:
 
     def set_timeout(self, timeout: float) -> None:
         """The timeout as SO_RCVTIMEO/SO_SNDTIMEO on a blocking socket: Python's own socket
-        timeout would poll() before every send and recv, a system call each."""
+        timeout would poll() before every send and recv, a system call each. A TLS socket
+        takes Python's (OpenSSL reads a kernel timeout as a want-read, not a timeout)."""
         if timeout != self.timeout:
             self.timeout = timeout
+            if isinstance(self.sock, ssl.SSLSocket):
+                self.sock.settimeout(timeout)
+                return
             # 0 would mean "no timeout" to the kernel; past 10^6 s is as good as none.
             timeout = min(max(timeout, 0.001), 1e6)
             whole = int(timeout)
@@ -149,8 +289,15 @@ class _Kept:
 class HttpPool(_Base):
     """Blocking requests over kept connections; one pool may be shared by threads."""
 
-    def __init__(self, host: str, port: int, *, token: str | None = None, timeout: float = 60.0):
-        super().__init__(host, port, token=token, timeout=timeout)
+    def __init__(
+        self,
+        url: str | Endpoint,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        ca_file: str | None = None,
+    ) -> None:
+        super().__init__(url, token=token, timeout=timeout, ca_file=ca_file)
         self._idle: list[_Kept] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -210,14 +357,31 @@ class HttpPool(_Base):
                 return kept, True
             kept.sock.close()
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+            sock = self._connect(timeout)
         except TimeoutError:
             raise TimeoutError(f"{self.where}: no connection within {timeout:g} s") from None
         except OSError as exc:
             raise _reason(exc, self.where) from None
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Kept(sock, timeout), False
+
+    def _connect(self, timeout: float) -> socket.socket:
+        """A new connection, through the proxy's tunnel and TLS when they are asked for; the
+        whole set-up within `timeout`."""
+        sock = socket.create_connection(self._dialed(), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.endpoint.proxy is not None:
+                tunnel, data = self._tunnel()
+                sock.sendall(data)
+                while not tunnel.feed(sock.recv(READ_SIZE)):
+                    pass
+            if self.endpoint.tls is not None:
+                sock = self.endpoint.tls.wrap_socket(sock, server_hostname=self.endpoint.host)
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock
 
     def _forked(self) -> None:
         """In a child after fork(): the kept connections are the parent's (two processes
@@ -243,17 +407,24 @@ class _AsyncKept:
 
     __slots__ = ("fd", "since", "stream")
 
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream, fd: int) -> None:
         self.stream = stream
         self.since = 0.0
-        self.fd = stream.extra(anyio.abc.SocketAttribute.raw_socket).fileno()
+        self.fd = fd
 
 
 class AsyncHttpPool(_Base):
     """The same with coroutines, on anyio streams (asyncio or trio)."""
 
-    def __init__(self, host: str, port: int, *, token: str | None = None, timeout: float = 60.0):
-        super().__init__(host, port, token=token, timeout=timeout)
+    def __init__(
+        self,
+        url: str | Endpoint,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        ca_file: str | None = None,
+    ) -> None:
+        super().__init__(url, token=token, timeout=timeout, ca_file=ca_file)
         self._idle: list[_AsyncKept] = []
         self._closed = False
 
@@ -276,11 +447,7 @@ class AsyncHttpPool(_Base):
                     await stream.send(exchange.request(method, target, headers, body))
                     answer = None
                     while answer is None:
-                        try:
-                            data = await stream.receive(READ_SIZE)
-                        except anyio.EndOfStream:
-                            data = b""
-                        answer = exchange.feed(data)
+                        answer = exchange.feed(await _receive(stream))
             except (OSError, anyio.BrokenResourceError) as exc:
                 await anyio.aclose_forcefully(stream)
                 failure = self._failure(exc, reused, exchange, limit)
@@ -310,17 +477,38 @@ class AsyncHttpPool(_Base):
             await anyio.aclose_forcefully(kept.stream)
         try:
             with anyio.fail_after(timeout):
-                stream = await anyio.connect_tcp(self.host, self.port)
+                return await self._connect(), False
         except TimeoutError:
             raise TimeoutError(f"{self.where}: no connection within {timeout:g} s") from None
-        except OSError as exc:
+        except (OSError, anyio.BrokenResourceError) as exc:
             # anyio says "All connection attempts failed" from the reason (a group of them
             # with several addresses): with one, its reason (ConnectionRefusedError...) is ours.
             cause = exc.__cause__
             if isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
                 cause = cause.exceptions[0]
             raise _reason(cause if isinstance(cause, OSError) else exc, self.where) from None
-        return _AsyncKept(stream), False
+
+    async def _connect(self) -> _AsyncKept:
+        """A new connection, through the proxy's tunnel and TLS when they are asked for."""
+        tcp = await anyio.connect_tcp(*self._dialed())
+        stream: anyio.abc.ByteStream = tcp
+        try:
+            if self.endpoint.proxy is not None:
+                tunnel, data = self._tunnel()
+                await tcp.send(data)
+                while not tunnel.feed(await _receive(tcp)):
+                    pass
+            if self.endpoint.tls is not None:
+                stream = await TLSStream.wrap(
+                    tcp,
+                    hostname=self.endpoint.host,
+                    ssl_context=self.endpoint.tls,
+                    standard_compatible=False,
+                )
+        except BaseException:
+            await anyio.aclose_forcefully(tcp)
+            raise
+        return _AsyncKept(stream, tcp.extra(anyio.abc.SocketAttribute.raw_socket).fileno())
 
     async def _give_back(self, kept: _AsyncKept, exchange: Exchange) -> None:
         if exchange.reusable() and not self._closed and len(self._idle) < MAX_IDLE:
@@ -330,8 +518,25 @@ class AsyncHttpPool(_Base):
         await anyio.aclose_forcefully(kept.stream)
 
 
+async def _receive(stream: anyio.abc.ByteStream) -> bytes:
+    """What came next; b"" at the end of the stream."""
+    try:
+        return await stream.receive(READ_SIZE)
+    except anyio.EndOfStream:
+        return b""
+
+
 def _reason(exc: BaseException, where: str) -> ConnectionError:
-    """A ConnectionError naming the server (ConnectionRefusedError and the like keep their type)."""
+    """A ConnectionError naming the server (ConnectionRefusedError and the like keep their
+    type); a certificate that is not trusted says so, and what to give to trust it."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or exc.reason or str(exc)
+        return ConnectionError(
+            f"{where}: its TLS certificate is not trusted ({why}); "
+            "ca_file= (--ca-file) names the CA to trust"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return ConnectionError(f"{where}: TLS failed: {exc.reason or exc}")
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     kind = type(exc) if isinstance(exc, ConnectionError) and type(exc) is not Stale else None
     return (kind or ConnectionError)(f"{where}: {why or type(exc).__name__}")

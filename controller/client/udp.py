@@ -1,89 +1,90 @@
-"""The library client's UDP backend: blocking, thread-safe, one socket and one receiver thread.
+"""The library client's UDP backend: blocking and thread-safe, on udp-client's engine.
 
-Requests are repeated until acknowledged (the datagram rules are
-controller/datagram.py); notifications are acknowledged at once and kept by
-task_id until `wait` takes them. The client picks each job's task_id itself,
-from a counter that starts at the wall clock in milliseconds so that a
-restarted client does not reuse the numbers of its last run.
+The engine (controller/client/engine.py, `UdpSession`) runs in a trio loop on a
+thread of its own and does everything the datagrams need: requests repeated
+under the one resend rule until acknowledged, every notification acknowledged
+at once. This module only waits on it from the callers' threads, and keeps the
+notifications by task_id until `outcome` takes them. The client picks each
+job's task_id itself, from a counter that starts at the wall clock in
+milliseconds so that a restarted client does not reuse the numbers of its last
+run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import socket
 import threading
 import time
 from typing import Any
 
-from controller import datagram as dg
+import trio
 
-# First repeat of an unacknowledged request, then doubling up to the cap.
-RESEND_FIRST = 0.2
-RESEND_MAX = 2.0
+from controller import datagram as dg
+from controller.client.engine import UdpSession
+from controller.client.errors import ControllerError
+
 # Without a notification this long, ask with get_task (it may have been lost).
 POLL_AFTER = 3.0
-
-
-class UdpError(Exception):
-    """The controller refused a request: `code` and `message` of its error acknowledgement."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 class UdpBackend:
     def __init__(self, host: str, port: int) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        # Prefer the family that answers on this host: try each address as given.
         family, _, _, _, sockaddr = infos[0]
-        self.server = sockaddr[:2]
+        self.server: tuple[str, int] = (str(sockaddr[0]), int(sockaddr[1]))
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         # Connected: only the controller's datagrams come in, and the socket knows the
         # address the controller sees (a UDP job's id is built from it).
         self.sock.connect(self.server)
         self.local = self.sock.getsockname()[:2]
-        self.sock.settimeout(0.5)
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._acks: dict[int, dict[str, Any]] = {}
+        # Its own jobs (run_task) are not used here: no session-wide timeout.
+        self._session = UdpSession(self.sock, self.server, math.inf)
+        self._session.notified = self._notified
+        self._changed = threading.Condition()
         self._outcomes: dict[int, dict[str, Any]] = {}
-        self._txid = itertools.count(int(time.time() * 1000))
         self.task_ids = itertools.count(int(time.time() * 1000) % (1 << 40) + 1)
-        self._closed = False
-        self._receiver = threading.Thread(target=self._receive, name="udp-client", daemon=True)
-        self._receiver.start()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.CancelScope | None = None
+        started = threading.Event()
+        self._loop = threading.Thread(
+            target=trio.run, args=(self._serve, started), name="udp-client", daemon=True
+        )
+        self._loop.start()
+        started.wait()
+
+    async def _serve(self, started: threading.Event) -> None:
+        with trio.CancelScope() as self._stop:
+            self._token = trio.lowlevel.current_trio_token()
+            started.set()
+            await self._session.receive()
 
     def close(self) -> None:
-        self._closed = True
-        self._receiver.join(timeout=2)
+        if self._token is not None and self._stop is not None and self._loop.is_alive():
+            with contextlib.suppress(trio.RunFinishedError):  # it ended meanwhile
+                trio.from_thread.run_sync(self._stop.cancel, trio_token=self._token)
+        self._loop.join(timeout=5)
         self.sock.close()
 
     # ------------------------------------------------------------ requests
 
     def request(self, method: str, params: dict[str, Any], deadline: float) -> dict[str, Any]:
-        """Send until acknowledged; the acknowledgement's params. UdpError if refused,
+        """Send until acknowledged; the acknowledgement's params. ControllerError if refused,
         TimeoutError at the deadline."""
-        txid = next(self._txid)
-        data = dg.request(method, params, txid)
-        interval = RESEND_FIRST
-        with self._changed:
-            while True:
-                self._send(data)
-                until = min(deadline, time.monotonic() + interval)
-                while txid not in self._acks and time.monotonic() < until:
-                    self._changed.wait(until - time.monotonic())
-                ack = self._acks.pop(txid, None)
-                if ack is not None:
-                    break
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{method} was not acknowledged by {self.server}")
-                interval = min(interval * 2, RESEND_MAX)
+        # The engine's clock is trio's; the deadline as a span of it.
+        span = max(0.0, deadline - time.monotonic())
+
+        async def ask() -> dict[str, Any] | None:
+            return await self._session.request(method, params, trio.current_time() + span)
+
+        ack = trio.from_thread.run(ask, trio_token=self._token)
+        if ack is None:
+            raise TimeoutError(f"{method} was not acknowledged by {self.server}")
         error = ack.get("error")
         if isinstance(error, dict):
-            raise UdpError(str(error.get("code")), str(error.get("message", "")))
+            raise ControllerError(str(error.get("code")), str(error.get("message", "")))
         params_out = ack.get("params")
         return params_out if isinstance(params_out, dict) else {}
 
@@ -108,7 +109,7 @@ class UdpBackend:
         return f"udp-{self.local[0]}-{self.local[1]}-{task_id}"
 
     def peek(self, task_id: int) -> dict[str, Any] | None:
-        with self._lock:
+        with self._changed:
             return self._outcomes.get(task_id)
 
     def result_bytes(self, task_id: int, params: dict[str, Any], deadline: float) -> bytes:
@@ -125,35 +126,10 @@ class UdpBackend:
             out += chunk
         return bytes(out)
 
-    # ------------------------------------------------------------ the receiver thread
-
-    def _send(self, data: bytes) -> None:
-        with contextlib.suppress(OSError):  # lost like any datagram: the repeats deal with it
-            self.sock.send(data)
-
-    def _receive(self) -> None:
-        while not self._closed:
-            try:
-                data = self.sock.recv(dg.MAX_DATAGRAM)
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            packet = dg.decode(data)
-            if packet is None:
-                continue
-            txid = packet.get("transmission_id")
-            if packet.get("packet_type") == dg.IS_ACK and isinstance(txid, int):
-                with self._changed:
-                    self._acks[txid] = packet
-                    self._changed.notify_all()
-            elif packet.get("method") == "notify_task":
-                if packet.get("packet_type") == dg.WANT_ACK and isinstance(txid, int):
-                    self._send(dg.ack(txid))
-                params = packet.get("params")
-                if isinstance(params, dict) and isinstance(params.get("task_id"), int):
-                    with self._changed:
-                        self._outcomes.setdefault(params["task_id"], params)
-                        self._changed.notify_all()
+    def _notified(self, params: dict[str, Any]) -> None:
+        """A notification (already acknowledged by the engine), in the engine's thread."""
+        task_id = params.get("task_id")
+        if isinstance(task_id, int):
+            with self._changed:
+                self._outcomes.setdefault(task_id, params)
+                self._changed.notify_all()

@@ -106,21 +106,36 @@ class HttpDoor:
     # ------------------------------------------------------------ serving
 
     def bind(self) -> None:
-        """Listen (before the nursery, so that an error is a plain StartupError)."""
+        """Listen (before the nursery, so that an error is a plain StartupError); with
+        http_tls, its certificate and key are loaded here, so that a bad one stops the start."""
         address = self.config.http_address
         assert address is not None
         hc = self._hypercorn_config()
+        tls = self.config.http_tls
+        if tls is not None:
+            try:
+                hc.create_ssl_context()
+            except (OSError, ValueError) as exc:  # missing, unreadable, not PEM, not a pair
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                raise StartupError(
+                    f"http_tls: cannot load the certificate {tls.cert} with the key {tls.key}: "
+                    f"{why or type(exc).__name__}"
+                ) from None
         try:
             self._sockets = hc.create_sockets()
-            for sock in self._sockets.insecure_sockets:
+            for sock in self._listening():
                 sock.listen(hc.backlog)
         except OSError as exc:
             raise StartupError(
                 f"http_address {address.host}:{address.port}: {exc.strerror or exc}"
             ) from None
 
+    def _listening(self) -> list[socket.socket]:
+        """The listening sockets: TLS ones with http_tls, plain ones without (never both)."""
+        return [*self._sockets.secure_sockets, *self._sockets.insecure_sockets]
+
     def address(self) -> tuple[str, int]:
-        sock: socket.socket = self._sockets.insecure_sockets[0]
+        sock: socket.socket = self._listening()[0]
         host, port = sock.getsockname()[:2]
         return host, port
 
@@ -129,7 +144,8 @@ class HttpDoor:
             self.bind()
         self.started_at = trio.current_time()
         host, port = self.address()
-        log.info("HTTP job API and status page on http://%s:%d/", host, port)
+        scheme = "https" if self.config.http_tls is not None else "http"
+        log.info("HTTP job API and status page on %s://%s:%d/", scheme, host, port)
         hc = self._hypercorn_config()
         app = ASGIWrapper(self.app)  # type: ignore[arg-type]
         context = WorkerContext(None)
@@ -161,6 +177,13 @@ class HttpDoor:
         hc = HypercornConfig()
         host = f"[{address.host}]" if ":" in address.host else address.host
         hc.bind = [f"{host}:{address.port}"]
+        tls = self.config.http_tls
+        if tls is not None:  # hypercorn then serves bind with TLS (and nothing in clear)
+            hc.certfile, hc.keyfile = str(tls.cert), str(tls.key)
+            hc.alpn_protocols = ["http/1.1"]  # the app speaks HTTP/1.1 only
+            # A connection that does not finish its handshake holds a slot no longer than
+            # an idle one would.
+            hc.ssl_handshake_timeout = IDLE_TIMEOUT
         # hypercorn's own keep-alive wait starts after keepalive.GRACE idle (keepalive.py)
         hc.keep_alive_timeout = IDLE_TIMEOUT - (keepalive.GRACE if self._idle_timer else 0.0)
         hc.include_server_header = False  # a header per answer that tells nobody anything
@@ -169,7 +192,6 @@ class HttpDoor:
         server_log.setLevel(logging.WARNING)  # its "Running on ..." repeats our own line
         hc.errorlog = server_log
         hc.backlog = 1024
-        hc.alpn_protocols = ["http/1.1"]  # no HTTP/2 over TLS either
         return hc
 
     def hand_out(self, action: HandOut) -> None:
