@@ -11,7 +11,7 @@ import controller
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Where the configuration keys, the decisions and the layout are explained.
-DOCS = "docs/design-notes.md"
+DOCS = "docs/operations.md"
 
 
 def version() -> str:

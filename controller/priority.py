@@ -12,7 +12,7 @@ it ahead takes CPU from the workers, the client and a redis-server on the
 same host: measured from no change to -28%. So it runs as started unless
 asked; with an adjustment it lowers its nice value when it may (root, or
 CAP_SYS_NICE) and its local workers start at the level it was started
-with. docs/design-notes.md ("Performance") has the figures.
+with. docs/operations.md ("Tuning") has the figures.
 """
 
 from __future__ import annotations

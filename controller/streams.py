@@ -1,6 +1,6 @@
 """The Redis stream door's names and atomic steps, shared by the controller and the client. Pure.
 
-DESIGN.md section 10: producers `XADD <stream> * payload <bytes> [id <id>] [name <name>]`;
+Producers `XADD <stream> * payload <bytes> [id <id>] [name <name>]`;
 controllers read it through one consumer group; each outcome goes to the hash
 `job:<id>` (state, result, error, updated_at) and to the stream
 `<stream>:results` (id, state) before the entry is acknowledged.
@@ -18,7 +18,7 @@ import hashlib
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
-# The states a job's hash may hold once it ended (section 7's words).
+# The states a job's hash may hold once it ended (finished, failed, canceled).
 FINAL_STATES = ("finished", "failed", "canceled", "deleted")
 # How long a results stream grows before old entries are trimmed (approximately), where the
 # writer gives no time to trim by (a cancel through the client).

@@ -1,4 +1,4 @@
-"""The one place that knows the Unix-socket wire format (docs/design-notes.md, "Wire format").
+"""The one place that knows the Unix-socket wire format (docs/protocol.md).
 
 Every frame is ``<varint length><protobuf message>`` followed, for the two
 message types that carry an ``extra_size`` field (ControlMsg, WorkerResponse),

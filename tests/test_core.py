@@ -210,7 +210,7 @@ def test_shutdown_removes_worker_and_replaces_its_task():
 
 def test_the_most_recently_idle_worker_gets_the_next_task():
     """A job goes to the worker that became idle last: under light load one worker keeps
-    its caches warm instead of all of them taking turns (docs/design-notes.md)."""
+    its caches warm instead of all of them taking turns (docs/architecture.md, "One job, step by step")."""
     core = Core()
     a = ready_worker(core)
     b = ready_worker(core)

@@ -1,4 +1,4 @@
-"""Several controllers on one Redis stream (DESIGN.md section 10), all real processes: three
+"""Several controllers on one Redis stream, all real processes: three
 controllers with one local worker each, 2,000 jobs from one producer; every job gets exactly
 one final outcome in Redis and each controller runs some. Then the same with one controller
 killed by SIGKILL mid-run and redis-server restarted: nothing lost. And a controller whose

@@ -5,7 +5,7 @@ an acknowledgement moves its request on, a notification is acknowledged
 (every copy) and ends its job, reported once through a callback, and the
 next job of a batch is sent from there. No task, event or cancel scope per
 job: a round trip costs its datagrams and the Python between them
-(docs/design-notes.md, "The UDP client engine"). What waits on the clock is
+(docs/client.md, "udp-client"). What waits on the clock is
 a deadline served by one timer task: requests repeated with a doubling
 interval until acknowledged, get_task for a job whose notification seems
 lost, the session's timeout. A result too large for one datagram is read

@@ -14,7 +14,7 @@ against `ca_file`), every request's path under PREFIX. `HTTPS_PROXY` / `HTTP_PRO
 CONNECT, for https and http alike, so the proxy sees no request and no token.
 
 Why not httpx: it spent ~550 us of CPU per request here, more than the
-controller's server side (docs/design-notes.md, "The Python client").
+controller's server side (docs/client.md).
 
 A kept connection the server has closed meanwhile (its keep-alive timeout) is
 noticed before use by a zero-timeout poll, and a request on a reused

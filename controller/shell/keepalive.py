@@ -6,7 +6,7 @@ the connection turns idle, `stop` when a request comes. Its `TrioSingleTask`
 starts a new task for every `restart` (`nursery.start`) and cancels it at the
 next `stop`, so every request costs a task started and one cancelled. With the
 HTTP door busy that was ~20% of the controller's CPU, and the controller's one
-thread is the door's ceiling (docs/design-notes.md, "The HTTP door"). Measured
+thread is the door's ceiling (docs/performance.md, "What bounds the figures"). Measured
 again against hypercorn 0.18.0 (`python -m bench.http_bench keepalive`, both
 timers in one run, 5,000 jobs each, twice, on a shared 2-CPU machine):
 AsyncClient 259 and 231 jobs/s with this timer against 182 and 178 with

@@ -5,7 +5,7 @@ The door's two calls per batch of jobs, "new entries with their states" and
 Run through redis-py in a worker thread they cost ~400 us of the controller's
 CPU each under load, not the ~110 us they cost alone: redis-py's Python
 running in a thread beside the busy trio loop makes both take turns at the
-GIL, ~15 context switches per call (docs/design-notes.md has the figures).
+GIL, ~15 context switches per call (docs/architecture.md, "Decisions").
 So `LoopLink` sends them on a non-blocking socket watched by the `Reactor`:
 commands packed by hiredis (`pack_command`), answers parsed by hiredis's
 `Reader`, matched to their callers in order (Redis answers a connection's
