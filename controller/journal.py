@@ -141,6 +141,28 @@ class Recovered:
 Op = tuple[str, tuple[Any, ...]]
 
 
+def stored_text(text: str) -> str | bytes:
+    """A text value as the journal stores it: as it is when it is UTF-8, else (it holds a lone
+    surrogate, which JSON allows and UTF-8 does not) its bytes with each surrogate as three
+    bytes (`surrogatepass`), stored as a BLOB that `read_text` turns back into that text."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+    return text
+
+
+def read_text(value: str | bytes | None) -> str:
+    """The inverse of `stored_text` ("" for NULL)."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogatepass")
+    return value
+
+
 def _run_script(db: sqlite3.Connection, script: str) -> None:
     """Each statement of `script` inside the caller's transaction (executescript would commit)."""
     for statement in script.split(";"):
@@ -222,7 +244,12 @@ class Journal:
         db.execute(f"PRAGMA application_id={APPLICATION_ID}")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("COMMIT")
-        db.execute("PRAGMA quick_check").fetchone()
+        found = [str(row[0]) for row in db.execute("PRAGMA quick_check(5)")]
+        if found != ["ok"]:  # nothing is dropped silently: the operator decides
+            raise JournalError(
+                f"journal {self.path}: fails its integrity check (PRAGMA quick_check): "
+                + "; ".join(line.replace("\n", " ") for line in found)
+            )
 
     def load(self, now_wall: float | None = None) -> Recovered:
         """Read back every task and reserve the next block of worker ids (committed now)."""
@@ -251,12 +278,12 @@ class Journal:
                 out.jobs.append(
                     JobRow(
                         ref=r[0],
-                        id=r[1],
+                        id=read_text(r[1]),
                         door=r[2],
                         host=r[3],
                         port=r[4],
                         task_id=r[5],
-                        name=r[6],
+                        name=read_text(r[6]),
                         payload=bytes(r[7]),
                         state=r[8],
                         attempts=r[9],
@@ -264,7 +291,7 @@ class Journal:
                         queued_at=r[11],
                         added_at=r[12],
                         result=bytes(r[13] or b""),
-                        error=r[14] or "",
+                        error=read_text(r[14]),
                         failed_post=bool(r[15]),
                         notified=bool(r[16]),
                         expires_at=r[17],
@@ -305,7 +332,16 @@ class Journal:
     def job_added(self, job: Job) -> None:
         host, port = job.key if isinstance(job.key, tuple) else ("", 0)
         wall = time.time()
-        row = (job.ref, job.id, job.door, host, port, job.task_id, job.name, job.payload)
+        row = (
+            job.ref,
+            stored_text(job.id),
+            job.door,
+            host,
+            port,
+            job.task_id,
+            stored_text(job.name),
+            job.payload,
+        )
         self._inserted[job.ref] = len(self._staged)
         self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False)))
 
@@ -323,7 +359,8 @@ class Journal:
 
     def job_finished(self, job: Job) -> None:
         ref = job.ref
-        values = (job.state.value, job.attempts, job.result, job.error, job.failed_post)
+        error = stored_text(job.error)
+        values = (job.state.value, job.attempts, job.result, error, job.failed_post)
         if self._fold(ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
             return
         index = self._progressed.pop(ref, None)
@@ -399,15 +436,80 @@ class Journal:
         self._inserted = {}  # their places moved: later changes go in as UPDATEs
         self._progressed = {}
 
-    def write(self, batch: list[Op]) -> None:
-        """Run in a thread: apply one batch in one transaction (raises sqlite3.Error)."""
+    def write(self, batch: list[Op]) -> list[Rejected]:
+        """Run in a thread: apply one batch in one transaction; returns the changes refused.
+
+        A change whose values SQLite cannot take (a bug upstream: a number out of range, text
+        it cannot encode) must not hold its neighbours back for ever: the batch is then
+        written again change by change, each in a savepoint, and the changes that fail alone
+        are left out and returned. A failure of the disk or the file (sqlite3.OperationalError,
+        sqlite3.DatabaseError) writes nothing and raises, as it would for every change.
+        """
         db = self._connection()
         db.execute("BEGIN")
         try:
             for sql, params in batch:
                 db.execute(sql, params)
             db.execute("COMMIT")
+        except VALUE_ERRORS:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            return self._write_each(db, batch)
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
+        return []
+
+    @staticmethod
+    def _write_each(db: sqlite3.Connection, batch: list[Op]) -> list[Rejected]:
+        rejected: list[Rejected] = []
+        db.execute("BEGIN")
+        try:
+            for sql, params in batch:
+                db.execute("SAVEPOINT change")
+                try:
+                    db.execute(sql, params)
+                except VALUE_ERRORS as exc:
+                    db.execute("ROLLBACK TO change")
+                    rejected.append(_rejected(sql, params, exc))
+                db.execute("RELEASE change")
+            db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            raise
+        return rejected
+
+
+# What a change's values can fail with, as opposed to the disk or the file (OperationalError,
+# DatabaseError): UnicodeEncodeError is a ValueError, an integer over 64 bits an OverflowError.
+VALUE_ERRORS = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    sqlite3.InterfaceError,
+    sqlite3.ProgrammingError,
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A change the journal could not store: the job it belongs to (ref 0: none) and why;
+    `added`: it was the job's first record (the job is refused at its door)."""
+
+    ref: int
+    added: bool
+    reason: str
+
+
+def _rejected(sql: str, params: tuple[Any, ...], exc: Exception) -> Rejected:
+    reason = f"{type(exc).__name__}: {exc}"[:300]
+    if sql == _INSERT:
+        return Rejected(params[0], True, reason)
+    if sql == _CEILING:
+        return Rejected(0, False, reason)
+    ref = params[-1]
+    return Rejected(ref if isinstance(ref, int) else 0, False, reason)

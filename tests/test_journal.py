@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
-from controller.jobs import Job, JobState, udp_job_id
+from controller.jobs import Job, JobState, notes_of, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
 from controller.shell import committer as committer_module
 from controller.shell.committer import Committer
@@ -488,7 +488,7 @@ async def test_a_batch_that_fails_is_kept_and_written_once_the_journal_can_be(
     assert rows_on_disk(path) == 2
 
 
-def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_path):
+def test_a_change_whose_values_cannot_be_stored_fails_alone_and_the_rest_is_written(tmp_path):
     journal = Journal.open(tmp_path / "journal.sqlite3")
     journal.load()
     for ref in range(1, 600):
@@ -496,9 +496,41 @@ def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_p
     batch, _ = journal.take()
     sql, params = batch[500]
     batch[500] = (sql, (*params[:-1], object()))  # a value SQLite cannot bind
-    with pytest.raises(sqlite3.Error):
+    sql, params = batch[100]
+    batch[100] = (sql, (*params[:5], 2**63, *params[6:]))  # a task_id over 64 bits
+    rejected = journal.write(batch)
+    assert [(change.ref, change.added) for change in rejected] == [(101, True), (501, True)]
+    assert "OverflowError" in rejected[0].reason
+    assert not journal._connection().in_transaction
+    assert rows_on_disk(tmp_path / "journal.sqlite3") == 597
+
+
+def test_a_statement_failing_on_the_file_rolls_back_the_whole_batch(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    for ref in range(1, 600):
+        add(journal, ref, "h", 1, ref, b"")
+    batch, _ = journal.take()
+    batch.insert(500, ("UPDATE nowhere SET x = 1", ()))  # no such table: not a value's fault
+    with pytest.raises(sqlite3.OperationalError):
         journal.write(batch)
     assert not journal._connection().in_transaction
-    assert rows_on_disk(tmp_path / "journal.sqlite3") == 0
+    assert rows_on_disk(path) == 0
     journal.write(batch[:10])  # and the connection is usable again
-    assert rows_on_disk(tmp_path / "journal.sqlite3") == 10
+    assert rows_on_disk(path) == 10
+
+
+def test_text_with_lone_surrogates_is_journaled_and_read_back_exactly(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    job = Job("id-\ud800", 1, 7, "http", None, b"p\xed\xa0\x80", notes_of("n\udfff\u00e9"))
+    journal.job_added(job)
+    job.final, job.error, job.result = JobState.FAILED, "boom \udc80", b""
+    journal.write(journal.take()[0])
+    journal.job_finished(job)
+    assert journal.write(journal.take()[0]) == []
+    journal.close()
+    (row,) = Journal.open(path).load().jobs
+    assert (row.id, row.name, row.error) == ("id-\ud800", "n\udfff\u00e9", "boom \udc80")

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from controller import httpapi
+from controller.containment import INTERNAL_MESSAGE, contained
 
 log = logging.getLogger("controller.http")
 
@@ -142,7 +143,11 @@ class Router:
             return
         if scope["type"] != "http":
             return
-        refusal = self._gate(scope)
+        try:
+            refusal = self._gate(scope)
+        except Exception as exc:
+            contained("checking who may ask over HTTP", exc)
+            refusal = error_response(500, INTERNAL_MESSAGE)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -164,9 +169,9 @@ class Router:
         else:
             try:
                 response = await entry[0](Request(scope, receive, params))
-            except Exception:
-                log.exception("%s %s failed", scope["method"], path[:200])
-                response = error_response(500, "the controller failed here: see its log")
+            except Exception as exc:
+                contained(f"HTTP {scope['method']} {path[:200]}", exc)
+                response = error_response(500, INTERNAL_MESSAGE)
         await response(scope, receive, send)
 
 

@@ -26,6 +26,7 @@ import trio
 
 from controller import wire
 from controller.config import Config
+from controller.containment import contained
 from controller.core import (
     Action,
     Core,
@@ -169,7 +170,7 @@ class CoreShell:
                 self._nursery = nursery
                 nursery.start_soon(self._timer.run)
                 await nursery.start(self.reactor.run)
-                self.reactor.watch(sock, select.EPOLLIN, self._accept)
+                self.reactor.watch(sock, select.EPOLLIN, self._accept, listener=True)
                 log.info("listening for workers on %s", cfg.main_socket)
                 task_status.started()
         finally:
@@ -238,7 +239,12 @@ class CoreShell:
                 conn = accept_unix(sock)
             except BlockingIOError:
                 return
-            self._serve_pulse(conn)
+            try:
+                self._serve_pulse(conn)
+            except Exception as exc:  # that worker's connection alone is closed
+                contained("a worker's connection on main.sock", exc, trio.current_time())
+                self.reactor.forget(conn)
+                conn.close()
 
     def _serve_pulse(self, conn: _socket.socket) -> None:
         cfg = self.config
@@ -267,6 +273,15 @@ class CoreShell:
 
     def _on_pulse(
         self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, _: bytes
+    ) -> None:
+        try:
+            self._pulse(pid, uid, conn, pulse)
+        except Exception as exc:  # that worker's connection alone is closed
+            contained(f"a pulse from pid {pid}", exc, trio.current_time())
+            conn.close()
+
+    def _pulse(
+        self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse
     ) -> None:
         actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), trio.current_time())
         reply = actions[0]
@@ -320,6 +335,18 @@ class CoreShell:
         )
 
     def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
+        try:
+            self._answered(action, path, result)
+        except Exception as exc:
+            # The answer could not be acted on: the worker counts as not answering.
+            contained(f"worker {action.worker_id}'s answer", exc, trio.current_time())
+            try:
+                done = DialDone(action.worker_id, action.kind, None, error="internal error")
+                self.execute(self.core.dial_done(done, trio.current_time()))
+            except Exception as again:
+                contained(f"worker {action.worker_id}'s answer", again, trio.current_time())
+
+    def _answered(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         wid = action.worker_id
         if isinstance(result, tuple):
             done = DialDone(wid, action.kind, result[0], result[1])

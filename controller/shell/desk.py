@@ -24,7 +24,7 @@ from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnack
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Send, Submit
 from controller.jobs import Job, JobBook, JobState, notes_of
-from controller.journal import Journal, Recovered
+from controller.journal import Journal, Recovered, Rejected
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 
@@ -82,6 +82,9 @@ class JobDesk:
         self.doors: dict[str, Door] = {}
         self._picked = itertools.count(FIRST_PICKED_TASK_ID)
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
+        # Jobs that lost a change the journal could not store, by id: (it was the job's first
+        # record, why). Marked by `rejected`, settled by `committed` (see there).
+        self._refused: dict[str, tuple[bool, str]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forget jobs past their retention, until cancelled."""
@@ -112,7 +115,23 @@ class JobDesk:
             else:
                 self.scheduling.execute(self._calculator(action, now))
         if sends:
-            self.write_ahead.after_commit(door.transmit, sends)
+            self.write_ahead.after_commit(self._release, (door, sends))
+
+    def _release(self, held: tuple[Door, list[Send]]) -> None:
+        """Answers whose journal commit is done go out (those about a job the journal could
+        not record are replaced by their refusal, or dropped)."""
+        door, sends = held
+        if self._refused:
+            screened = []
+            for send in sends:
+                if send.job_id in self._refused:
+                    instead = send.refused()
+                    if instead is not None:
+                        screened.append(instead)
+                else:
+                    screened.append(send)
+            sends = screened
+        door.transmit(sends)
 
     def pick_task_id(self) -> int:
         """A wire number for a job whose door gives none."""
@@ -235,6 +254,72 @@ class JobDesk:
             door = self.doors.get(job.door)
             if door is not None:
                 door.forget(job)
+
+    # ------------------------------------------------------------ refused by the journal
+
+    def rejected(self, changes: list[Rejected]) -> None:
+        """The committer's hook: the journal could not store these changes (their values; the
+        rest of their batch is written). Marks their jobs; `committed` settles them."""
+        for change in changes:
+            job = self._job_by_ref(change.ref) if change.ref else None
+            if job is None:
+                continue
+            added = change.added or self._refused.get(job.id, (False, ""))[0]
+            self._refused[job.id] = (added, change.reason)
+
+    def committed(self) -> None:
+        """The committer's hook after each commit: release the answers that waited for it
+        (those about a refused job are screened), then settle the refused jobs: a job whose
+        first record could not be stored is refused at its door (UDP: an `internal` error
+        acknowledgement instead of the acknowledgement; HTTP: 500; Redis: a `failed`
+        outcome) and taken back from any worker; a job that lost a later change fails,
+        with an error saying why."""
+        self.write_ahead.release()
+        if not self._refused:
+            return
+        refused, self._refused = self._refused, {}
+        now = trio.current_time()
+        for job_id, (added, reason) in refused.items():
+            job = self.book.get(job_id)
+            if job is not None:
+                self._refuse(job, added, reason, now)
+
+    def _refuse(self, job: Job, added: bool, reason: str, now: float) -> None:
+        if added:
+            error = f"the journal cannot record this job ({reason})"
+        else:
+            error = f"the journal cannot record a change of this job ({reason})"
+        log.warning("job %r refused: %s", job.id[:200], error)
+        live = job.final is None
+        if live:
+            self.book.finish(job.id, JobState.FAILED, now, error=error)
+        else:
+            job.final = JobState.FAILED
+            job.result = b""
+            job.error = error
+            job.updated_at = now
+        actions: list[Any] = []
+        if live and self.scheduling.core.scheduler.cancel(job.ref, now, actions):
+            self.scheduling.execute(actions)  # a worker holding it gets it taken back
+        if self.on_finished is not None:
+            self.on_finished(job)
+        door = self.doors.get(job.door)
+        if door is not None:
+            door.forget(job)  # nothing more goes out about what it was
+        if added and job.door != "redis":
+            self.book.discard(job)  # the submitter was told it failed: it never was
+            return
+        if not added and self.journal is not None:
+            self.journal.job_finished(job)
+        if job.delivered:
+            return
+        self._tell(job, now)
+
+    def _job_by_ref(self, ref: int) -> Job | None:
+        task = self.scheduling.core.tasks.get(ref)
+        if task is not None:
+            return self.book.get(str(task.owner))
+        return next((job for job in self.book if job.ref == ref), None)  # ended: rare
 
     # ------------------------------------------------------------ recovery
 

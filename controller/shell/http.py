@@ -218,6 +218,8 @@ class HttpDoor:
         )
         self.counters["jobs_added"] += 1
         await self.desk.write_ahead.committed()  # 201 only once the job is on disk
+        if self.book.get(job.id) is not job:  # the journal could not record it
+            raise ApiError(500, f"the job could not be recorded: {job.error}")
         return self._job_response(job, 201)
 
     async def job(self, request: Request) -> Response:
@@ -237,6 +239,7 @@ class HttpDoor:
                 return self._job_response(job, 200)
             if request.method == "DELETE":
                 self.desk.delete(job, trio.current_time())
+                await self.desk.write_ahead.committed()  # 200 only once that is on disk
                 return self._job_response(job, 200)
             return await self._update(job, request)
         except ApiError as exc:
@@ -272,6 +275,7 @@ class HttpDoor:
         if update.log is not None:
             job.add_log(update.log)
             job.updated_at = trio.current_time()
+        await self.desk.write_ahead.committed()  # 200 only once the change is on disk
         return self._job_response(job, 200)
 
     async def ping(self, request: Request) -> Response:
@@ -303,6 +307,7 @@ class HttpDoor:
                     self.execute(self.pollers.gave_up(worker, trio.current_time()))
         if waiter.job is None:
             return Response(status=204)
+        await self.desk.write_ahead.committed()  # the claim only once it is on disk
         return self._job_response(waiter.job, 200)
 
     async def openapi(self, request: Request) -> Response:

@@ -171,7 +171,10 @@ async def run_controller(
     if journal is not None:
         live = shell.core.tasks  # every door's queued and running tasks: batch_delay's load
         committer = Committer(
-            journal, on_committed=desk.write_ahead.release, in_flight=lambda: len(live)
+            journal,
+            on_committed=desk.committed,
+            in_flight=lambda: len(live),
+            on_rejected=desk.rejected,
         )
     # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
     # when configured: together they are about 20 MB of a controller's memory.
