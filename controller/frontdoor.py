@@ -253,6 +253,8 @@ class FrontDoor:
         payload = dg.bytes_param(params, "payload", self.max_payload) or b""
         job_id = udp_job_id(addr[0], addr[1], task_id)
         job = self.book.get(job_id)
+        if job is not None and job.door != "udp":  # an older journal's: not this client's
+            raise BadPacket("bad_task_id", f"task {task_id} is in use by a job of another door")
         if job is not None:
             self.stats.duplicates += 1
             if not job.state.final:
@@ -292,7 +294,7 @@ class FrontDoor:
 
     def _lookup(self, addr: Address, task_id: int) -> Job:
         job = self.book.get(udp_job_id(addr[0], addr[1], task_id))
-        if job is None:
+        if job is None or job.door != "udp":
             raise BadPacket("unknown_task", f"no task {task_id} from this address")
         return job
 

@@ -22,12 +22,17 @@ from typing import Any
 
 import pytest
 import redis
+import trio
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from controller import datagram as datagram_module
+from controller.config import ClientAddress, Config
 from controller.jobs import Job
 from controller.journal import Journal
+from controller.shell.committer import Committer
 from controller.shell.http_access import Gate
+from controller.shell.main import assemble
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
@@ -558,3 +563,46 @@ def test_a_corrupted_journal_stops_the_start_with_one_line(tmp_path: Path) -> No
     lines = done.stderr.decode().strip().splitlines()
     assert len(lines) == 1, lines
     assert str(path) in lines[0] and "quick_check" in lines[0] and "page" in lines[0]
+
+
+# ---------------------------------------------------------------- a change the journal refuses
+
+
+async def test_a_job_the_journal_cannot_store_is_refused_alone(
+    sockdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were a value the journal cannot store to get past the doors' checks (here a task_id
+    over 63 bits, let through on purpose), its job alone is refused (an `internal` error
+    acknowledgement) and the jobs in the same batch are committed and acknowledged."""
+    monkeypatch.setattr(datagram_module, "MAX_TASK_ID", 2**64 - 1)
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    config = Config(
+        socket_dir=sockdir,
+        journal=path,
+        client_address=ClientAddress("127.0.0.1", free_udp_port()),
+    )
+    shell, desk, door = assemble(config, journal)
+    desk.recover(journal.load(), trio.current_time())
+    committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(committer.run)
+        await nursery.start(shell.serve)
+        await nursery.start(door.serve)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.settimeout(10)
+            target = ("127.0.0.1", config.client_address.port)
+            for txid, task_id in ((1, 5), (2, 2**63), (3, 6)):  # one batch: no await between
+                sock.sendto(add_task(task_id, txid=txid, payload="x" * 100), target)
+            answers: dict[int, str | None] = {}
+            while len(answers) < 3:
+                packet = json.loads(await trio.to_thread.run_sync(sock.recv, 65536))
+                answers[packet["transmission_id"]] = packet.get("error", {}).get("code")
+            port = sock.getsockname()[1]
+        assert answers == {1: None, 2: "internal", 3: None}
+        assert desk.book.get(f"udp-127.0.0.1-{port}-{2**63}") is None
+        nursery.cancel_scope.cancel()
+    journal.close()
+    with sqlite3.connect(path) as db:
+        assert sorted(row[0] for row in db.execute("SELECT task_id FROM jobs")) == [5, 6]
