@@ -15,7 +15,6 @@ a closed worker connection) and goes on.
 from __future__ import annotations
 
 import logging
-import time
 
 log = logging.getLogger("controller")
 
@@ -38,12 +37,8 @@ class Failures:
         self._unreported = 0
         self._last_report = -interval
 
-    def failed(self, where: str, exc: BaseException, now: float | None = None) -> None:
-        """`exc` escaped the handling of one input at `where` (call it from the except block).
-
-        `now` is any monotonic clock in seconds (the caller's); the wall clock's
-        monotonic time when not given."""
-        now = time.monotonic() if now is None else now
+    def failed(self, where: str, exc: BaseException, now: float) -> None:
+        """`exc` escaped the handling of one input at `where`; `now` is the trio clock."""
         self.total += 1
         kind = f"{where}: {type(exc).__name__}"
         if kind not in self._seen:
@@ -68,6 +63,6 @@ class Failures:
 FAILURES = Failures()
 
 
-def contained(where: str, exc: BaseException, now: float | None = None) -> None:
+def contained(where: str, exc: BaseException, now: float) -> None:
     """Report a contained failure to the process's counter (see `Failures.failed`)."""
     FAILURES.failed(where, exc, now)

@@ -27,8 +27,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from controller import datagram as datagram_module
+from controller import journal as journal_module
 from controller.config import ClientAddress, Config
-from controller.jobs import Job
+from controller.jobs import Job, JobState
 from controller.journal import Journal
 from controller.shell.committer import Committer
 from controller.shell.http_access import Gate
@@ -606,3 +607,37 @@ async def test_a_job_the_journal_cannot_store_is_refused_alone(
     journal.close()
     with sqlite3.connect(path) as db:
         assert sorted(row[0] for row in db.execute("SELECT task_id FROM jobs")) == [5, 6]
+
+
+async def test_a_later_change_the_journal_cannot_store_fails_its_job_saying_why(
+    sockdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An accepted job whose later change cannot be stored (here its cancel's error text,
+    made unstorable on purpose) fails, with an error saying why, and that is journaled."""
+    real = journal_module.stored_text
+    monkeypatch.setattr(
+        journal_module,
+        "stored_text",
+        lambda text: object() if text == "canceled" else real(text),
+    )
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), journal)
+    desk.recover(journal.load(), trio.current_time())
+    committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(committer.run)
+        await nursery.start(shell.serve)
+        now = trio.current_time()
+        job = desk.submit("kept", "http", None, desk.pick_task_id(), b"p", now)
+        await desk.write_ahead.committed()
+        desk.cancel(job, trio.current_time())
+        await desk.write_ahead.committed()  # the cancel's batch: its change refused
+        await desk.write_ahead.committed()  # the failure staged instead
+        assert job.state is JobState.FAILED
+        assert "cannot record a change of this job" in job.error
+        nursery.cancel_scope.cancel()
+    journal.close()
+    with sqlite3.connect(path) as db:
+        state, error = db.execute("SELECT state, error FROM jobs WHERE id = 'kept'").fetchone()
+    assert state == "failed" and "cannot record a change of this job" in error

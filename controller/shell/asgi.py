@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, 
 from typing import Any
 from urllib.parse import parse_qsl
 
+import trio
+
 from controller import httpapi
 from controller.containment import INTERNAL_MESSAGE, contained
 
@@ -146,7 +148,7 @@ class Router:
         try:
             refusal = self._gate(scope)
         except Exception as exc:
-            contained("checking who may ask over HTTP", exc)
+            contained("checking who may ask over HTTP", exc, trio.current_time())
             refusal = error_response(500, INTERNAL_MESSAGE)
         if refusal is not None:
             await refusal(scope, receive, send)
@@ -170,7 +172,7 @@ class Router:
             try:
                 response = await entry[0](Request(scope, receive, params))
             except Exception as exc:
-                contained(f"HTTP {scope['method']} {path[:200]}", exc)
+                contained(f"HTTP {scope['method']} {path[:200]}", exc, trio.current_time())
                 response = error_response(500, INTERNAL_MESSAGE)
         await response(scope, receive, send)
 

@@ -401,4 +401,7 @@ class CoreShell:
             )
             log.warning("pid %d exited: dropping worker %s", pid, shown)
         for wid in wids:
-            self.execute(self.core.exited(WorkerExited(wid), now))
+            try:
+                self.execute(self.core.exited(WorkerExited(wid), now))
+            except Exception as exc:  # the others are still dropped
+                contained(f"worker {wid}'s exit", exc, now)

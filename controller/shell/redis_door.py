@@ -136,7 +136,7 @@ class RedisDoor:
             try:
                 await loop()
             except Exception as exc:
-                contained(f"the redis door's {loop.__name__.strip('_')}", exc)
+                contained(f"the redis door's {loop.__name__.strip('_')}", exc, trio.current_time())
                 self._reread = True
                 await trio.sleep(BACKOFF_CAP)
 
