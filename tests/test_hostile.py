@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from controller import datagram as datagram_module
 from controller import journal as journal_module
-from controller.config import ClientAddress, Config
+from controller.config import ClientAddress, Config, RedisSettings
 from controller.jobs import Job, JobState
 from controller.journal import Journal
 from controller.shell.committer import Committer
@@ -641,3 +641,21 @@ async def test_a_later_change_the_journal_cannot_store_fails_its_job_saying_why(
     with sqlite3.connect(path) as db:
         state, error = db.execute("SELECT state, error FROM jobs WHERE id = 'kept'").fetchone()
     assert state == "failed" and "cannot record a change of this job" in error
+
+
+async def test_the_redis_cancel_channel_cancels_redis_jobs_only(sockdir: Path) -> None:
+    from controller.shell.redis_door import RedisDoor
+
+    config = Config(socket_dir=sockdir, journal=None, redis=RedisSettings(url="redis://x:1/0"))
+    shell, desk, _ = assemble(config)
+    door = RedisDoor(config, desk, shell)  # not run: only its cancel rule is looked at
+    async with trio.open_nursery() as nursery:
+        await nursery.start(shell.serve)
+        now = trio.current_time()
+        http_job = desk.submit("shared-name", "http", None, desk.pick_task_id(), b"", now)
+        redis_job = desk.submit("redis-job", "redis", "1-0", desk.pick_task_id(), b"", now)
+        door._cancel("shared-name")
+        door._cancel("redis-job")
+        assert (http_job.state, redis_job.state) == (JobState.PENDING, JobState.CANCELED)
+        nursery.cancel_scope.cancel()
+    door.calls.close()
