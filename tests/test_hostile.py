@@ -12,6 +12,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -270,11 +271,13 @@ def test_lone_surrogates_from_a_calculator_are_kept(hostile: Hostile) -> None:
         perform: dict[str, Any] | None = None
         for attempt in range(50):
             calc.sendto(dumps({**heartbeat, "params": {"status": "ready"}}), door)
-            hostile.http("POST", "/job/", dumps({"payload": f"for a calculator {attempt}"}))
+            payload = f"for a calculator \ud800 {attempt}"
+            hostile.http("POST", "/job/", dumps({"payload": payload}))
             with contextlib.suppress(TimeoutError):
                 perform = json.loads(calc.recv(65536))
                 break
         assert perform is not None and perform["method"] == "perform_task"
+        assert perform["params"]["payload"] == payload  # the same text, surrogate and all
         ack = {"method": "ack", "packet_type": 2, "transmission_id": perform["transmission_id"]}
         calc.sendto(dumps(ack), door)
         params = {"task_id": perform["params"]["task_id"], "status": "error", "error": "c\ud800"}
@@ -659,3 +662,23 @@ async def test_the_redis_cancel_channel_cancels_redis_jobs_only(sockdir: Path) -
         assert (http_job.state, redis_job.state) == (JobState.PENDING, JobState.CANCELED)
         nursery.cancel_scope.cancel()
     door.calls.close()
+
+
+def test_a_poller_runs_a_payload_with_a_lone_surrogate_and_lives(hostile: Hostile) -> None:
+    cmd = [sys.executable, "-m", "worker", "--log-level", "WARNING", "--pulse", "0.5"]
+    poller = subprocess.Popen([*cmd, "--hub", hostile.ctl.url, "--name", "sp"])
+    try:
+        ran_there = None
+        for attempt in range(60):
+            payload = f"\udfff for the poller {attempt}"
+            _, job = hostile.http("POST", "/job/", dumps({"payload": payload}))
+            _, job = hostile.http("GET", f"/job/{job['id']}/?wait=30")
+            assert (job["state"], job["result"]) == ("finished", payload)
+            if job["worker"] == "sp":
+                ran_there = job
+                break
+        assert ran_there is not None, "no job ran on the poller"
+        assert poller.poll() is None
+    finally:
+        reap(poller)
+    hostile.runs_a_normal_job()
