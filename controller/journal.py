@@ -31,7 +31,7 @@ log = logging.getLogger("controller.journal")
 
 # "JCTL": marks the file as ours, so a foreign SQLite file is refused, not altered.
 APPLICATION_ID = 0x4A43544C
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Worker ids are reserved in blocks committed ahead of use, so that a crash can
 # never hand out an id twice and no REGISTER waits for a commit.
 WORKER_ID_BLOCK = 1000
@@ -58,7 +58,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     failed_post INTEGER NOT NULL DEFAULT 0,
     notified INTEGER NOT NULL DEFAULT 0,  -- 1: the submitter has the outcome, or repeats ran out
-    expires_at REAL                   -- when a finished record may be forgotten
+    expires_at REAL,                  -- when a finished record may be forgotten
+    info_url TEXT NOT NULL DEFAULT '',
+    download_url TEXT NOT NULL DEFAULT '',
+    log TEXT NOT NULL DEFAULT '[]'    -- the job's log lines, a JSON list
 );
 """
 
@@ -76,10 +79,17 @@ UPDATE jobs SET id = 'udp-' || host || '-' || port || '-' || task_id, added_at =
                        WHEN 'success' THEN 'finished' ELSE 'failed' END
 """
 
+# Version 2 kept neither a job's links nor its log.
+_MIGRATE_2_TO_3 = """
+ALTER TABLE jobs ADD COLUMN info_url TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN download_url TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN log TEXT NOT NULL DEFAULT '[]'
+"""
+
 _INSERT = (
     "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
-    " attempts, failed_on, queued_at, added_at, result, error, failed_post)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " attempts, failed_on, queued_at, added_at, result, error, failed_post, info_url,"
+    " download_url, log) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
@@ -92,6 +102,7 @@ _FINISH = (
 _PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
 _FINISH_IN_INSERT = (8, 9, 13, 14, 15)  # state, attempts, result, error, failed_post
 _PAYLOAD_IN_INSERT = 7
+_LOG_IN_INSERT = 18
 # A job started and finished within one batch (most short jobs under load): one UPDATE
 # carrying both, written where the start's was.
 _PROGRESS_FINISH = (
@@ -99,6 +110,7 @@ _PROGRESS_FINISH = (
     " error = ?, failed_post = ?, payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
+_LOG = "UPDATE jobs SET log = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
 _DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
@@ -128,6 +140,9 @@ class JobRow:
     failed_post: bool
     notified: bool
     expires_at: float | None
+    info_url: str = ""
+    download_url: str = ""
+    log: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -152,6 +167,11 @@ def stored_text(text: str) -> str | bytes:
     except UnicodeEncodeError:
         return text.encode("utf-8", "surrogatepass")
     return text
+
+
+def _log_text(lines: list[str]) -> str:
+    """A log as the journal stores it: a JSON list, ASCII (a lone surrogate as an escape)."""
+    return json.dumps(lines) if lines else "[]"
 
 
 def read_text(value: str | bytes | None) -> str:
@@ -232,7 +252,7 @@ class Journal:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("BEGIN IMMEDIATE")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, SCHEMA_VERSION):
+        if version not in (0, 1, 2, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             raise JournalError(
                 f"journal {self.path}: schema version {version} is not {SCHEMA_VERSION}"
@@ -240,6 +260,10 @@ class Journal:
         if version == 1:
             log.info("journal %s: upgrading from schema version 1", self.path)
             _run_script(db, _MIGRATE_1_TO_2)
+        if version in (1, 2):
+            if version == 2:
+                log.info("journal %s: upgrading from schema version 2", self.path)
+            _run_script(db, _MIGRATE_2_TO_3)
         _run_script(db, _SCHEMA)
         db.execute(f"PRAGMA application_id={APPLICATION_ID}")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -273,7 +297,7 @@ class Journal:
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
-                " expires_at FROM jobs ORDER BY ref"
+                " expires_at, info_url, download_url, log FROM jobs ORDER BY ref"
             ):
                 out.jobs.append(
                     JobRow(
@@ -295,6 +319,9 @@ class Journal:
                         failed_post=bool(r[15]),
                         notified=bool(r[16]),
                         expires_at=r[17],
+                        info_url=read_text(r[18]),
+                        download_url=read_text(r[19]),
+                        log=[str(line) for line in json.loads(r[20])],
                     )
                 )
             out.next_ref = (out.jobs[-1].ref + 1) if out.jobs else 1
@@ -342,8 +369,9 @@ class Journal:
             stored_text(job.name),
             job.payload,
         )
+        links = (stored_text(job.info_url), stored_text(job.download_url), _log_text(job.log))
         self._inserted[job.ref] = len(self._staged)
-        self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False)))
+        self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False, *links)))
 
     def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
         failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
@@ -384,6 +412,12 @@ class Journal:
             row[position] = value
         self._staged[index] = (sql, tuple(row))
         return True
+
+    def job_logged(self, ref: int, lines: list[str]) -> None:
+        """The job's log is now `lines` (one was added, or old ones dropped)."""
+        text = _log_text(lines)
+        if not self._fold(ref, (_LOG_IN_INSERT,), (text,)):
+            self._stage((_LOG, (text, ref)))
 
     def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))

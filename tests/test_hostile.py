@@ -487,7 +487,10 @@ def test_no_answer_confirms_a_cancel_or_a_delete_before_it_is_on_disk(tmp_path: 
     try:
         for job_id in ("to-cancel", "to-delete", "plain-cancel", "plain-delete"):
             assert call("POST", "/job/", {"id": job_id})[0] == 201
-        # Plain: SIGKILL right after the 200s.
+        # Plain: SIGKILL right after the 200s. Text fields come back after it as given.
+        notes = {"name": "n\ud800", "info_url": "i\udfff", "download_url": "d\udc00"}
+        assert call("POST", "/job/", {"id": "noted", **notes})[0] == 201
+        assert call("PUT", "/job/noted/", {"log": "l\ud800"})[0] == 200
         assert call("PUT", "/job/plain-cancel/", {"state": "canceled"})[0] == 200
         assert call("DELETE", "/job/plain-delete/")[0] == 200
         proc.send_signal(signal.SIGKILL)
@@ -495,6 +498,8 @@ def test_no_answer_confirms_a_cancel_or_a_delete_before_it_is_on_disk(tmp_path: 
         proc = start()
         assert call("GET", "/job/plain-cancel/")[1]["state"] == "canceled"
         assert call("GET", "/job/plain-delete/")[1]["state"] == "deleted"
+        noted = call("GET", "/job/noted/")[1]
+        assert {key: noted[key] for key in notes} == notes and noted["log"] == ["l\ud800"]
         # With the file locked, no 200 may come; killed meanwhile, nothing was confirmed.
         answers: dict[str, Any] = {}
 

@@ -365,7 +365,7 @@ def test_version_1_journal_is_upgraded_in_place(tmp_path):
         ("udp-127.0.0.1-4000-8", "udp", "failed", True),
     ]
     assert rows[1].payload == b"a" and rows[1].added_at == 100.0
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3
 
 
 async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
@@ -534,3 +534,35 @@ def test_text_with_lone_surrogates_is_journaled_and_read_back_exactly(tmp_path):
     journal.close()
     (row,) = Journal.open(path).load().jobs
     assert (row.id, row.name, row.error) == ("id-\ud800", "n\udfff\u00e9", "boom \udc80")
+
+
+def test_links_and_log_lines_are_journaled_as_given(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    job = Job("with-notes", 1, 7, "http", None, b"", notes_of("n", "i\ud800", "d\udfff"))
+    journal.job_added(job)
+    journal.job_logged(1, ["first \udc00"])  # folded into the insert
+    journal.write(journal.take()[0])
+    journal.job_logged(1, ["first \udc00", "second"])
+    assert journal.write(journal.take()[0]) == []
+    journal.close()
+    (row,) = Journal.open(path).load().jobs
+    assert (row.info_url, row.download_url) == ("i\ud800", "d\udfff")
+    assert row.log == ["first \udc00", "second"]
+
+
+def test_version_2_journal_gains_links_and_log(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    add(journal, 1, "h", 1, 1, b"kept")
+    commit(journal)
+    journal.close()
+    with sqlite3.connect(path) as db:
+        for column in ("info_url", "download_url", "log"):
+            db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+        db.execute("PRAGMA user_version = 2")
+    (row,) = Journal.open(path).load().jobs
+    assert (row.payload, row.info_url, row.log) == (b"kept", "", [])
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3

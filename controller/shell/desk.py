@@ -185,6 +185,13 @@ class JobDesk:
             self.scheduling.execute(actions)
         return job
 
+    def logged(self, job: Job, line: str, now: float) -> None:
+        """Append `line` to the job's log (journaled: it is there after a restart)."""
+        job.add_log(line)
+        job.updated_at = now
+        if self.journal is not None:
+            self.journal.job_logged(job.ref, job.log)
+
     def delivered(self, job_id: str, now: float) -> None:
         job = self.book.get(job_id)
         if job is None:
@@ -345,11 +352,13 @@ class JobDesk:
                 door=row.door,
                 key=key,
                 payload=row.payload,
-                notes=notes_of(row.name),
+                notes=notes_of(row.name, row.info_url, row.download_url),
                 added_at=row.added_at - self.book.wall_offset,
                 updated_at=now,
                 attempts=row.attempts,
             )
+            for line in row.log:
+                job.add_log(line)
             if row.state in ("pending", "working"):
                 core.recover(
                     row.ref,

@@ -273,8 +273,7 @@ class HttpDoor:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
             self.execute(actions)
         if update.log is not None:
-            job.add_log(update.log)
-            job.updated_at = trio.current_time()
+            self.desk.logged(job, update.log, trio.current_time())
         await self.desk.write_ahead.committed()  # 200 only once the change is on disk
         return self._job_response(job, 200)
 
