@@ -37,10 +37,13 @@ class Failures:
         self._unreported = 0
         self._last_report = -interval
 
-    def failed(self, where: str, exc: BaseException, now: float) -> None:
-        """`exc` escaped the handling of one input at `where`; `now` is the trio clock."""
+    def failed(self, where: str, exc: BaseException, now: float, detail: str = "") -> None:
+        """`exc` escaped the handling of one input at `where` (a fixed phrase: with the
+        exception's type it names the kind of failure); `detail` names the input (a peer,
+        a path); `now` is the trio clock."""
         self.total += 1
-        kind = f"{where}: {type(exc).__name__}"
+        kind = f"{where}: {type(exc).__name__}"  # not the detail: a flood of peers is one kind
+        where = f"{where} ({detail[:200]})" if detail else where
         if kind not in self._seen:
             if len(self._seen) >= MAX_KINDS:
                 self._seen.clear()
@@ -63,6 +66,6 @@ class Failures:
 FAILURES = Failures()
 
 
-def contained(where: str, exc: BaseException, now: float) -> None:
+def contained(where: str, exc: BaseException, now: float, detail: str = "") -> None:
     """Report a contained failure to the process's counter (see `Failures.failed`)."""
-    FAILURES.failed(where, exc, now)
+    FAILURES.failed(where, exc, now, detail)

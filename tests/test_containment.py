@@ -35,3 +35,14 @@ def test_first_failure_has_its_traceback_then_a_count_every_interval(
         failures.failed("a request", boom("other kind"), 131.5)  # a new kind: its traceback
         assert caplog.records[-1].exc_info is not None
     assert failures.total == 33
+
+
+def test_failures_of_one_kind_from_many_peers_log_one_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failures = Failures(interval=30.0)
+    with caplog.at_level(logging.ERROR, logger="controller"):
+        for port in range(1000, 1100):
+            failures.failed("a datagram", boom("x"), 5.0, f"from 127.0.0.1:{port}")
+    assert sum(1 for record in caplog.records if record.exc_info) == 1
+    assert "from 127.0.0.1:1000" in caplog.text

@@ -172,7 +172,7 @@ class Router:
             try:
                 response = await entry[0](Request(scope, receive, params))
             except Exception as exc:
-                contained(f"HTTP {scope['method']} {path[:200]}", exc, trio.current_time())
+                contained("an HTTP request", exc, trio.current_time(), f"{scope['method']} {path}")
                 response = error_response(500, INTERNAL_MESSAGE)
         await response(scope, receive, send)
 

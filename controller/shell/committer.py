@@ -73,7 +73,9 @@ class Committer:
                         rejected = await trio.to_thread.run_sync(journal.write, batch)
                     except Exception as exc:
                         if not isinstance(exc, sqlite3.Error):  # neither the disk nor a value
-                            contained(f"journal {journal.path}", exc, trio.current_time())
+                            contained(
+                                "a journal commit", exc, trio.current_time(), str(journal.path)
+                            )
                         journal.restage(batch)
                         if not journal.failing:
                             log.error(

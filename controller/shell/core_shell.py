@@ -277,7 +277,7 @@ class CoreShell:
         try:
             self._pulse(pid, uid, conn, pulse)
         except Exception as exc:  # that worker's connection alone is closed
-            contained(f"a pulse from pid {pid}", exc, trio.current_time())
+            contained("a worker's pulse", exc, trio.current_time(), f"pid {pid}")
             conn.close()
 
     def _pulse(
@@ -339,12 +339,14 @@ class CoreShell:
             self._answered(action, path, result)
         except Exception as exc:
             # The answer could not be acted on: the worker counts as not answering.
-            contained(f"worker {action.worker_id}'s answer", exc, trio.current_time())
+            contained("a worker's answer", exc, trio.current_time(), f"worker {action.worker_id}")
             try:
                 done = DialDone(action.worker_id, action.kind, None, error="internal error")
                 self.execute(self.core.dial_done(done, trio.current_time()))
             except Exception as again:
-                contained(f"worker {action.worker_id}'s answer", again, trio.current_time())
+                contained(
+                    "a worker's answer", again, trio.current_time(), f"worker {action.worker_id}"
+                )
 
     def _answered(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         wid = action.worker_id
@@ -404,4 +406,4 @@ class CoreShell:
             try:
                 self.execute(self.core.exited(WorkerExited(wid), now))
             except Exception as exc:  # the others are still dropped
-                contained(f"worker {wid}'s exit", exc, now)
+                contained("a worker's exit", exc, now, f"worker {wid}")

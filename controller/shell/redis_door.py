@@ -136,7 +136,7 @@ class RedisDoor:
             try:
                 await loop()
             except Exception as exc:
-                contained(f"the redis door's {loop.__name__.strip('_')}", exc, trio.current_time())
+                contained("the Redis door", exc, trio.current_time(), loop.__name__.strip("_"))
                 self._reread = True
                 await trio.sleep(BACKOFF_CAP)
 
@@ -265,7 +265,7 @@ class RedisDoor:
             try:
                 self._take_one(entry, claimed, now)
             except Exception as exc:  # a bug this entry reached: it alone fails
-                contained(f"redis entry {entry.entry_id}", exc, now)
+                contained("a Redis entry", exc, now, entry.entry_id)
                 self.entries.setdefault(entry.job_id, [])
                 if entry.entry_id not in self.entries[entry.job_id]:
                     self.entries[entry.job_id].append(entry.entry_id)

@@ -162,7 +162,7 @@ class UdpDoor:
             try:
                 apply(self, door.datagram(data, known, now), now)
             except Exception as exc:  # a bug this datagram reached: it alone is refused
-                contained(f"a datagram from {known[0]}:{known[1]}", exc, now)
+                contained("a datagram", exc, now, f"from {known[0]}:{known[1]}")
                 self.transmit(door.internal_error(data, known))
         self._timer.poke()
 
