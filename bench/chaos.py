@@ -9,7 +9,10 @@ Meanwhile this kills workers, calculators and pollers with SIGKILL, SIGSTOPs
 local workers for a while, kills either controller with SIGKILL and starts it
 again on its journal, restarts redis-server, holds slow and silent HTTP
 connections open, and throws garbage datagrams at the UDP door and garbage
-connections at main.sock. Every process is supervised the way systemd's
+connections at main.sock, and hostile values at every door (task_ids over 63
+bits, nested objects where numbers or text belong, lone surrogates in text,
+ids of another door's jobs: see `hostile_datagrams`, `HOSTILE_BODIES` and
+`hostile_entries`). Every process is supervised the way systemd's
 Restart=always would. At the end it waits for every acknowledged job to end
 and checks that each has exactly one final outcome at its door. Exit status 1
 when an acknowledged job was lost.
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import json
 import os
 import random
 import signal
@@ -47,6 +52,80 @@ from tests.helpers import (
 )
 
 NOT_ACKED = "add_task was not acknowledged"
+# Seconds a hostile HTTP request may take (the door may be down: a SIGKILL, a restart).
+HOSTILE_HTTP_TIMEOUT = 5.0
+
+
+def hostile_datagrams(n: int) -> list[bytes]:
+    """Datagrams of the right shape with values the UDP door must refuse (none makes a job)."""
+    big = 2**63 + n
+    packets: list[dict[str, Any]] = [
+        {"method": "add_task", "packet_type": 1, "transmission_id": n, "params": {"task_id": big}},
+        {
+            "method": "add_task",
+            "packet_type": 1,
+            "transmission_id": n,
+            "params": {"task_id": 2**90},
+        },
+        {"method": "add_task", "packet_type": 1, "transmission_id": 2**100, "params": {}},
+        {"method": "add_task", "packet_type": 1, "transmission_id": n, "params": {"task_id": -n}},
+        {"method": "add_task", "packet_type": 1, "transmission_id": n, "params": {"task_id": 1.5}},
+        {"method": "add_task", "packet_type": 1, "transmission_id": n, "params": {"task_id": [1]}},
+        {"method": "add_task", "packet_type": 1, "transmission_id": n, "params": [{"a": 1}]},
+        {"method": {"add_task": 1}, "packet_type": 1, "transmission_id": n, "params": {}},
+        {"method": ["get_task"], "packet_type": {"x": 1}, "transmission_id": n},
+        {"method": "get_task", "packet_type": 1, "transmission_id": n, "params": {"task_id": big}},
+        {
+            "method": "get_result",
+            "packet_type": 1,
+            "transmission_id": n,
+            "params": {"task_id": 1, "offset": 2**80, "length": -1},
+        },
+        {"method": "heartbeat", "packet_type": 0, "params": {"status": {"\ud800": [1e308]}}},
+        {
+            "method": "completed_task",
+            "packet_type": 1,
+            "transmission_id": n,
+            "params": {"task_id": 2**64, "status": "error", "error": "\ud800"},
+        },
+        {
+            "method": "completed_task",
+            "packet_type": 1,
+            "transmission_id": n,
+            "params": {"task_id": 1, "status": "success", "result_b64": {"x": "\udfff"}},
+        },
+    ]
+    return [json.dumps(packet).encode() for packet in packets]
+
+
+# (method, path, body) of hostile HTTP requests; {n} is the round, {job} a job of this round.
+HOSTILE_BODIES: list[tuple[str, str, str]] = [
+    ("POST", "/job/", '{"id": "udp-127.0.0.1-1-{n}"}'),
+    ("POST", "/job/", '{"name": 92233720368547758070}'),
+    ("POST", "/job/", '{"payload": {"a": [1, 2.5e308]}}'),
+    (
+        "POST",
+        "/job/",
+        '{"name": "\\ud800", "id": "{job}", "payload": "{job}", '
+        '"info_url": "\\udfff", "download_url": "x\\udc00"}',
+    ),
+    ("PUT", "/job/{job}/", '{"state": {"x": 1}}'),
+    ("PUT", "/job/{job}/", '{"log": "\\ud800"}'),
+    ("PUT", "/job/{job}/", '{"state": "failed", "worker": "\\ud800", "error": "\\udfff"}'),
+    ("POST", "/job/", "\xff\xfe not JSON"),
+]
+
+
+def hostile_entries(n: int) -> list[dict[str, bytes]]:
+    """Redis entries each controller must refuse alone (a `failed` outcome) or keep as given."""
+    return [
+        {"id": f"udp-127.0.0.1-1-{n}".encode(), "payload": b"udp id"},
+        {"id": f"hostile-{n}".encode(), "payload": f"hostile-redis-twin-{n}".encode()},
+        {"id": b"x" * 300, "payload": b"too long an id"},
+        {"name": b"\xff\xfe\xed\xa0\x80", "payload": f"hostile-redis-{n}".encode()},
+    ]
+
+
 DOORS = ("udp", "http", "redis")
 
 
@@ -59,6 +138,9 @@ class Tally:
     others_submitted: collections.Counter[str] = field(default_factory=collections.Counter)
     acked: dict[str, set[str]] = field(default_factory=lambda: {"http": set(), "redis": set()})
     final: dict[str, str] = field(default_factory=dict)
+    # Hostile inputs sent, and those answered with an internal error (a contained bug).
+    hostile: int = 0
+    hostile_internal: int = 0
 
 
 def recording_job(execlog: Path) -> list[str]:
@@ -160,8 +242,67 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path, doors: set
                     await conn.send_all(head)
             await trio.sleep(rng.uniform(1.0, 6.0))
 
+    async def raw_http(method: str, path: str, body: bytes) -> int:
+        """One request on a connection of its own: the answer's status (0: no answer)."""
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: chaos\r\nConnection: close\r\n"
+            f"Authorization: Bearer \u00e9\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        answer = b""
+        with trio.move_on_after(HOSTILE_HTTP_TIMEOUT):
+            try:
+                conn = await trio.open_tcp_stream("127.0.0.1", http_port)
+                async with conn:
+                    await conn.send_all(head.encode("latin-1") + body)
+                    while len(answer) < 12 and (chunk := await conn.receive_some(4096)):
+                        answer += chunk
+            except OSError:
+                return 0
+        parts = answer.split(b" ", 2)
+        return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
+
+    def add_entries(entries: list[dict[str, bytes]]) -> None:
+        assert server is not None
+        r = redis.Redis.from_url(server.url, socket_timeout=HOSTILE_HTTP_TIMEOUT)
+        try:
+            for entry in entries:
+                r.xadd("jobs", entry)  # type: ignore[arg-type]
+        except redis.RedisError:
+            pass  # restarting: these are lost, as any producer's would be
+        finally:
+            r.close()
+
+    async def hostile(n: int) -> None:
+        """One round of hostile values at every door: refused or kept, never fatal."""
+        with stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            s.setblocking(False)
+            for packet in hostile_datagrams(n):
+                s.sendto(packet, ("127.0.0.1", port))
+                tally.hostile += 1
+            with trio.move_on_after(1.0):
+                while True:
+                    await trio.lowlevel.wait_readable(s)
+                    with contextlib.suppress(OSError, ValueError):
+                        if b'"internal"' in s.recv(65536):
+                            tally.hostile_internal += 1
+        if "http" in doors:
+            for method, path, text in HOSTILE_BODIES:
+                fill = {"{n}": str(n), "{job}": f"hostile-{n}"}
+                for mark, value in fill.items():
+                    path, text = path.replace(mark, value), text.replace(mark, value)
+                tally.hostile += 1
+                if await raw_http(method, path, text.encode("latin-1")) == 500:
+                    tally.hostile_internal += 1
+        if server is not None:
+            entries = hostile_entries(n)
+            tally.hostile += len(entries)
+            await trio.to_thread.run_sync(add_entries, entries)
+
     async def chaos(nursery: trio.Nursery) -> None:
         actions = ["kill_worker", "stop_worker", "kill_controller", "garbage_udp", "garbage_unix"]
+        actions.append("hostile_input")
+        rounds = 0
         actions.append("kill_calculator")
         if "http" in doors:
             actions += ["kill_poller", "slow_http"]
@@ -189,6 +330,10 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path, doors: set
                         victim.send_signal(signal.SIGCONT)
             elif action == "kill_controller":
                 await kill_and_restart("controller")
+            elif action == "hostile_input":
+                rounds += 1
+                nursery.start_soon(hostile, rounds)
+                tally.kills["hostile input rounds"] += 1
             elif action == "kill_controller_b":
                 await kill_and_restart("controller_b")
             elif action == "restart_redis":
@@ -413,6 +558,10 @@ def report(
         log.read_text(errors="replace").count("Traceback")
         for log in (workdir / "controller.log", workdir / "controller_b.log")
         if log.exists()
+    )
+    print(
+        f"  hostile inputs sent: {tally.hostile}, refused with an internal error: "
+        f"{tally.hostile_internal}"
     )
     print(f"  tracebacks in the controllers' logs: {tracebacks}")
     print(f"  acknowledged jobs lost: {len(lost) + unfinished_in_time + other_lost}")

@@ -92,9 +92,7 @@ class CalculatorLink:
             if status not in ("ready", "busy"):
                 raise BadPacket("bad_status", "params.status must be ready or busy")
             return [Heartbeat(address, status == "ready")]
-        task_id = dg.int_field(params.get("task_id"))
-        if task_id is None or task_id < 1:
-            raise BadPacket("bad_task_id", "params.task_id must be an integer >= 1")
+        task_id = dg.task_id_field(params.get("task_id"))
         status = params.get("status")
         if status == "success":
             output = dg.bytes_param(params, "result", self.max_result) or b""

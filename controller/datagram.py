@@ -49,6 +49,11 @@ def resend_after(sent: int) -> float | None:
     return float(min(RESEND_FIRST * 2.0 ** min(sent - 1, 16), RESEND_MAX))
 
 
+# A task_id is a signed 64-bit integer above 0: the journal and the worker wire hold no more.
+MAX_TASK_ID = 2**63 - 1
+TASK_ID_RULE = "params.task_id must be an integer from 1 to 2^63-1"
+
+
 class BadPacket(Exception):
     """A packet refused; `code` and `message` go in the error acknowledgement."""
 
@@ -60,6 +65,7 @@ class BadPacket(Exception):
 
 # One encoder for every datagram: json.dumps with arguments builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_ASCII_ENCODER = json.JSONEncoder(separators=(",", ":"))
 # An acknowledgement without params, the most common datagram: the bytes json gives.
 _PLAIN_ACK = b'{"method":"ack","packet_type":%d,"transmission_id":%d}'
 
@@ -77,7 +83,13 @@ def _loads(text: str) -> Any:
 
 
 def encode(obj: dict[str, Any]) -> bytes:
-    return _ENCODER.encode(obj).encode()
+    """One datagram's bytes: UTF-8 JSON. Text holding a lone surrogate (legal in JSON, not
+    in UTF-8) is written with \\u escapes instead, so any text a peer sent can go back."""
+    text = _ENCODER.encode(obj)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _ASCII_ENCODER.encode(obj).encode()
 
 
 def parse_packet(data: bytes) -> dict[str, Any]:
@@ -115,6 +127,14 @@ def decode(data: bytes) -> dict[str, Any] | None:
 def int_field(value: Any) -> int | None:
     """`value` if it is a JSON integer (not a bool), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def task_id_field(value: Any) -> int:
+    """`value` as a task_id (a JSON integer from 1 to MAX_TASK_ID); else BadPacket."""
+    task_id = int_field(value)
+    if task_id is None or not 1 <= task_id <= MAX_TASK_ID:
+        raise BadPacket("bad_task_id", TASK_ID_RULE)
+    return task_id
 
 
 def request(method: str, params: dict[str, Any], txid: int | None = None) -> bytes:
@@ -188,9 +208,11 @@ def bytes_param(
 
 
 def put_bytes(params: dict[str, Any], name: str, data: bytes) -> None:
-    """Set `params[name]` to `data` as text when it is UTF-8, else `params[name + "_b64"]`."""
+    """Set `params[name]` to `data` as text when it is UTF-8 (a lone surrogate's three bytes
+    included: text that came with one is shown again as that same text), else
+    `params[name + "_b64"]`."""
     try:
-        params[name] = data.decode("utf-8")
+        params[name] = data.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError:
         params[f"{name}_b64"] = base64.b64encode(data).decode()
 
@@ -198,7 +220,7 @@ def put_bytes(params: dict[str, Any], name: str, data: bytes) -> None:
 def read_bytes(params: dict[str, Any], name: str) -> bytes | None:
     """The inverse of `put_bytes` for a trusted peer; None when neither field is there."""
     if name in params:
-        return str(params[name]).encode("utf-8")
+        return str(params[name]).encode("utf-8", "surrogatepass")
     if f"{name}_b64" in params:
         return base64.b64decode(str(params[f"{name}_b64"]))
     return None

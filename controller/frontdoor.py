@@ -34,6 +34,7 @@ from controller.calclink import (
     PerformAcked,
     PerformUnacked,
 )
+from controller.containment import INTERNAL_MESSAGE
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobBook, JobState, udp_job_id
 from controller.transmissions import PLAIN_ACK, TRANSMISSION_MEMORY, Address, Repeats, Seen
@@ -53,6 +54,22 @@ class Send:
     # An answer to a job's submitter (the acknowledgement of the add_task that made the
     # job, its notify_task and their repeats): the shell may send it with the next batch.
     batched: bool = False
+    # The job this answer is about ("": none) and, for the acknowledgement of the add_task
+    # that made it, the size of that request: when the journal could not record the job, an
+    # `internal` error acknowledgement no larger goes instead (see `refused`), else nothing.
+    job_id: str = ""
+    request_size: int = 0
+
+    def refused(self) -> Send | None:
+        """What goes instead of this answer when its job could not be recorded."""
+        if not self.request_size:
+            return None
+        packet = dg.decode(self.data)
+        txid = dg.int_field(packet.get("transmission_id")) if packet is not None else None
+        if txid is None:
+            return None
+        reply = dg.error_ack(txid, "internal", INTERNAL_MESSAGE, self.request_size)
+        return Send(reply, self.addr, independent=True) if reply is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,12 +192,13 @@ class FrontDoor:
                 acked = link.acked(txid, addr, refused="error" in packet)
                 return [acked] if acked is not None else []
             return []
-        from_calculator = packet.get("method") in CALCULATOR_METHODS
+        method = packet.get("method")
+        from_calculator = isinstance(method, str) and method in CALCULATOR_METHODS
         if not (calculator if from_calculator else client):
             # A calculator's method from outside allowed_calculators, or a client's from
             # outside allowed_clients: dropped, counted, never answered.
             self.stats.not_allowed += 1
-            self._note_drop(now, f"{str(packet.get('method'))[:40]} from {host} not allowed")
+            self._note_drop(now, f"{str(method)[:40]} from {host} not allowed")
             return []
         if txid is not None and ptype == dg.WANT_ACK:
             seen = self.seen.get(addr, txid)
@@ -215,7 +233,8 @@ class FrontDoor:
             if self.seen.held_bytes + self._retained_bytes > self.memory:
                 out = self._within_memory(now, out)
         if out and isinstance(out[0], Submit):
-            return [Send(reply, addr, batched=True), *out]
+            job_id = out[0].job_id
+            return [Send(reply, addr, batched=True, job_id=job_id, request_size=len(data)), *out]
         return [Send(reply, addr), *out]
 
     def _on_request(
@@ -225,7 +244,7 @@ class FrontDoor:
         params = packet.get("params", {})
         if not isinstance(params, dict):
             raise BadPacket("bad_params", "params must be an object")
-        if method in CALCULATOR_METHODS:
+        if isinstance(method, str) and method in CALCULATOR_METHODS:
             assert self.calculators is not None
             return self.calculators.request(str(method), params, addr), None
         if method == "add_task":
@@ -250,16 +269,15 @@ class FrontDoor:
 
     @staticmethod
     def _task_id(params: dict[str, Any]) -> int:
-        task_id = dg.int_field(params.get("task_id"))
-        if task_id is None or task_id < 1 or task_id >= 2**64:
-            raise BadPacket("bad_task_id", "params.task_id must be an integer >= 1")
-        return task_id
+        return dg.task_id_field(params.get("task_id"))
 
     def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[DoorAction]:
         task_id = self._task_id(params)
         payload = dg.bytes_param(params, "payload", self.max_payload) or b""
         job_id = udp_job_id(addr[0], addr[1], task_id)
         job = self.book.get(job_id)
+        if job is not None and job.door != "udp":  # an older journal's: not this client's
+            raise BadPacket("bad_task_id", f"task {task_id} is in use by a job of another door")
         if job is not None:
             self.stats.duplicates += 1
             if not job.state.final:
@@ -299,9 +317,25 @@ class FrontDoor:
 
     def _lookup(self, addr: Address, task_id: int) -> Job:
         job = self.book.get(udp_job_id(addr[0], addr[1], task_id))
-        if job is None:
+        if job is None or job.door != "udp":
             raise BadPacket("unknown_task", f"no task {task_id} from this address")
         return job
+
+    def internal_error(self, data: bytes, addr: Address) -> list[Send]:
+        """The handling of `data` failed (a bug, contained): an error acknowledgement with code
+        `internal` when one is wanted and fits, else silence."""
+        self.stats.refused += 1
+        codes = self.stats.by_code
+        codes["internal"] = codes.get("internal", 0) + 1
+        try:
+            packet = dg.parse_packet(data)
+        except BadPacket:
+            return []
+        txid = dg.int_field(packet.get("transmission_id"))
+        if packet.get("packet_type") != dg.WANT_ACK or txid is None:
+            return []
+        reply = dg.error_ack(txid, "internal", INTERNAL_MESSAGE, len(data))
+        return [Send(reply, addr, independent=True)] if reply is not None else []
 
     # ------------------------------------------------------------ outbound
 
@@ -312,10 +346,10 @@ class FrontDoor:
         self.stats.notifications += 1
         if job.final is not JobState.FINISHED:
             params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
-            send = Send(dg.request("notify_task", params), addr, batched=True)
+            send = Send(dg.request("notify_task", params), addr, batched=True, job_id=job.id)
             return [send, *self._delivered(job.id, now)]
         txid = self.repeats.start(job.id, addr, now)
-        return [Send(self._success_packet(job, txid), addr, batched=True)]
+        return [Send(self._success_packet(job, txid), addr, batched=True, job_id=job.id)]
 
     def expire(self, now: float) -> list[DoorAction]:
         """Repeat due notifications; give up on those out of repeats; forget old requests."""

@@ -83,6 +83,11 @@ def max_body(max_payload: int) -> int:
 ID_RULE = f"id must be 1 to {MAX_ID_LENGTH} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
 
 
+# Ids of this form name UDP jobs (udp-<host>-<port>-<task_id>): no other door may take one.
+UDP_ID_PREFIX = "udp-"
+UDP_ID_RULE = "an id starting with 'udp-' names a UDP job: give another id"
+
+
 def valid_id(job_id: str) -> bool:
     """A job id a submitter may give: 1 to 200 of the characters of ID_PATTERN."""
     return 0 < len(job_id) <= MAX_ID_LENGTH and set(job_id) <= _ID_CHARS
@@ -138,6 +143,8 @@ def parse_new_job(body: bytes, max_payload: int) -> NewJob:
     job_id = _text(data, "id", MAX_ID_LENGTH)
     if job_id is not None and not valid_id(job_id):
         raise ApiError(400, ID_RULE)
+    if job_id is not None and job_id.startswith(UDP_ID_PREFIX):
+        raise ApiError(400, UDP_ID_RULE)
     return NewJob(
         id=job_id,
         payload=_bytes(data, "payload", max_payload) or b"",

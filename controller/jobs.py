@@ -205,6 +205,11 @@ class JobBook:
         self._by_id[job.id] = job
         return job
 
+    def discard(self, job: Job) -> None:
+        """Forget `job` at once: it was refused after all (the journal could not record it)."""
+        if self._by_id.get(job.id) is job:
+            del self._by_id[job.id]
+
     def finish(
         self,
         job_id: str,

@@ -33,7 +33,7 @@ log = logging.getLogger("controller.journal")
 
 # "JCTL": marks the file as ours, so a foreign SQLite file is refused, not altered.
 APPLICATION_ID = 0x4A43544C
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Worker ids are reserved in blocks committed ahead of use, so that a crash can
 # never hand out an id twice and no REGISTER waits for a commit.
 WORKER_ID_BLOCK = 1000
@@ -60,7 +60,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     failed_post INTEGER NOT NULL DEFAULT 0,
     notified INTEGER NOT NULL DEFAULT 0,  -- 1: the submitter has the outcome, or repeats ran out
-    expires_at REAL                   -- when a finished record may be forgotten
+    expires_at REAL,                  -- when a finished record may be forgotten
+    info_url TEXT NOT NULL DEFAULT '',
+    download_url TEXT NOT NULL DEFAULT '',
+    log TEXT NOT NULL DEFAULT '[]'    -- the job's log lines, a JSON list
 );
 -- The lease of each job a poller holds: it must show it to keep the job after a restart.
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
@@ -80,10 +83,17 @@ UPDATE jobs SET id = 'udp-' || host || '-' || port || '-' || task_id, added_at =
                        WHEN 'success' THEN 'finished' ELSE 'failed' END
 """
 
+# Version 2 kept neither a job's links nor its log.
+_MIGRATE_2_TO_3 = """
+ALTER TABLE jobs ADD COLUMN info_url TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN download_url TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN log TEXT NOT NULL DEFAULT '[]'
+"""
+
 _INSERT = (
     "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
-    " attempts, failed_on, queued_at, added_at, result, error, failed_post)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " attempts, failed_on, queued_at, added_at, result, error, failed_post, info_url,"
+    " download_url, log) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
@@ -96,6 +106,7 @@ _FINISH = (
 _PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
 _FINISH_IN_INSERT = (8, 9, 13, 14, 15)  # state, attempts, result, error, failed_post
 _PAYLOAD_IN_INSERT = 7
+_LOG_IN_INSERT = 18
 # A job started and finished within one batch (most short jobs under load): one UPDATE
 # carrying both, written where the start's was.
 _PROGRESS_FINISH = (
@@ -103,6 +114,7 @@ _PROGRESS_FINISH = (
     " error = ?, failed_post = ?, payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
+_LOG = "UPDATE jobs SET log = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
 _DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
 _LEASED = "INSERT OR REPLACE INTO leases (ref, lease) VALUES (?, ?)"
@@ -140,6 +152,9 @@ class JobRow:
     notified: bool
     expires_at: float | None
     lease: str = ""  # the lease of the poller that held it ("": none)
+    info_url: str = ""
+    download_url: str = ""
+    log: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +166,33 @@ class Recovered:
 
 
 Op = tuple[str, tuple[Any, ...]]
+
+
+def stored_text(text: str) -> str | bytes:
+    """A text value as the journal stores it: as it is when it is UTF-8, else (it holds a lone
+    surrogate, which JSON allows and UTF-8 does not) its bytes with each surrogate as three
+    bytes (`surrogatepass`), stored as a BLOB that `read_text` turns back into that text."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+    return text
+
+
+def _log_text(lines: list[str]) -> str:
+    """A log as the journal stores it: a JSON list, ASCII (a lone surrogate as an escape)."""
+    return json.dumps(lines) if lines else "[]"
+
+
+def read_text(value: str | bytes | None) -> str:
+    """The inverse of `stored_text` ("" for NULL)."""
+    if value is None:
+        return ""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "surrogatepass")
+    return value
 
 
 def _run_script(db: sqlite3.Connection, script: str) -> None:
@@ -247,7 +289,7 @@ class Journal:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("BEGIN IMMEDIATE")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, SCHEMA_VERSION):
+        if version not in (0, 1, 2, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             raise JournalError(
                 f"journal {self.path}: schema version {version} is not {SCHEMA_VERSION}"
@@ -255,11 +297,20 @@ class Journal:
         if version == 1:
             log.info("journal %s: upgrading from schema version 1", self.path)
             _run_script(db, _MIGRATE_1_TO_2)
+        if version in (1, 2):
+            if version == 2:
+                log.info("journal %s: upgrading from schema version 2", self.path)
+            _run_script(db, _MIGRATE_2_TO_3)
         _run_script(db, _SCHEMA)
         db.execute(f"PRAGMA application_id={APPLICATION_ID}")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("COMMIT")
-        db.execute("PRAGMA quick_check").fetchone()
+        found = [str(row[0]) for row in db.execute("PRAGMA quick_check(5)")]
+        if found != ["ok"]:  # nothing is dropped silently: the operator decides
+            raise JournalError(
+                f"journal {self.path}: fails its integrity check (PRAGMA quick_check): "
+                + "; ".join(line.replace("\n", " ") for line in found)
+            )
 
     def load(self, now_wall: float | None = None) -> Recovered:
         """Read back every task and reserve the next block of worker ids (committed now)."""
@@ -285,17 +336,17 @@ class Journal:
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
-                " expires_at FROM jobs ORDER BY ref"
+                " expires_at, info_url, download_url, log FROM jobs ORDER BY ref"
             ):
                 out.jobs.append(
                     JobRow(
                         ref=r[0],
-                        id=r[1],
+                        id=read_text(r[1]),
                         door=r[2],
                         host=r[3],
                         port=r[4],
                         task_id=r[5],
-                        name=r[6],
+                        name=read_text(r[6]),
                         payload=bytes(r[7]),
                         state=r[8],
                         attempts=r[9],
@@ -303,11 +354,14 @@ class Journal:
                         queued_at=r[11],
                         added_at=r[12],
                         result=bytes(r[13] or b""),
-                        error=r[14] or "",
+                        error=read_text(r[14]),
                         failed_post=bool(r[15]),
                         notified=bool(r[16]),
                         expires_at=r[17],
                         lease=str(leases.get(r[0], "")),
+                        info_url=read_text(r[18]),
+                        download_url=read_text(r[19]),
+                        log=[str(line) for line in json.loads(r[20])],
                     )
                 )
             out.next_ref = (out.jobs[-1].ref + 1) if out.jobs else 1
@@ -345,9 +399,19 @@ class Journal:
     def job_added(self, job: Job) -> None:
         host, port = job.key if isinstance(job.key, tuple) else ("", 0)
         wall = time.time()
-        row = (job.ref, job.id, job.door, host, port, job.task_id, job.name, job.payload)
+        row = (
+            job.ref,
+            stored_text(job.id),
+            job.door,
+            host,
+            port,
+            job.task_id,
+            stored_text(job.name),
+            job.payload,
+        )
+        links = (stored_text(job.info_url), stored_text(job.download_url), _log_text(job.log))
         self._inserted[job.ref] = len(self._staged)
-        self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False)))
+        self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False, *links)))
 
     def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
         failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
@@ -363,7 +427,8 @@ class Journal:
 
     def job_finished(self, job: Job) -> None:
         ref = job.ref
-        values = (job.state.value, job.attempts, job.result, job.error, job.failed_post)
+        error = stored_text(job.error)
+        values = (job.state.value, job.attempts, job.result, error, job.failed_post)
         if self._fold(ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
             return
         index = self._progressed.pop(ref, None)
@@ -395,6 +460,12 @@ class Journal:
     def job_unleased(self, ref: int) -> None:
         """The job a poller held ended: its lease is of no more use."""
         self._stage((_UNLEASED, (ref,)))
+
+    def job_logged(self, ref: int, lines: list[str]) -> None:
+        """The job's log is now `lines` (one was added, or old ones dropped)."""
+        text = _log_text(lines)
+        if not self._fold(ref, (_LOG_IN_INSERT,), (text,)):
+            self._stage((_LOG, (text, ref)))
 
     def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))
@@ -447,15 +518,80 @@ class Journal:
         self._inserted = {}  # their places moved: later changes go in as UPDATEs
         self._progressed = {}
 
-    def write(self, batch: list[Op]) -> None:
-        """Run in a thread: apply one batch in one transaction (raises sqlite3.Error)."""
+    def write(self, batch: list[Op]) -> list[Rejected]:
+        """Run in a thread: apply one batch in one transaction; returns the changes refused.
+
+        A change whose values SQLite cannot take (a bug upstream: a number out of range, text
+        it cannot encode) must not hold its neighbours back for ever: the batch is then
+        written again change by change, each in a savepoint, and the changes that fail alone
+        are left out and returned. A failure of the disk or the file (sqlite3.OperationalError,
+        sqlite3.DatabaseError) writes nothing and raises, as it would for every change.
+        """
         db = self._connection()
         db.execute("BEGIN")
         try:
             for sql, params in batch:
                 db.execute(sql, params)
             db.execute("COMMIT")
+        except VALUE_ERRORS:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            return self._write_each(db, batch)
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 db.execute("ROLLBACK")
             raise
+        return []
+
+    @staticmethod
+    def _write_each(db: sqlite3.Connection, batch: list[Op]) -> list[Rejected]:
+        rejected: list[Rejected] = []
+        db.execute("BEGIN")
+        try:
+            for sql, params in batch:
+                db.execute("SAVEPOINT change")
+                try:
+                    db.execute(sql, params)
+                except VALUE_ERRORS as exc:
+                    db.execute("ROLLBACK TO change")
+                    rejected.append(_rejected(sql, params, exc))
+                db.execute("RELEASE change")
+            db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            raise
+        return rejected
+
+
+# What a change's values can fail with, as opposed to the disk or the file (OperationalError,
+# DatabaseError): UnicodeEncodeError is a ValueError, an integer over 64 bits an OverflowError.
+VALUE_ERRORS = (
+    ValueError,
+    TypeError,
+    OverflowError,
+    sqlite3.InterfaceError,
+    sqlite3.ProgrammingError,
+    sqlite3.IntegrityError,
+    sqlite3.DataError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A change the journal could not store: the job it belongs to (ref 0: none) and why;
+    `added`: it was the job's first record (the job is refused at its door)."""
+
+    ref: int
+    added: bool
+    reason: str
+
+
+def _rejected(sql: str, params: tuple[Any, ...], exc: Exception) -> Rejected:
+    reason = f"{type(exc).__name__}: {exc}"[:300]
+    if sql == _INSERT:
+        return Rejected(params[0], True, reason)
+    if sql == _CEILING:
+        return Rejected(0, False, reason)
+    ref = params[-1]
+    return Rejected(ref if isinstance(ref, int) else 0, False, reason)

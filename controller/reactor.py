@@ -29,6 +29,7 @@ from typing import TypeVar
 
 import trio
 
+from controller.containment import contained
 from controller.deadlines import Deadlines
 
 T = TypeVar("T")
@@ -73,6 +74,7 @@ class Reactor:
         self._epoll = select.epoll()
         self._watched: dict[int, tuple[_socket.socket, Callable[[int], None]]] = {}
         self._last: set[int] = set()  # served after the others in each round
+        self._listeners: set[int] = set()  # kept open when their callback fails
         self._timers: Deadlines[Timer] = Deadlines()
         self._wake = trio.Event()
         self._timer_at = math.inf  # when the timer task wakes up next
@@ -89,16 +91,21 @@ class Reactor:
         callback: Callable[[int], None],
         *,
         last: bool = False,
+        listener: bool = False,
     ) -> None:
         """Call `callback(events)` while `sock` is ready for `events` (level-triggered).
 
         With `last`, the socket is served after the others that are ready in the
         same round (new work waits; answers from workers do not). A socket still
-        watched when the reactor stops is closed by it.
+        watched when the reactor stops is closed by it. A callback that raises is
+        logged (controller/containment.py) and its socket closed, unless it is a
+        `listener` or `last` (a door's socket serves every peer: it stays).
         """
         fd = sock.fileno()
         if last:
             self._last.add(fd)
+        if listener:
+            self._listeners.add(fd)
         if fd in self._watched:
             self._epoll.modify(fd, events)
         else:
@@ -110,6 +117,7 @@ class Reactor:
         fd = sock.fileno()
         if self._watched.pop(fd, None) is not None:
             self._last.discard(fd)
+            self._listeners.discard(fd)
             if not self._epoll.closed:
                 self._epoll.unregister(fd)
 
@@ -119,6 +127,7 @@ class Reactor:
         fd = sock.fileno()
         if self._watched.pop(fd, None) is not None:
             self._last.discard(fd)
+            self._listeners.discard(fd)
 
     @property
     def threads_running(self) -> int:
@@ -188,12 +197,24 @@ class Reactor:
                     for fd, events in ready:
                         entry = watched.get(fd)
                         if entry is not None:  # not unwatched by an earlier callback
-                            entry[1](events)
+                            try:
+                                entry[1](events)
+                            except Exception as exc:
+                                self._failed(fd, entry[0], exc)
         finally:
             self._epoll.close()
             for sock, _ in watched.values():
                 sock.close()
             watched.clear()
+
+    def _failed(self, fd: int, sock: _socket.socket, exc: Exception) -> None:
+        """A socket's callback raised: contained. A connection (one peer's exchange) is
+        closed; a listening socket (`last`, or one a door serves many peers on) stays."""
+        contained("a socket callback", exc, trio.current_time())
+        if fd in self._last or fd in self._listeners:
+            return
+        self.forget(sock)
+        sock.close()
 
     async def _look(self, window: float) -> list[tuple[int, int]]:
         """Events that come within `window` seconds, looked for without sleeping ([]: none)."""
@@ -257,4 +278,7 @@ class Reactor:
             callback = timer.callback
             if callback is not None:
                 timer.callback = None
-                callback(now)
+                try:
+                    callback(now)
+                except Exception as exc:
+                    contained("a timer callback", exc, now)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from controller import containment
 from controller.shell.asgi import (
     ClientDisconnect,
     Request,
@@ -109,10 +110,12 @@ async def test_wrong_method_is_405_and_head_goes_where_get_does():
     assert (await call("HEAD", "/job/x/"))[0] == 200
 
 
-async def test_a_failing_handler_is_logged_and_answered_500(caplog):
+async def test_a_failing_handler_is_logged_and_answered_500(monkeypatch, caplog):
+    monkeypatch.setattr(containment, "FAILURES", containment.Failures())  # a first failure
     status, _, answer = await call("GET", "/broken/")
     assert status == 500 and answer["code"] == 500 and "log" in answer["message"]
-    assert "GET /broken/ failed" in caplog.text and "RuntimeError: a bug" in caplog.text
+    assert containment.FAILURES.total == 1
+    assert "GET /broken/" in caplog.text and "RuntimeError: a bug" in caplog.text
 
 
 async def test_a_client_leaving_mid_body_is_client_disconnect():

@@ -623,3 +623,20 @@ def test_udp_memory_sheds_remembered_answers_under_a_flood_of_requests():
     for txid in range(1, 5000):  # get_task for unknown tasks: each answer remembered
         fd.datagram(packet("get_task", txid, task_id=1) + PAD, CLIENT, 0.0)
     assert fd.door.seen.held_bytes <= 20_000
+
+
+def test_a_job_of_another_door_with_a_udp_id_is_not_the_clients() -> None:
+    """An HTTP job named like a UDP job (accepted before such ids were refused, and still
+    in an older journal) is neither answered for nor resent to the UDP client."""
+    book = JobBook()
+    book.add(Job("udp-127.0.0.1-9-1", 1, 1, "http", None))
+    door = FrontDoor(book, allowed_clients=[ipaddress.ip_network("127.0.0.0/8")])
+    for method in ("add_task", "get_task"):
+        packet = {"method": method, "packet_type": 1, "transmission_id": 3}
+        (reply,) = door.datagram(
+            json.dumps({**packet, "params": {"task_id": 1, "pad": "x" * 99}}).encode(),
+            ("127.0.0.1", 9),
+            0.0,
+        )
+        assert isinstance(reply, Send)
+        assert json.loads(reply.data)["error"]["code"] in ("bad_task_id", "unknown_task")

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
-from controller.jobs import Job, JobState, udp_job_id
+from controller.jobs import Job, JobState, notes_of, udp_job_id
 from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
 from controller.shell import committer as committer_module
 from controller.shell.committer import Committer
@@ -367,7 +367,7 @@ def test_version_1_journal_is_upgraded_in_place(tmp_path):
         ("udp-127.0.0.1-4000-8", "udp", "failed", True),
     ]
     assert rows[1].payload == b"a" and rows[1].added_at == 100.0
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3
 
 
 async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
@@ -490,7 +490,7 @@ async def test_a_batch_that_fails_is_kept_and_written_once_the_journal_can_be(
     assert rows_on_disk(path) == 2
 
 
-def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_path):
+def test_a_change_whose_values_cannot_be_stored_fails_alone_and_the_rest_is_written(tmp_path):
     journal = Journal.open(tmp_path / "journal.sqlite3")
     journal.load()
     for ref in range(1, 600):
@@ -498,12 +498,29 @@ def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_p
     batch, _ = journal.take()
     sql, params = batch[500]
     batch[500] = (sql, (*params[:-1], object()))  # a value SQLite cannot bind
-    with pytest.raises(sqlite3.Error):
+    sql, params = batch[100]
+    batch[100] = (sql, (*params[:5], 2**63, *params[6:]))  # a task_id over 64 bits
+    rejected = journal.write(batch)
+    assert [(change.ref, change.added) for change in rejected] == [(101, True), (501, True)]
+    assert "OverflowError" in rejected[0].reason
+    assert not journal._connection().in_transaction
+    assert rows_on_disk(tmp_path / "journal.sqlite3") == 597
+
+
+def test_a_statement_failing_on_the_file_rolls_back_the_whole_batch(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    for ref in range(1, 600):
+        add(journal, ref, "h", 1, ref, b"")
+    batch, _ = journal.take()
+    batch.insert(500, ("UPDATE nowhere SET x = 1", ()))  # no such table: not a value's fault
+    with pytest.raises(sqlite3.OperationalError):
         journal.write(batch)
     assert not journal._connection().in_transaction
-    assert rows_on_disk(tmp_path / "journal.sqlite3") == 0
+    assert rows_on_disk(path) == 0
     journal.write(batch[:10])  # and the connection is usable again
-    assert rows_on_disk(tmp_path / "journal.sqlite3") == 10
+    assert rows_on_disk(path) == 10
 
 
 def test_a_new_journal_and_its_side_files_are_readable_by_their_owner_alone(tmp_path):
@@ -536,3 +553,50 @@ def test_an_existing_journal_others_could_read_is_made_owner_only(tmp_path, capl
         assert "readable by others" in caplog.text
     finally:
         journal.close()
+
+
+def test_text_with_lone_surrogates_is_journaled_and_read_back_exactly(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    job = Job("id-\ud800", 1, 7, "http", None, b"p\xed\xa0\x80", notes_of("n\udfff\u00e9"))
+    journal.job_added(job)
+    job.final, job.error, job.result = JobState.FAILED, "boom \udc80", b""
+    journal.write(journal.take()[0])
+    journal.job_finished(job)
+    assert journal.write(journal.take()[0]) == []
+    journal.close()
+    (row,) = Journal.open(path).load().jobs
+    assert (row.id, row.name, row.error) == ("id-\ud800", "n\udfff\u00e9", "boom \udc80")
+
+
+def test_links_and_log_lines_are_journaled_as_given(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    job = Job("with-notes", 1, 7, "http", None, b"", notes_of("n", "i\ud800", "d\udfff"))
+    journal.job_added(job)
+    journal.job_logged(1, ["first \udc00"])  # folded into the insert
+    journal.write(journal.take()[0])
+    journal.job_logged(1, ["first \udc00", "second"])
+    assert journal.write(journal.take()[0]) == []
+    journal.close()
+    (row,) = Journal.open(path).load().jobs
+    assert (row.info_url, row.download_url) == ("i\ud800", "d\udfff")
+    assert row.log == ["first \udc00", "second"]
+
+
+def test_version_2_journal_gains_links_and_log(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    add(journal, 1, "h", 1, 1, b"kept")
+    commit(journal)
+    journal.close()
+    with sqlite3.connect(path) as db:
+        for column in ("info_url", "download_url", "log"):
+            db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+        db.execute("PRAGMA user_version = 2")
+    (row,) = Journal.open(path).load().jobs
+    assert (row.payload, row.info_url, row.log) == (b"kept", "", [])
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3

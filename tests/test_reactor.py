@@ -16,6 +16,7 @@ import trio
 
 from controller import reactor as reactor_module
 from controller import wire
+from controller.containment import FAILURES
 from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, listen_unix
 from gen import worker_protocol_pb2 as pb
@@ -88,7 +89,8 @@ async def test_outgoing_closes_its_socket_even_when_the_answers_callback_fails(
     sockdir: Path, listener
 ):
     """The answer is handled before the socket is closed (a close is a system call on the
-    way to the next datagram), and the close still happens when the handler raises."""
+    way to the next datagram), and the close still happens when the handler raises; the
+    failure is logged and the reactor goes on."""
     listener.setblocking(True)
     answer = wire.encode_frame(pb.WorkerResponse(task_id=7))
     after_answer: list[bytes] = []
@@ -105,19 +107,20 @@ async def test_outgoing_closes_its_socket_even_when_the_answers_callback_fails(
     def done(result: object) -> None:
         raise RuntimeError("the handler failed")
 
-    with pytest.raises(BaseExceptionGroup) as caught:
-        async with trio.open_nursery() as nursery:
-            reactor = await started(nursery)
-            Outgoing(
-                reactor,
-                sockdir / "w.sock",
-                wire.encode_frame(REQUEST),
-                pb.WorkerResponse,
-                done,
-                timeout=5,
-            )
-            await trio.to_thread.run_sync(peer)
-    assert caught.group_contains(RuntimeError, match="the handler failed")
+    async with trio.open_nursery() as nursery:
+        reactor = await started(nursery)
+        Outgoing(
+            reactor,
+            sockdir / "w.sock",
+            wire.encode_frame(REQUEST),
+            pb.WorkerResponse,
+            done,
+            timeout=5,
+        )
+        failed_before = FAILURES.total
+        await trio.to_thread.run_sync(peer)
+        await wait_until(lambda: FAILURES.total > failed_before)
+        nursery.cancel_scope.cancel()
     assert after_answer == [b""]
 
 

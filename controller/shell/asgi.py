@@ -20,6 +20,7 @@ from urllib.parse import parse_qsl
 import trio
 
 from controller import httpapi
+from controller.containment import INTERNAL_MESSAGE, contained
 
 log = logging.getLogger("controller.http")
 
@@ -158,7 +159,11 @@ class Router:
             return
         if scope["type"] != "http":
             return
-        refusal = self._gate(scope)
+        try:
+            refusal = self._gate(scope)
+        except Exception as exc:
+            contained("checking who may ask over HTTP", exc, trio.current_time())
+            refusal = error_response(500, INTERNAL_MESSAGE)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -180,9 +185,9 @@ class Router:
         else:
             try:
                 response = await entry[0](Request(scope, receive, params))
-            except Exception:
-                log.exception("%s %s failed", scope["method"], path[:200])
-                response = error_response(500, "the controller failed here: see its log")
+            except Exception as exc:
+                contained("an HTTP request", exc, trio.current_time(), f"{scope['method']} {path}")
+                response = error_response(500, INTERNAL_MESSAGE)
         await response(scope, receive, send)
 
 

@@ -26,6 +26,7 @@ import trio
 
 from controller import wire
 from controller.config import Config
+from controller.containment import contained
 from controller.core import (
     Action,
     Core,
@@ -173,7 +174,7 @@ class CoreShell:
                 self._nursery = nursery
                 nursery.start_soon(self._timer.run)
                 await nursery.start(self.reactor.run)
-                self.reactor.watch(sock, select.EPOLLIN, self._accept)
+                self.reactor.watch(sock, select.EPOLLIN, self._accept, listener=True)
                 log.info("listening for workers on %s", cfg.main_socket)
                 task_status.started()
         finally:
@@ -252,7 +253,12 @@ class CoreShell:
                 self.reactor.unwatch(sock)
                 self.reactor.call_at(now + ACCEPT_PAUSE, self._resume_accept)
                 return
-            self._serve_pulse(conn)
+            try:
+                self._serve_pulse(conn)
+            except Exception as exc:  # that worker's connection alone is closed
+                contained("a worker's connection on main.sock", exc, trio.current_time())
+                self.reactor.forget(conn)
+                conn.close()
 
     def _resume_accept(self, now: float) -> None:
         if self._sock is not None:
@@ -285,6 +291,15 @@ class CoreShell:
 
     def _on_pulse(
         self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, _: bytes
+    ) -> None:
+        try:
+            self._pulse(pid, uid, conn, pulse)
+        except Exception as exc:  # that worker's connection alone is closed
+            contained("a worker's pulse", exc, trio.current_time(), f"pid {pid}")
+            conn.close()
+
+    def _pulse(
+        self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse
     ) -> None:
         actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), trio.current_time())
         reply = actions[0]
@@ -342,6 +357,20 @@ class CoreShell:
             self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
 
     def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
+        try:
+            self._answered(action, path, result)
+        except Exception as exc:
+            # The answer could not be acted on: the worker counts as not answering.
+            contained("a worker's answer", exc, trio.current_time(), f"worker {action.worker_id}")
+            try:
+                done = DialDone(action.worker_id, action.kind, None, error="internal error")
+                self.execute(self.core.dial_done(done, trio.current_time()))
+            except Exception as again:
+                contained(
+                    "a worker's answer", again, trio.current_time(), f"worker {action.worker_id}"
+                )
+
+    def _answered(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         wid = action.worker_id
         if isinstance(result, tuple):
             done = DialDone(wid, action.kind, result[0], result[1])
@@ -396,4 +425,7 @@ class CoreShell:
             )
             log.warning("pid %d exited: dropping worker %s", pid, shown)
         for wid in wids:
-            self.execute(self.core.exited(WorkerExited(wid), now))
+            try:
+                self.execute(self.core.exited(WorkerExited(wid), now))
+            except Exception as exc:  # the others are still dropped
+                contained("a worker's exit", exc, now, f"worker {wid}")

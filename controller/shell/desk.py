@@ -23,8 +23,8 @@ import trio
 from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
-from controller.jobs import Job, JobBook, JobState, notes_of
-from controller.journal import Journal, Recovered
+from controller.jobs import DEFAULT_MAX_LOG_SIZE, Job, JobBook, JobState, notes_of
+from controller.journal import Journal, Recovered, Rejected
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 
@@ -73,8 +73,10 @@ class JobDesk:
         scheduling: Scheduling,
         journal: Journal | None = None,
         on_finished: Callable[[Job], None] | None = None,
+        max_log_size: int = DEFAULT_MAX_LOG_SIZE,
     ) -> None:
         self.book = book
+        self.max_log_size = max_log_size
         self.scheduling = scheduling
         self.journal = journal
         self.write_ahead = WriteAhead(journal)
@@ -83,6 +85,9 @@ class JobDesk:
         self._picked = itertools.count(FIRST_PICKED_TASK_ID)
         self._leased: set[int] = set()  # refs of live jobs with a lease in the journal
         self._timer = DeadlineTimer(book.next_deadline, self._expire)
+        # Jobs that lost a change the journal could not store, by id: (it was the job's first
+        # record, why). Marked by `rejected`, settled by `committed` (see there).
+        self._refused: dict[str, tuple[bool, str]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forget jobs past their retention, until cancelled."""
@@ -115,7 +120,23 @@ class JobDesk:
             else:
                 self.scheduling.execute(self._calculator(action, now))
         if sends:
-            self.write_ahead.after_commit(door.transmit, sends)
+            self.write_ahead.after_commit(self._release, (door, sends))
+
+    def _release(self, held: tuple[Door, list[Send]]) -> None:
+        """Answers whose journal commit is done go out (those about a job the journal could
+        not record are replaced by their refusal, or dropped)."""
+        door, sends = held
+        if self._refused:
+            screened = []
+            for send in sends:
+                if send.job_id in self._refused:
+                    instead = send.refused()
+                    if instead is not None:
+                        screened.append(instead)
+                else:
+                    screened.append(send)
+            sends = screened
+        door.transmit(sends)
 
     def pick_task_id(self) -> int:
         """A wire number for a job whose door gives none."""
@@ -168,6 +189,14 @@ class JobDesk:
         else:
             self.scheduling.execute(actions)
         return job
+
+    def logged(self, job: Job, line: str, now: float) -> None:
+        """Append `line` to the job's log, keeping at most `max_log_size` bytes of it
+        (journaled: it is there after a restart)."""
+        job.add_log(line, self.max_log_size)
+        job.updated_at = now
+        if self.journal is not None:
+            self.journal.job_logged(job.ref, job.log)
 
     def delivered(self, job_id: str, now: float) -> None:
         job = self.book.get(job_id)
@@ -261,6 +290,72 @@ class JobDesk:
             if door is not None:
                 door.forget(job)
 
+    # ------------------------------------------------------------ refused by the journal
+
+    def rejected(self, changes: list[Rejected]) -> None:
+        """The committer's hook: the journal could not store these changes (their values; the
+        rest of their batch is written). Marks their jobs; `committed` settles them."""
+        for change in changes:
+            job = self._job_by_ref(change.ref) if change.ref else None
+            if job is None:
+                continue
+            added = change.added or self._refused.get(job.id, (False, ""))[0]
+            self._refused[job.id] = (added, change.reason)
+
+    def committed(self) -> None:
+        """The committer's hook after each commit: release the answers that waited for it
+        (those about a refused job are screened), then settle the refused jobs: a job whose
+        first record could not be stored is refused at its door (UDP: an `internal` error
+        acknowledgement instead of the acknowledgement; HTTP: 500; Redis: a `failed`
+        outcome) and taken back from any worker; a job that lost a later change fails,
+        with an error saying why."""
+        self.write_ahead.release()
+        if not self._refused:
+            return
+        refused, self._refused = self._refused, {}
+        now = trio.current_time()
+        for job_id, (added, reason) in refused.items():
+            job = self.book.get(job_id)
+            if job is not None:
+                self._refuse(job, added, reason, now)
+
+    def _refuse(self, job: Job, added: bool, reason: str, now: float) -> None:
+        if added:
+            error = f"the journal cannot record this job ({reason})"
+        else:
+            error = f"the journal cannot record a change of this job ({reason})"
+        log.warning("job %r refused: %s", job.id[:200], error)
+        live = job.final is None
+        if live:
+            self.book.finish(job.id, JobState.FAILED, now, error=error)
+        else:
+            job.final = JobState.FAILED
+            job.result = b""
+            job.error = error
+            job.updated_at = now
+        actions: list[Any] = []
+        if live and self.scheduling.core.scheduler.cancel(job.ref, now, actions):
+            self.scheduling.execute(actions)  # a worker holding it gets it taken back
+        if self.on_finished is not None:
+            self.on_finished(job)
+        door = self.doors.get(job.door)
+        if door is not None:
+            door.forget(job)  # nothing more goes out about what it was
+        if added and job.door != "redis":
+            self.book.discard(job)  # the submitter was told it failed: it never was
+            return
+        if not added and self.journal is not None:
+            self.journal.job_finished(job)
+        if job.delivered:
+            return
+        self._tell(job, now)
+
+    def _job_by_ref(self, ref: int) -> Job | None:
+        task = self.scheduling.core.tasks.get(ref)
+        if task is not None:
+            return self.book.get(str(task.owner))
+        return next((job for job in self.book if job.ref == ref), None)  # ended: rare
+
     # ------------------------------------------------------------ recovery
 
     def recover(self, recovered: Recovered, now: float) -> None:
@@ -285,11 +380,13 @@ class JobDesk:
                 door=row.door,
                 key=key,
                 payload=row.payload,
-                notes=notes_of(row.name),
+                notes=notes_of(row.name, row.info_url, row.download_url),
                 added_at=row.added_at - self.book.wall_offset,
                 updated_at=now,
                 attempts=row.attempts,
             )
+            for line in row.log:
+                job.add_log(line, self.max_log_size)
             if row.state in ("pending", "working"):
                 core.recover(
                     row.ref,

@@ -7,6 +7,12 @@ answer is tagged with the journal's latest generation at the moment it is
 produced, and released, in order, when the committer reports that
 generation written. While nothing is staged or held it goes out at once.
 
+The HTTP door's answers that confirm a change (`POST /job/` 201, `PUT` 200,
+`DELETE` 200, and the poller's claim: a `GET /ping/` that answers with a
+job) await `committed()` after making the change, so each leaves only once
+that change is on disk: a controller killed before then has confirmed
+nothing.
+
 An answer that reveals nothing recorded (an error acknowledgement, a pulse
 answer) does not wait: the doors mark those `independent` and send them
 directly. Without a journal (`journal: null`) nothing waits for a commit.

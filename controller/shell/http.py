@@ -269,6 +269,8 @@ class HttpDoor:
         )
         self.counters["jobs_added"] += 1
         await self.desk.write_ahead.committed()  # 201 only once the job is on disk
+        if self.book.get(job.id) is not job:  # the journal could not record it
+            raise ApiError(500, f"the job could not be recorded: {job.error}")
         return self._job_response(job, 201)
 
     async def job(self, request: Request) -> Response:
@@ -288,6 +290,7 @@ class HttpDoor:
                 return self._job_response(job, 200)
             if request.method == "DELETE":
                 self.desk.delete(job, trio.current_time())
+                await self.desk.write_ahead.committed()  # 200 only once that is on disk
                 return self._job_response(job, 200)
             return await self._update(job, request)
         except ApiError as exc:
@@ -325,8 +328,8 @@ class HttpDoor:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
             self.execute(actions)
         if update.log is not None:
-            job.add_log(update.log, self.config.max_log_size)
-            job.updated_at = trio.current_time()
+            self.desk.logged(job, update.log, trio.current_time())
+        await self.desk.write_ahead.committed()  # 200 only once the change is on disk
         return self._job_response(job, 200)
 
     async def ping(self, request: Request) -> Response:

@@ -65,6 +65,7 @@ class Gate:
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 if scheme.lower() != "bearer":
                     return False
-                token = token.strip()
-                return any(hmac.compare_digest(token, known) for known in self.tokens)
+                # As bytes: compare_digest refuses non-ASCII text (a 500 where 401 is due).
+                given = token.strip().encode("latin-1")
+                return any(hmac.compare_digest(given, known.encode()) for known in self.tokens)
         return False

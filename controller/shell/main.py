@@ -134,7 +134,7 @@ def assemble(
     book = JobBook(result_retention=config.result_retention)
     book.wall_offset = time.time() - trio.current_time()
     shell = CoreShell(config, metrics=metrics, busy_poll=busy_poll)
-    desk = JobDesk(book, shell, journal)
+    desk = JobDesk(book, shell, journal, max_log_size=config.max_log_size)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
     if journal is not None:  # the one use of progress besides the metrics
@@ -176,7 +176,10 @@ async def run_controller(
     if journal is not None:
         live = shell.core.tasks  # every door's queued and running tasks: batch_delay's load
         committer = Committer(
-            journal, on_committed=desk.write_ahead.release, in_flight=lambda: len(live)
+            journal,
+            on_committed=desk.committed,
+            in_flight=lambda: len(live),
+            on_rejected=desk.rejected,
         )
     # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
     # when configured: together they are about 20 MB of a controller's memory.

@@ -154,7 +154,9 @@ class StreamCalls:
         for job_id, outcome in outcomes.items():
             keys.append(streams.job_key(job_id))
             acked = acks[job_id]
-            args += [job_id, outcome.state, outcome.result, outcome.error, len(acked), *acked]
+            # surrogatepass: an error text may hold a lone surrogate (legal in JSON, not UTF-8).
+            error = outcome.error.encode("utf-8", "surrogatepass")
+            args += [job_id, outcome.state, outcome.result, error, len(acked), *acked]
         return keys, args
 
     def refresh(self, held: list[str], live: list[str]) -> list[str]:

@@ -39,8 +39,9 @@ import trio
 
 from controller import streams
 from controller.config import Config
+from controller.containment import INTERNAL_MESSAGE, contained
 from controller.frontdoor import DoorAction, Send
-from controller.httpapi import ID_RULE, MAX_TEXT, rfc3339, valid_id
+from controller.httpapi import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, rfc3339, valid_id
 from controller.jobs import Job, JobState
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
@@ -130,14 +131,23 @@ class RedisDoor:
         )
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_loop)
-                nursery.start_soon(self._write_loop)
-                nursery.start_soon(self._keep_loop)
-                nursery.start_soon(self._listen_loop)
+                for loop in (self._read_loop, self._write_loop, self._keep_loop, self._listen_loop):
+                    nursery.start_soon(self._contained, loop)
                 task_status.started()
         finally:
             self.link.close()
             self.calls.close()
+
+    async def _contained(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run `loop`; a failure that escapes it (a bug an entry or key reached) is logged
+        and the loop starts again after a pause, so that the other doors go on."""
+        while True:
+            try:
+                await loop()
+            except Exception as exc:
+                contained("the Redis door", exc, trio.current_time(), loop.__name__.strip("_"))
+                self._reread = True
+                await trio.sleep(BACKOFF_CAP)
 
     async def _call(self, fn: Callable[..., T], *args: Any, mostly_waits: bool = False) -> T:
         """A blocking Redis call in a thread, retried as `_retrying` says (`mostly_waits`: see
@@ -261,42 +271,61 @@ class RedisDoor:
     def _take(self, batch: list[Entry], *, claimed: bool) -> None:
         now = trio.current_time()
         for entry in batch:
-            job_id = entry.job_id
-            held = self.entries.get(job_id)
-            if held is not None:  # ours already (read again, or the same id added twice)
-                if entry.entry_id not in held:
-                    held.append(entry.entry_id)
-                    self._settle_if_ended(job_id)
-                continue
-            self.entries[job_id] = [entry.entry_id]
-            if entry.hash_state in streams.FINAL_STATES:  # ended elsewhere: just acknowledge
-                self.counters["skipped"] += 1
-                if entry.hash_state == "canceled":  # e.g. recovered from our journal, live
-                    self._cancel(job_id)
-                self._queue_outcome(job_id, Outcome(entry.hash_state, b"", ""))
-                continue
-            job = self.book.get(job_id)
-            if job is not None:  # known here: from the journal, or another door's job
+            try:
+                self._take_one(entry, claimed, now)
+            except Exception as exc:  # a bug this entry reached: it alone fails
+                contained("a Redis entry", exc, now, entry.entry_id)
+                self.entries.setdefault(entry.job_id, [])
+                if entry.entry_id not in self.entries[entry.job_id]:
+                    self.entries[entry.job_id].append(entry.entry_id)
+                job = self.book.get(entry.job_id)
+                if job is None or job.door != "redis":
+                    self._queue_outcome(entry.job_id, Outcome("failed", b"", INTERNAL_MESSAGE))
+
+    def _take_one(self, entry: Entry, claimed: bool, now: float) -> None:
+        job_id = entry.job_id
+        held = self.entries.get(job_id)
+        if held is not None:  # ours already (read again, or the same id added twice)
+            if entry.entry_id not in held:
+                held.append(entry.entry_id)
                 self._settle_if_ended(job_id)
-                continue
+            return
+        self.entries[job_id] = [entry.entry_id]
+        job = self.book.get(job_id)
+        if job is not None and job.door != "redis":  # another door's: changes nothing
             self.counters["claimed" if claimed else "read"] += 1
-            bad = self._check(entry, job_id)
-            if bad:
-                log.warning("redis: entry %s refused: %s", entry.entry_id, bad)
-                self._queue_outcome(job_id, Outcome("failed", b"", bad))
-                continue
-            fields = entry.fields
-            name = fields.get(b"name", b"").decode("utf-8", "replace")
-            self.desk.submit(
-                job_id,
-                "redis",
-                entry.entry_id,
-                self.desk.pick_task_id(),
-                fields.get(b"payload", b""),
-                now,
-                journal_first=True,
-                name=name,
-            )
+            bad = f"id in use by a job of the {job.door} door"
+            log.warning("redis: entry %s refused: %s", entry.entry_id, bad)
+            self._queue_outcome(job_id, Outcome("failed", b"", bad))
+            return
+        if entry.hash_state in streams.FINAL_STATES:  # ended elsewhere: just acknowledge
+            self.counters["skipped"] += 1
+            if entry.hash_state == "canceled":  # e.g. recovered from our journal, live
+                self._cancel(job_id)
+            self._queue_outcome(job_id, Outcome(entry.hash_state, b"", ""))
+            return
+        if job is not None:  # known here: from the journal
+            self._settle_if_ended(job_id)
+            return
+        self.counters["claimed" if claimed else "read"] += 1
+        bad = self._check(entry, job_id)
+        if bad:
+            log.warning("redis: entry %s refused: %s", entry.entry_id, bad)
+            self._queue_outcome(job_id, Outcome("failed", b"", bad))
+            return
+        fields = entry.fields
+        # surrogateescape: bytes that are not UTF-8 come back as they were sent.
+        name = fields.get(b"name", b"").decode("utf-8", "surrogateescape")
+        self.desk.submit(
+            job_id,
+            "redis",
+            entry.entry_id,
+            self.desk.pick_task_id(),
+            fields.get(b"payload", b""),
+            now,
+            journal_first=True,
+            name=name,
+        )
 
     def _check(self, entry: Entry, job_id: str) -> str:
         """Why an entry cannot become a job ("" when it can)."""
@@ -304,6 +333,8 @@ class RedisDoor:
             return ID_RULE
         if entry.hash_state == streams.WRONG_TYPE:
             return f"{streams.job_key(job_id)} is not a hash: it cannot hold this job's state"
+        if job_id.startswith(UDP_ID_PREFIX):
+            return UDP_ID_RULE
         size = len(entry.fields.get(b"payload", b""))
         if size > self.max_payload:
             return f"payload is {size} bytes, over max_extra_size ({self.max_payload})"
@@ -314,7 +345,7 @@ class RedisDoor:
 
     def _settle_if_ended(self, job_id: str) -> None:
         job = self.book.get(job_id)
-        if job is not None and job.state.final:
+        if job is not None and job.door == "redis" and job.state.final:
             self._queue_outcome(job_id, _outcome_of(job))
 
     # ------------------------------------------------------------ the desk's side
@@ -420,7 +451,7 @@ class RedisDoor:
             if job_id in self.outbox:
                 continue
             job = self.book.get(job_id)
-            if job is None:
+            if job is None or job.door != "redis":  # another door's job: not ours to write
                 continue
             state = job.state
             if state.final:
@@ -445,8 +476,9 @@ class RedisDoor:
             pubsub.close()
 
     def _cancel(self, job_id: str) -> None:
+        """A user canceled a job through Redis: only this door's jobs are canceled so."""
         job = self.book.get(job_id)
-        if job is not None and not job.state.final:
+        if job is not None and job.door == "redis" and not job.state.final:
             self.counters["canceled"] += 1
             log.info("redis: job %s canceled by a user", job_id)
             self.desk.cancel(job, trio.current_time())

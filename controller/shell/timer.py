@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import trio
 
+from controller.containment import contained
+
 # The shortest time between two firings of one timer.
 COALESCE = 0.01
 
@@ -56,4 +58,7 @@ class DeadlineTimer:
             # While firing, nothing pokes: everything fire() schedules is later than now.
             self._due = -math.inf
             fired = trio.current_time()
-            self._fire(fired)
+            try:
+                self._fire(fired)
+            except Exception as exc:  # what failed is retried at its next deadline, or dropped
+                contained("a deadline", exc, fired)

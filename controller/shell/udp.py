@@ -15,6 +15,7 @@ import trio
 
 from controller.calclink import CalculatorLink
 from controller.config import Config
+from controller.containment import contained
 from controller.core import PerformTask
 from controller.datagram import MAX_DATAGRAM
 from controller.frontdoor import DoorAction, FrontDoor, Send
@@ -159,7 +160,11 @@ class UdpDoor:
                 if len(addresses) >= ADDRESS_CACHE:
                     addresses.clear()
                 known = addresses[sender] = sender
-            apply(self, door.datagram(data, known, now), now)
+            try:
+                apply(self, door.datagram(data, known, now), now)
+            except Exception as exc:  # a bug this datagram reached: it alone is refused
+                contained("a datagram", exc, now, f"from {known[0]}:{known[1]}")
+                self.transmit(door.internal_error(data, known))
         self._timer.poke()
 
     # ------------------------------------------------------------ the desk's side
