@@ -14,6 +14,8 @@ GOOD = [
     ({}, "max_retries", 3),
     ({}, "journal", Path("/var/lib/controller/journal.sqlite3")),
     ({"journal": None}, "journal", None),
+    ({}, "journal_sync", "full"),
+    ({"journal_sync": "normal"}, "journal_sync", "normal"),
     ({"socket_dir": "/tmp/x"}, "socket_dir", Path("/tmp/x")),
     ({"client_address": {"port": 6000}}, "client_address", ClientAddress("0.0.0.0", 6000)),
     ({"timeout_task_placement": 1}, "timeout_task_placement", 1.0),
@@ -51,6 +53,8 @@ BAD = [
     ({"allowed_uids": [-1]}, "key 'allowed_uids' must not be negative"),
     ({"journal": 5}, "key 'journal' must be a non-empty path string"),
     ({"max_extra_size": 0}, "key 'max_extra_size' must be more than 0"),
+    ({"journal_sync": "off"}, 'key \'journal_sync\' must be "full" or "normal"'),
+    ({"journal_sync": "FULL"}, 'key \'journal_sync\' must be "full" or "normal"'),
     ([1, 2], "must be a JSON object"),
     ({"metrics_address": 9100}, "key 'metrics_address' must be an object"),
 ]

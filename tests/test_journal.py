@@ -502,3 +502,20 @@ def test_a_statement_failing_part_way_through_a_batch_rolls_back_all_of_it(tmp_p
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 0
     journal.write(batch[:10])  # and the connection is usable again
     assert rows_on_disk(tmp_path / "journal.sqlite3") == 10
+
+
+@pytest.mark.parametrize(("sync", "pragma"), [("full", 2), ("normal", 1)])
+def test_journal_sync_sets_the_synchronous_pragma(tmp_path, sync, pragma):
+    journal = Journal.open(tmp_path / "journal.sqlite3", sync)
+    try:
+        assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == pragma
+    finally:
+        journal.close()
+
+
+def test_journal_sync_defaults_to_full(tmp_path):
+    journal = Journal.open(tmp_path / "journal.sqlite3")
+    try:
+        assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == 2
+    finally:
+        journal.close()

@@ -163,7 +163,7 @@ async def run_controller(
 ) -> None:
     journal = recovered = None
     if config.journal is not None:
-        journal = Journal.open(config.journal)
+        journal = Journal.open(config.journal, config.journal_sync)
         recovered = journal.load()
     metrics = Metrics() if config.metrics_address is not None else None
     shell, desk, door = assemble(config, journal, metrics, busy_poll)
