@@ -14,9 +14,9 @@ from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
 from worker.calculator import Calculator
+from worker.lean import LeanWorker
 from worker.poller import Poller
 from worker.runner import SetupError, build_runner
-from worker.shell import WorkerShell
 
 log = logging.getLogger("worker")
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         log.info("poller %s for %s", poller.name, args.hub)
         return trio.run(poller.run)
-    shell = WorkerShell(
+    worker = LeanWorker(
         config.socket_dir,
         runner,
         pulse_period=args.pulse,
@@ -167,4 +167,4 @@ def main(argv: list[str] | None = None) -> int:
         max_extra_size=config.max_extra_size,
         parent_pid=os.getppid() if args.exit_with_parent else None,
     )
-    return trio.run(shell.run)
+    return trio.run(worker.run)
