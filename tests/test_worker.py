@@ -346,3 +346,147 @@ async def test_cancelled_exec_job_kills_its_whole_process_group(tmp_path):
 async def test_exec_job_feeds_a_large_payload_and_reads_a_large_result():
     data = bytes(range(256)) * 20_000  # 5 MB both ways: more than any pipe buffer
     assert await run_command(["cat"], 1, data, 16 * MiB) == data
+
+
+# ---------------------------------------------------------------- the local worker's loop
+
+
+async def finished_outcome(fake, worker_id: int, task_id: int):
+    await fake.wait_for(
+        lambda: any(
+            p.worker_id == worker_id and p.task_id == task_id
+            for p in fake.of_type(pb.PULSE_FETCH_ME)
+        )
+    )
+    return await fake.control(worker_id, FETCH)
+
+
+@pytest.mark.parametrize(
+    ("handler", "prefix"),
+    [
+        ("tests.worker_handlers:wait_for_file", b"plain:"),
+        ("tests.worker_handlers:await_file", b"async:"),
+    ],
+    ids=["plain", "async"],
+)
+async def test_real_worker_answers_control_messages_while_a_handler_runs(
+    sockdir, nursery, tmp_path, handler, prefix
+):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, "--handler", handler)
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        release = tmp_path / "release"
+        await fake.control(1, set_task(6), str(release).encode())
+        status, _ = await fake.control(1, STATUS)
+        assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 6)
+        busy, _ = await fake.control(1, set_task(7), b"")
+        assert busy.error == pb.WORKER_ERR_BUSY
+        assert not fake.of_type(pb.PULSE_FETCH_ME)
+        release.write_bytes(b"go")
+        resp, result = await finished_outcome(fake, 1, 6)
+        assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 6, prefix + b"go")
+        status, _ = await fake.control(1, STATUS)
+        assert status.task_id == 0
+    finally:
+        reap(proc)
+
+
+async def test_real_worker_registers_again_keeping_its_task(sockdir, nursery, tmp_path):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    release = tmp_path / "release"
+    proc = spawn_worker(
+        sockdir,
+        "--exec",
+        "sh",
+        "-c",
+        f'while [ ! -e {release} ]; do sleep 0.01; done; echo "kept:$(cat)"',
+    )
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(9), b"p")
+        fake.known.clear()  # the controller restarted and forgot everyone
+        await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_REGISTER)) == 2)
+        await fake.wait_for(
+            lambda: any(p.worker_id == 2 and p.task_id == 9 for _, p in fake.pulses)
+        )
+        assert not (sockdir / "1.sock").exists() and (sockdir / "2.sock").exists()
+        release.touch()
+        resp, result = await finished_outcome(fake, 2, 9)
+        assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 9, b"kept:p\n")
+    finally:
+        reap(proc)
+
+
+async def test_real_worker_exec_job_ignoring_stdin_and_flooding_both_outputs(sockdir, nursery):
+    """A command that never reads its (big) payload and writes more than a pipe holds to
+    both stdout and stderr finishes: the worker writes, reads and waits in one loop."""
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    flood = "head -c 3000000 /dev/zero; head -c 3000000 /dev/zero >&2; echo oops >&2; exit 4"
+    proc = spawn_worker(sockdir, "--exec", "sh", "-c", flood)
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(3), b"x" * (4 * MiB))
+        resp, why = await finished_outcome(fake, 1, 3)
+        assert resp.error == pb.WORKER_ERR_TASK_FAILED
+        assert why.startswith(b"sh exited with status 4:") and why.endswith(b"oops")
+        await fake.control(1, set_task(4), b"")
+        resp, why = await finished_outcome(fake, 1, 4)
+        assert resp.error == pb.WORKER_ERR_TASK_FAILED  # the next job runs as well
+    finally:
+        reap(proc)
+
+
+async def test_real_worker_exec_command_gone_is_task_failed(sockdir, nursery, tmp_path):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    command = tmp_path / "job"
+    command.write_text("#!/bin/sh\ncat\n")
+    command.chmod(0o755)
+    proc = spawn_worker(sockdir, "--exec", str(command))
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(1), b"first")
+        resp, result = await finished_outcome(fake, 1, 1)
+        assert (resp.error, result) == (pb.WORKER_ERR_OK, b"first")
+        command.unlink()
+        await fake.control(1, set_task(2), b"second")
+        resp, why = await finished_outcome(fake, 1, 2)
+        assert resp.error == pb.WORKER_ERR_TASK_FAILED
+        assert why == f"cannot run {command}: No such file or directory".encode()
+    finally:
+        reap(proc)
+
+
+async def test_real_worker_second_signal_exits_at_once(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, "--exec", "sleep", "30")
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(1), b"")
+        proc.send_signal(signal.SIGTERM)
+        busy, _ = await fake.control(1, set_task(2), b"")  # draining: it took the first
+        assert busy.error == pb.WORKER_ERR_BUSY
+        proc.send_signal(signal.SIGINT)
+        assert await wait_exit(proc) == 128 + signal.SIGINT
+    finally:
+        reap(proc)
+
+
+async def test_real_worker_drain_timeout_abandons_the_job_then_shuts_down(sockdir, nursery):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, "--drain-timeout", "0.3", "--exec", "sleep", "30")
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        await fake.control(1, set_task(1), b"")
+        proc.send_signal(signal.SIGTERM)
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_SHUTDOWN)))
+        assert await wait_exit(proc) == 0
+        assert not (sockdir / "1.sock").exists()
+    finally:
+        reap(proc)

@@ -315,6 +315,8 @@ class LeanWorker:
                 wake = self._pulse_at
         if session.draining:
             wake = min(wake, self._drain_deadline)
+        if not self._dials and not self._conns:  # the common case: nothing in between
+            return -1 if wake == math.inf else max(0.0, wake - now)
         for dial in list(self._dials.values()):
             if dial.connect_at and now >= dial.connect_at:
                 self._connect(dial, now)
