@@ -169,10 +169,10 @@ class LeanWorker:
         # The running job: a command, a trio task, or a call in the handler thread.
         self._command: Command | None = None
         self._command_fds: set[int] = set()  # its descriptors the loop has handlers for
-        self._job_scope: trio.CancelScope | None = None
         self._job_id = 0
         self._outcome: Outcome | None = None  # set by a job that ended outside the loop
         self._async_jobs = 0  # trio tasks running a job (abandoned ones included)
+        self._in_trio = False  # the loop waits through trio (a job's task may wake it)
         self._thread_jobs: queue.SimpleQueue[tuple[int, bytes] | None] | None = None
         self._nursery: trio.Nursery | None = None
         self._parent_fd = -1
@@ -224,8 +224,10 @@ class LeanWorker:
                 if self._outcome is not None:
                     self._job_ended()
                     continue
+                self._in_trio = True
                 with trio.move_on_after(timeout if timeout >= 0 else math.inf):
                     await trio.lowlevel.wait_readable(self._epoll.fileno())
+                self._in_trio = False
                 events = poll(0)
             else:
                 events = poll(timeout)
@@ -652,24 +654,28 @@ class LeanWorker:
                 outcome = (False, str(runner.failure(exc)).encode())
             self._hand_over(task_id, outcome)
 
-    def _hand_over(self, task_id: int, outcome: Outcome) -> None:
+    def _hand_over(self, task_id: int, outcome: Outcome, *, wake: bool = True) -> None:
+        """A job's outcome for the loop; `wake`: through the wake-up pipe (from the handler
+        thread, or a trio task while the loop waits in trio)."""
         if task_id == self._job_id:  # not a job abandoned since
             self._outcome = outcome
-            with contextlib.suppress(BlockingIOError):
-                os.write(self._wake_w, b"j")
+            if wake:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_w, b"j")
 
     async def _async_job(self, task_id: int, payload: bytes) -> None:
+        # No cancel scope of its own (one costs more than the rest of a no-op job): the
+        # job is abandoned only when the worker leaves, and the nursery's end cancels it.
         try:
-            with trio.CancelScope() as scope:
-                self._job_scope = scope
-                try:
-                    outcome: Outcome = (True, await self.runner(task_id, payload))
-                except TaskFailed as exc:
-                    outcome = (False, str(exc).encode())
-                except Exception as exc:  # a bug in a runner must not kill the worker
-                    log.exception("task %d: runner crashed", task_id)
-                    outcome = (False, f"worker error: {type(exc).__name__}: {exc}".encode())
-                self._hand_over(task_id, outcome)
+            try:
+                outcome: Outcome = (True, await self.runner(task_id, payload))
+            except TaskFailed as exc:
+                outcome = (False, str(exc).encode())
+            except Exception as exc:  # a bug in a runner must not kill the worker
+                log.exception("task %d: runner crashed", task_id)
+                outcome = (False, f"worker error: {type(exc).__name__}: {exc}".encode())
+            # A job that ended in the turn the loop gave it is seen without a wake-up.
+            self._hand_over(task_id, outcome, wake=self._in_trio)
         finally:
             self._async_jobs -= 1
 
@@ -677,14 +683,15 @@ class LeanWorker:
         outcome, self._outcome = self._outcome, None
         assert outcome is not None
         ok, result = outcome
-        task_id, self._job_id, self._job_scope = self._job_id, 0, None
+        task_id, self._job_id = self._job_id, 0
         if not ok:
             log.info("task %d failed: %s", task_id, result.decode("utf-8", "replace"))
         self.session.finished(task_id, ok, result)
         self._fetch_me()
 
     def _abandon_job(self) -> None:
-        """Stop the running job (RESTART, the drain's deadline, a second signal)."""
+        """Stop the running job (RESTART, the drain's deadline, a second signal: the worker
+        leaves, and a handler's trio task ends with the nursery)."""
         self._job_id = 0
         self._outcome = None
         if self._command is not None:
@@ -693,6 +700,3 @@ class LeanWorker:
                 self._handlers.pop(fd, None)
             self._command_fds = set()
             self._command = None
-        if self._job_scope is not None:
-            self._job_scope.cancel()
-            self._job_scope = None
