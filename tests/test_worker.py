@@ -490,3 +490,34 @@ async def test_real_worker_drain_timeout_abandons_the_job_then_shuts_down(sockdi
         assert not (sockdir / "1.sock").exists()
     finally:
         reap(proc)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xff" * 11,
+        wire.encode_varint(10_000),
+        b"\x02\xff\xff",
+        (lambda body: wire.encode_varint(len(body)) + body)(
+            pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1, extra_size=2**40).SerializeToString()
+        ),
+    ],
+    ids=["endless-varint", "oversized-header", "garbage", "oversized-extra"],
+)
+async def test_real_worker_refuses_bad_frames_on_that_connection_only(sockdir, nursery, data):
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir)
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        reply = await send_raw(sockdir / "1.sock", data)
+        decoder = wire.FrameDecoder(pb.WorkerResponse)
+        decoder.feed(reply)
+        frame = decoder.next_frame()
+        assert frame is not None
+        resp, why = frame
+        assert resp.error == pb.WORKER_ERR_FAILED and why
+        status, _ = await fake.control(1, STATUS)
+        assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 0)
+    finally:
+        reap(proc)
