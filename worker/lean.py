@@ -54,6 +54,7 @@ from types import FrameType
 from typing import Any
 
 import trio
+from outcome import Value
 
 from controller import wire
 from controller.transport import accept_unix, listen_unix
@@ -89,6 +90,10 @@ _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 
 Outcome = tuple[bool, bytes]  # (ok, the result or the error text)
+
+
+def _parked_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.SUCCEEDED  # cancelled between jobs: the worker is leaving
 
 
 class _Dial:
@@ -171,10 +176,10 @@ class LeanWorker:
         self._command_fds: set[int] = set()  # its descriptors the loop has handlers for
         self._job_id = 0
         self._outcome: Outcome | None = None  # set by a job that ended outside the loop
-        self._async_jobs = 0  # trio tasks running a job (abandoned ones included)
+        self._job_task: trio.lowlevel.Task | None = None  # runs async jobs (see _job_runner)
+        self._async_busy = False  # it runs one now
         self._in_trio = False  # the loop waits through trio (a job's task may wake it)
         self._thread_jobs: queue.SimpleQueue[tuple[int, bytes] | None] | None = None
-        self._nursery: trio.Nursery | None = None
         self._parent_fd = -1
 
     # ------------------------------------------------------------ lifecycle
@@ -189,7 +194,10 @@ class LeanWorker:
         parent_fd = self._open_parent()
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                if not isinstance(self.runner, ExecRunner) and not (
+                    isinstance(self.runner, HandlerRunner) and not self.runner.is_async
+                ):
+                    await nursery.start(self._job_runner)
                 await self._loop()
                 nursery.cancel_scope.cancel()
         finally:
@@ -217,10 +225,12 @@ class LeanWorker:
             timeout = self._timers(time.monotonic())
             if self._done:
                 return
-            if self._async_jobs:
-                # A job's trio task needs turns: give it one (most handlers end in it), then
-                # wait through trio.
+            if self._async_busy:
+                # The job's trio task needs turns: give it one (most handlers end in it; trio
+                # runs the tasks of a turn in either order, hence two), then wait through trio.
                 await trio.lowlevel.checkpoint()
+                if self._outcome is None:
+                    await trio.lowlevel.checkpoint()
                 if self._outcome is not None:
                     self._job_ended()
                     continue
@@ -596,9 +606,9 @@ class LeanWorker:
                 ).start()
             self._thread_jobs.put((task_id, payload))
         else:
-            assert self._nursery is not None
-            self._async_jobs += 1
-            self._nursery.start_soon(self._async_job, task_id, payload)
+            assert self._job_task is not None
+            self._async_busy = True
+            trio.lowlevel.reschedule(self._job_task, Value((task_id, payload)))
 
     def _start_command(self, runner: ExecRunner, task_id: int, payload: bytes) -> None:
         try:
@@ -663,10 +673,15 @@ class LeanWorker:
                 with contextlib.suppress(BlockingIOError):
                     os.write(self._wake_w, b"j")
 
-    async def _async_job(self, task_id: int, payload: bytes) -> None:
-        # No cancel scope of its own (one costs more than the rest of a no-op job): the
-        # job is abandoned only when the worker leaves, and the nursery's end cancels it.
-        try:
+    async def _job_runner(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """The async jobs, one after the other, for the worker's life: one trio task parked
+        between jobs rather than one spawned per job (a spawn costs more than a no-op job),
+        and no cancel scope per job: a job is abandoned only when the worker leaves, and
+        the nursery's end cancels it."""
+        self._job_task = trio.lowlevel.current_task()
+        task_status.started()
+        while True:
+            task_id, payload = await trio.lowlevel.wait_task_rescheduled(_parked_abort)
             try:
                 outcome: Outcome = (True, await self.runner(task_id, payload))
             except TaskFailed as exc:
@@ -674,10 +689,9 @@ class LeanWorker:
             except Exception as exc:  # a bug in a runner must not kill the worker
                 log.exception("task %d: runner crashed", task_id)
                 outcome = (False, f"worker error: {type(exc).__name__}: {exc}".encode())
-            # A job that ended in the turn the loop gave it is seen without a wake-up.
+            self._async_busy = False
+            # A job that ended in the turns the loop gave it is seen without a wake-up.
             self._hand_over(task_id, outcome, wake=self._in_trio)
-        finally:
-            self._async_jobs -= 1
 
     def _job_ended(self) -> None:
         outcome, self._outcome = self._outcome, None
