@@ -1,4 +1,4 @@
-"""The local worker's loop: one epoll set, one thread, no event loop per job.
+"""The local worker's loop: one epoll set served in plain Python, no event loop per job.
 
 How this works. A local worker runs one job at a time, so its hot path
 (SET_TASK in, the job, FETCH_ME out, FETCH in) needs no scheduler: one
@@ -18,9 +18,16 @@ loop serves it in plain Python:
 
 Timers (the next pulse, the drain deadline, each connection's silence) are
 a handful of numbers looked at once a round: the epoll wait sleeps until the
-earliest. An async `--handler` (or any other async runner) runs as a trio
-task: the loop runs inside `trio.run`, and while such a job runs it waits on
-the epoll set through trio, so that the job's task gets its turns.
+earliest. An async `--handler` (or any other async runner) runs in a trio
+task parked between jobs: the loop runs inside `trio.run`, gives that task
+its turns when it hands it a job (a no-op handler ends in them), and while a
+job goes on waits on the epoll set through trio. A plain `--handler` runs
+in a thread of its own, so that the loop answers the controller meanwhile.
+
+Cost in code, beside the trio shell: this module (~700 lines) and
+worker/spawn.py's `Command`. What it saves a job: no trio task, cancel
+scope or trio I/O wait per exchange (the trio shell's reactor), and for
+`--exec` no trio wait on the command at all.
 
 What to answer and what to pulse is decided by `WorkerSession`
 (worker/core.py), the same pure session as the trio shell
@@ -371,7 +378,9 @@ class LeanWorker:
         except OSError as exc:
             self._dial_done(dial, None, f"sending a pulse: {exc}")
             return
-        dial.data = dial.data[sent:]  # a pulse is a few bytes: it goes whole
+        if sent < len(dial.data):  # a pulse is a few bytes: a socket that takes less is broken
+            self._dial_done(dial, None, "sending a pulse: short write")
+            return
         self._watch(dial.sock.fileno(), _IN, lambda events: self._dial_read(dial))
 
     def _dial_read(self, dial: _Dial) -> None:
