@@ -519,3 +519,33 @@ def test_journal_sync_defaults_to_full(tmp_path):
         assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == 2
     finally:
         journal.close()
+
+
+async def test_controller_opens_its_journal_with_the_configured_sync(tmp_path, monkeypatch):
+    from controller.config import ClientAddress, Config
+    from controller.shell import main as controller_main
+
+    class Opened(Exception):
+        """Stops the controller once its journal is open: nothing else is under test."""
+
+    opened: list[Journal] = []
+    real_open = Journal.open
+
+    def recording_open(path: Path, sync: str = "full") -> Journal:
+        opened.append(real_open(path, sync))
+        raise Opened
+
+    monkeypatch.setattr(Journal, "open", recording_open)
+    config = Config(
+        socket_dir=tmp_path / "s",
+        client_address=ClientAddress("127.0.0.1", 0),
+        journal=tmp_path / "journal.sqlite3",
+        journal_sync="normal",
+    )
+    with pytest.raises(Opened):
+        await controller_main.run_controller(config, 0, [])
+    [journal] = opened
+    try:
+        assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == 1
+    finally:
+        journal.close()
