@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -351,6 +352,19 @@ async def test_exec_job_feeds_a_large_payload_and_reads_a_large_result():
 # ---------------------------------------------------------------- the local worker's loop
 
 
+@contextlib.asynccontextmanager
+async def real_worker(nursery, sockdir, *args: str):
+    """A fake controller and a real worker process on it, once the worker said OK."""
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, *args)
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        yield fake, proc
+    finally:
+        reap(proc)
+
+
 async def finished_outcome(fake, worker_id: int, task_id: int):
     await fake.wait_for(
         lambda: any(
@@ -372,11 +386,7 @@ async def finished_outcome(fake, worker_id: int, task_id: int):
 async def test_real_worker_answers_control_messages_while_a_handler_runs(
     sockdir, nursery, tmp_path, handler, prefix
 ):
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
-    proc = spawn_worker(sockdir, "--handler", handler)
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    async with real_worker(nursery, sockdir, "--handler", handler) as (fake, _proc):
         release = tmp_path / "release"
         await fake.control(1, set_task(6), str(release).encode())
         status, _ = await fake.control(1, STATUS)
@@ -389,23 +399,18 @@ async def test_real_worker_answers_control_messages_while_a_handler_runs(
         assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 6, prefix + b"go")
         status, _ = await fake.control(1, STATUS)
         assert status.task_id == 0
-    finally:
-        reap(proc)
 
 
 async def test_real_worker_registers_again_keeping_its_task(sockdir, nursery, tmp_path):
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
     release = tmp_path / "release"
-    proc = spawn_worker(
+    async with real_worker(
+        nursery,
         sockdir,
         "--exec",
         "sh",
         "-c",
         f'while [ ! -e {release} ]; do sleep 0.01; done; echo "kept:$(cat)"',
-    )
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    ) as (fake, _proc):
         await fake.control(1, set_task(9), b"p")
         fake.known.clear()  # the controller restarted and forgot everyone
         await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_REGISTER)) == 2)
@@ -416,19 +421,13 @@ async def test_real_worker_registers_again_keeping_its_task(sockdir, nursery, tm
         release.touch()
         resp, result = await finished_outcome(fake, 2, 9)
         assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 9, b"kept:p\n")
-    finally:
-        reap(proc)
 
 
 async def test_real_worker_exec_job_ignoring_stdin_and_flooding_both_outputs(sockdir, nursery):
     """A command that never reads its (big) payload and writes more than a pipe holds to
     both stdout and stderr finishes: the worker writes, reads and waits in one loop."""
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
     flood = "head -c 3000000 /dev/zero; head -c 3000000 /dev/zero >&2; echo oops >&2; exit 4"
-    proc = spawn_worker(sockdir, "--exec", "sh", "-c", flood)
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    async with real_worker(nursery, sockdir, "--exec", "sh", "-c", flood) as (fake, _proc):
         await fake.control(1, set_task(3), b"x" * (4 * MiB))
         resp, why = await finished_outcome(fake, 1, 3)
         assert resp.error == pb.WORKER_ERR_TASK_FAILED
@@ -436,19 +435,13 @@ async def test_real_worker_exec_job_ignoring_stdin_and_flooding_both_outputs(soc
         await fake.control(1, set_task(4), b"")
         resp, why = await finished_outcome(fake, 1, 4)
         assert resp.error == pb.WORKER_ERR_TASK_FAILED  # the next job runs as well
-    finally:
-        reap(proc)
 
 
 async def test_real_worker_exec_command_gone_is_task_failed(sockdir, nursery, tmp_path):
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
     command = tmp_path / "job"
     command.write_text("#!/bin/sh\ncat\n")
     command.chmod(0o755)
-    proc = spawn_worker(sockdir, "--exec", str(command))
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    async with real_worker(nursery, sockdir, "--exec", str(command)) as (fake, _proc):
         await fake.control(1, set_task(1), b"first")
         resp, result = await finished_outcome(fake, 1, 1)
         assert (resp.error, result) == (pb.WORKER_ERR_OK, b"first")
@@ -457,39 +450,28 @@ async def test_real_worker_exec_command_gone_is_task_failed(sockdir, nursery, tm
         resp, why = await finished_outcome(fake, 1, 2)
         assert resp.error == pb.WORKER_ERR_TASK_FAILED
         assert why == f"cannot run {command}: No such file or directory".encode()
-    finally:
-        reap(proc)
 
 
 async def test_real_worker_second_signal_exits_at_once(sockdir, nursery):
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
-    proc = spawn_worker(sockdir, "--exec", "sleep", "30")
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    async with real_worker(nursery, sockdir, "--exec", "sleep", "30") as (fake, proc):
         await fake.control(1, set_task(1), b"")
         proc.send_signal(signal.SIGTERM)
         busy, _ = await fake.control(1, set_task(2), b"")  # draining: it took the first
         assert busy.error == pb.WORKER_ERR_BUSY
         proc.send_signal(signal.SIGINT)
         assert await wait_exit(proc) == 128 + signal.SIGINT
-    finally:
-        reap(proc)
 
 
 async def test_real_worker_drain_timeout_abandons_the_job_then_shuts_down(sockdir, nursery):
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
-    proc = spawn_worker(sockdir, "--drain-timeout", "0.3", "--exec", "sleep", "30")
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    async with real_worker(nursery, sockdir, "--drain-timeout", "0.3", "--exec", "sleep", "30") as (
+        fake,
+        proc,
+    ):
         await fake.control(1, set_task(1), b"")
         proc.send_signal(signal.SIGTERM)
         await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_SHUTDOWN)))
         assert await wait_exit(proc) == 0
         assert not (sockdir / "1.sock").exists()
-    finally:
-        reap(proc)
 
 
 @pytest.mark.parametrize(
@@ -505,11 +487,7 @@ async def test_real_worker_drain_timeout_abandons_the_job_then_shuts_down(sockdi
     ids=["endless-varint", "oversized-header", "garbage", "oversized-extra"],
 )
 async def test_real_worker_refuses_bad_frames_on_that_connection_only(sockdir, nursery, data):
-    fake = FakeController(sockdir)
-    await nursery.start(fake.serve)
-    proc = spawn_worker(sockdir)
-    try:
-        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+    async with real_worker(nursery, sockdir) as (fake, _proc):
         reply = await send_raw(sockdir / "1.sock", data)
         decoder = wire.FrameDecoder(pb.WorkerResponse)
         decoder.feed(reply)
@@ -519,5 +497,3 @@ async def test_real_worker_refuses_bad_frames_on_that_connection_only(sockdir, n
         assert resp.error == pb.WORKER_ERR_FAILED and why
         status, _ = await fake.control(1, STATUS)
         assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 0)
-    finally:
-        reap(proc)
