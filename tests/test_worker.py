@@ -7,6 +7,7 @@ import functools
 import itertools
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -497,3 +498,38 @@ async def test_real_worker_refuses_bad_frames_on_that_connection_only(sockdir, n
         assert resp.error == pb.WORKER_ERR_FAILED and why
         status, _ = await fake.control(1, STATUS)
         assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 0)
+
+
+async def test_real_worker_waits_out_a_full_listen_backlog_on_main_sock(sockdir, nursery):
+    """A controller too busy to accept (main.sock's backlog full) is retried until the dial
+    timeout, reported once, and registered with once it accepts again."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sockdir / "main.sock"))
+    listener.listen(0)
+    fillers = []
+    try:
+        while True:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            filler.connect(str(sockdir / "main.sock"))
+    except BlockingIOError:
+        pass
+    proc = spawn_worker(sockdir)
+    try:
+        with trio.fail_after(10):
+            while b"listen backlog full" not in (
+                line := await trio.to_thread.run_sync(proc.stderr.readline, abandon_on_cancel=True)
+            ):
+                assert line, "worker exited"
+        for sock in (*fillers, listener):
+            sock.close()
+        (sockdir / "main.sock").unlink()
+        fake = FakeController(sockdir)
+        await nursery.start(fake.serve)
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        assert proc.poll() is None
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+        reap(proc)

@@ -316,38 +316,38 @@ class LeanWorker:
     # ------------------------------------------------------------ timers
 
     def _timers(self, now: float) -> float:
-        """Act on what is due; the seconds until the next timer (-1: none)."""
+        """Act on what is due; then the seconds until the next timer (-1: none), from the
+        state as acting left it (a dial that failed at once sets the next try)."""
         session = self.session
         if session.draining and (session.phase is Phase.IDLE or now >= self._drain_deadline):
             self._shutdown()
             return -1
-        wake = math.inf
         if session.worker_id == 0:
             if not self._registering and now >= self._register_at:
                 self._register(now)
-            if not self._registering:  # it failed at once: the next try
+        elif not self._pulsing and now >= self._pulse_at:
+            self._pulse(now)
+        if self._dials or self._conns:
+            for dial in list(self._dials.values()):
+                if dial.connect_at and now >= dial.connect_at:
+                    self._connect(dial, now)
+                elif now >= dial.deadline:
+                    self._dial_done(dial, None, f"no answer within {self.dial_timeout:g} s")
+            for conn in list(self._conns.values()):
+                if now >= conn.deadline:
+                    self._close_conn(conn)
+        wake = math.inf
+        if session.worker_id == 0:
+            if not self._registering:
                 wake = self._register_at
-        else:
-            if not self._pulsing and now >= self._pulse_at:
-                self._pulse(now)
-            if not self._pulsing:
-                wake = self._pulse_at
+        elif not self._pulsing:
+            wake = self._pulse_at
         if session.draining:
             wake = min(wake, self._drain_deadline)
-        if not self._dials and not self._conns:  # the common case: nothing in between
-            return -1 if wake == math.inf else max(0.0, wake - now)
-        for dial in list(self._dials.values()):
-            if dial.connect_at and now >= dial.connect_at:
-                self._connect(dial, now)
-            elif now >= dial.deadline:
-                self._dial_done(dial, None, f"no answer within {self.dial_timeout:g} s")
-            else:
-                wake = min(wake, dial.connect_at or dial.deadline)
-        for conn in list(self._conns.values()):
-            if now >= conn.deadline:
-                self._close_conn(conn)
-            else:
-                wake = min(wake, conn.deadline)
+        for dial in self._dials.values():  # those on their way, backlog retries included
+            wake = min(wake, dial.connect_at or dial.deadline)
+        for conn in self._conns.values():
+            wake = min(wake, conn.deadline)
         return -1 if wake == math.inf else max(0.0, wake - now)
 
     # ------------------------------------------------------------ main.sock
