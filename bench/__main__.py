@@ -35,6 +35,7 @@ def main() -> None:
     results["queued"] = controller_bench.bench_queued()
     results["worker"] = worker_bench.main()
     results["end_to_end"] = e2e_bench.main()
+    results["window"] = e2e_bench.window_main()
     results["speed"] = speed_bench.main()
     results["floor"] = floor.main()
     results["http"] = http_bench.main()

@@ -58,6 +58,10 @@ def cpu_per_job(tasks: int = 10_000) -> dict[str, Any]:
     return {"tasks_per_s": round(rate), **{key: round(us) for key, us in cpu.items()}}
 
 
+# Our local workers' CPU per job may be at most this multiple of bench/floor.py's.
+WORKER_CPU_TARGET = 1.3
+
+
 def _with_workers(kind: str, tasks: int) -> dict[str, float]:
     """One default-layout run with 2 workers of `kind` ("ours" or "floor", bench/floor.py's
     blocking workers, which the controller serves like any other): jobs/s, CPU per job of
@@ -219,7 +223,9 @@ def main() -> dict[str, Any]:
         f"median of 3): {floor['tasks_per_s']:,.0f} jobs/s against {ours['tasks_per_s']:,.0f}; "
         f"CPU per job workers {floor['workers_us']:.0f} us against {ours['workers_us']:.0f}, "
         f"controller {floor['controller_us']:.0f} against {ours['controller_us']:.0f}; one at a "
-        f"time p50 {floor['p50_ms']:.3f} ms against {ours['p50_ms']:.3f}",
+        f"time p50 {floor['p50_ms']:.3f} ms against {ours['p50_ms']:.3f}; our workers' CPU per "
+        f"job {ours['workers_us'] / floor['workers_us']:.2f}x the floor's "
+        f"[target <= {WORKER_CPU_TARGET}x]",
         flush=True,
     )
     calls = results["syscalls"] = syscalls_per_job()

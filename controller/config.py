@@ -67,6 +67,9 @@ class Config:
     notify_retries: int = 8
     max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE
     journal: Path | None = Path("/var/lib/controller/journal.sqlite3")
+    # "full": an acknowledged job survives a power loss (an fsync per commit); "normal": it
+    # survives a controller crash or kill -9, not a power loss (WAL, no fsync per commit).
+    journal_sync: str = "full"
     allowed_uids: tuple[int, ...] = (0,)
     # The HTTP job API and status page (host, port); None: off.
     http_address: ClientAddress | None = None
@@ -222,6 +225,15 @@ def _http_tls(value: Any) -> HttpTls | None:
     return HttpTls(Path(value["cert"]), Path(value["key"]))
 
 
+JOURNAL_SYNC_MODES = ("full", "normal")
+
+
+def _journal_sync(value: Any) -> str:
+    if value not in JOURNAL_SYNC_MODES:
+        raise ValueError(f'must be "full" or "normal", got {value!r}')
+    return str(value)
+
+
 def _uids(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ValueError(f"must be a list of numeric uids, got {value!r}")
@@ -240,6 +252,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "notify_retries": _count,
     "max_extra_size": _size,
     "journal": _optional_path,
+    "journal_sync": _journal_sync,
     "allowed_uids": _uids,
     "http_address": _optional_address,
     "http_token_file": _optional_path,

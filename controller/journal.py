@@ -228,6 +228,7 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._sync = "FULL"  # the synchronous pragma (see open)
         self._db: sqlite3.Connection | None = None
         self._staged: list[Op] = []
         # Jobs added in the batch being staged, by ref: the index of their _INSERT, which a
@@ -248,9 +249,14 @@ class Journal:
     # ------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, path: Path) -> Journal:
-        """Open or create the journal file; JournalError naming the path when unusable."""
+    def open(cls, path: Path, sync: str = "full") -> Journal:
+        """Open or create the journal file; JournalError naming the path when unusable.
+
+        `sync`: "full" fsyncs every commit (a committed change survives a power loss),
+        "normal" leaves the WAL to the OS (it survives a crash of the process, not of the
+        machine)."""
         journal = cls(path)
+        journal._sync = "NORMAL" if sync == "normal" else "FULL"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -286,7 +292,7 @@ class Journal:
             )
         if db.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
             raise JournalError(f"journal {self.path}: cannot switch to WAL mode")
-        db.execute("PRAGMA synchronous=FULL")
+        db.execute(f"PRAGMA synchronous={self._sync}")
         db.execute("BEGIN IMMEDIATE")
         version = db.execute("PRAGMA user_version").fetchone()[0]
         if version not in (0, 1, 2, SCHEMA_VERSION):

@@ -555,6 +555,15 @@ def test_an_existing_journal_others_could_read_is_made_owner_only(tmp_path, capl
         journal.close()
 
 
+@pytest.mark.parametrize(("sync", "pragma"), [("full", 2), ("normal", 1)])
+def test_journal_sync_sets_the_synchronous_pragma(tmp_path, sync, pragma):
+    journal = Journal.open(tmp_path / "journal.sqlite3", sync)
+    try:
+        assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == pragma
+    finally:
+        journal.close()
+
+
 def test_text_with_lone_surrogates_is_journaled_and_read_back_exactly(tmp_path):
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
@@ -600,3 +609,41 @@ def test_version_2_journal_gains_links_and_log(tmp_path):
     (row,) = Journal.open(path).load().jobs
     assert (row.payload, row.info_url, row.log) == (b"kept", "", [])
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3
+
+
+def test_journal_sync_defaults_to_full(tmp_path):
+    journal = Journal.open(tmp_path / "journal.sqlite3")
+    try:
+        assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == 2
+    finally:
+        journal.close()
+
+
+async def test_controller_opens_its_journal_with_the_configured_sync(tmp_path, monkeypatch):
+    from controller.config import ClientAddress, Config
+    from controller.shell import main as controller_main
+
+    class Opened(Exception):
+        """Stops the controller once its journal is open: nothing else is under test."""
+
+    opened: list[Journal] = []
+    real_open = Journal.open
+
+    def recording_open(path: Path, sync: str = "full") -> Journal:
+        opened.append(real_open(path, sync))
+        raise Opened
+
+    monkeypatch.setattr(Journal, "open", recording_open)
+    config = Config(
+        socket_dir=tmp_path / "s",
+        client_address=ClientAddress("127.0.0.1", 0),
+        journal=tmp_path / "journal.sqlite3",
+        journal_sync="normal",
+    )
+    with pytest.raises(Opened):
+        await controller_main.run_controller(config, 0, [])
+    [journal] = opened
+    try:
+        assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == 1
+    finally:
+        journal.close()

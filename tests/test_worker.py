@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -429,3 +431,188 @@ async def test_cancelled_exec_job_kills_its_whole_process_group(tmp_path):
 async def test_exec_job_feeds_a_large_payload_and_reads_a_large_result():
     data = bytes(range(256)) * 20_000  # 5 MB both ways: more than any pipe buffer
     assert await run_command(["cat"], 1, data, 16 * MiB) == data
+
+
+# ---------------------------------------------------------------- the local worker's loop
+
+
+@contextlib.asynccontextmanager
+async def real_worker(nursery, sockdir, *args: str):
+    """A fake controller and a real worker process on it, once the worker said OK."""
+    fake = FakeController(sockdir)
+    await nursery.start(fake.serve)
+    proc = spawn_worker(sockdir, *args)
+    try:
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        yield fake, proc
+    finally:
+        reap(proc)
+
+
+async def finished_outcome(fake, worker_id: int, task_id: int):
+    await fake.wait_for(
+        lambda: any(
+            p.worker_id == worker_id and p.task_id == task_id
+            for p in fake.of_type(pb.PULSE_FETCH_ME)
+        )
+    )
+    return await fake.control(worker_id, FETCH)
+
+
+@pytest.mark.parametrize(
+    ("handler", "prefix"),
+    [
+        ("tests.worker_handlers:wait_for_file", b"plain:"),
+        ("tests.worker_handlers:await_file", b"async:"),
+    ],
+    ids=["plain", "async"],
+)
+async def test_real_worker_answers_control_messages_while_a_handler_runs(
+    sockdir, nursery, tmp_path, handler, prefix
+):
+    async with real_worker(nursery, sockdir, "--handler", handler) as (fake, _proc):
+        release = tmp_path / "release"
+        await fake.control(1, set_task(6), str(release).encode())
+        status, _ = await fake.control(1, STATUS)
+        assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 6)
+        busy, _ = await fake.control(1, set_task(7), b"")
+        assert busy.error == pb.WORKER_ERR_BUSY
+        assert not fake.of_type(pb.PULSE_FETCH_ME)
+        release.write_bytes(b"go")
+        resp, result = await finished_outcome(fake, 1, 6)
+        assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 6, prefix + b"go")
+        status, _ = await fake.control(1, STATUS)
+        assert status.task_id == 0
+
+
+async def test_real_worker_registers_again_keeping_its_task(sockdir, nursery, tmp_path):
+    release = tmp_path / "release"
+    async with real_worker(
+        nursery,
+        sockdir,
+        "--exec",
+        "sh",
+        "-c",
+        f'while [ ! -e {release} ]; do sleep 0.01; done; echo "kept:$(cat)"',
+    ) as (fake, _proc):
+        await fake.control(1, set_task(9), b"p")
+        fake.known.clear()  # the controller restarted and forgot everyone
+        await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_REGISTER)) == 2)
+        await fake.wait_for(
+            lambda: any(p.worker_id == 2 and p.task_id == 9 for _, p in fake.pulses)
+        )
+        assert not (sockdir / "1.sock").exists() and (sockdir / "2.sock").exists()
+        release.touch()
+        resp, result = await finished_outcome(fake, 2, 9)
+        assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 9, b"kept:p\n")
+
+
+async def test_real_worker_exec_job_ignoring_stdin_and_flooding_both_outputs(sockdir, nursery):
+    """A command that never reads its (big) payload and writes more than a pipe holds to
+    both stdout and stderr finishes: the worker writes, reads and waits in one loop."""
+    flood = "head -c 3000000 /dev/zero; head -c 3000000 /dev/zero >&2; echo oops >&2; exit 4"
+    async with real_worker(nursery, sockdir, "--exec", "sh", "-c", flood) as (fake, _proc):
+        await fake.control(1, set_task(3), b"x" * (4 * MiB))
+        resp, why = await finished_outcome(fake, 1, 3)
+        assert resp.error == pb.WORKER_ERR_TASK_FAILED
+        assert why.startswith(b"sh exited with status 4:") and why.endswith(b"oops")
+        await fake.control(1, set_task(4), b"")
+        resp, why = await finished_outcome(fake, 1, 4)
+        assert resp.error == pb.WORKER_ERR_TASK_FAILED  # the next job runs as well
+
+
+async def test_real_worker_exec_command_gone_is_task_failed(sockdir, nursery, tmp_path):
+    command = tmp_path / "job"
+    command.write_text("#!/bin/sh\ncat\n")
+    command.chmod(0o755)
+    async with real_worker(nursery, sockdir, "--exec", str(command)) as (fake, _proc):
+        await fake.control(1, set_task(1), b"first")
+        resp, result = await finished_outcome(fake, 1, 1)
+        assert (resp.error, result) == (pb.WORKER_ERR_OK, b"first")
+        command.unlink()
+        await fake.control(1, set_task(2), b"second")
+        resp, why = await finished_outcome(fake, 1, 2)
+        assert resp.error == pb.WORKER_ERR_TASK_FAILED
+        assert why == f"cannot run {command}: No such file or directory".encode()
+
+
+async def test_real_worker_second_signal_exits_at_once(sockdir, nursery):
+    async with real_worker(nursery, sockdir, "--exec", "sleep", "30") as (fake, proc):
+        await fake.control(1, set_task(1), b"")
+        proc.send_signal(signal.SIGTERM)
+        busy, _ = await fake.control(1, set_task(2), b"")  # draining: it took the first
+        assert busy.error == pb.WORKER_ERR_BUSY
+        proc.send_signal(signal.SIGINT)
+        assert await wait_exit(proc) == 128 + signal.SIGINT
+
+
+async def test_real_worker_drain_timeout_abandons_the_job_then_shuts_down(sockdir, nursery):
+    async with real_worker(nursery, sockdir, "--drain-timeout", "0.3", "--exec", "sleep", "30") as (
+        fake,
+        proc,
+    ):
+        await fake.control(1, set_task(1), b"")
+        proc.send_signal(signal.SIGTERM)
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_SHUTDOWN)))
+        assert await wait_exit(proc) == 0
+        assert not (sockdir / "1.sock").exists()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xff" * 11,
+        wire.encode_varint(10_000),
+        b"\x02\xff\xff",
+        (lambda body: wire.encode_varint(len(body)) + body)(
+            pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1, extra_size=2**40).SerializeToString()
+        ),
+    ],
+    ids=["endless-varint", "oversized-header", "garbage", "oversized-extra"],
+)
+async def test_real_worker_refuses_bad_frames_on_that_connection_only(sockdir, nursery, data):
+    async with real_worker(nursery, sockdir) as (fake, _proc):
+        reply = await send_raw(sockdir / "1.sock", data)
+        decoder = wire.FrameDecoder(pb.WorkerResponse)
+        decoder.feed(reply)
+        frame = decoder.next_frame()
+        assert frame is not None
+        resp, why = frame
+        assert resp.error == pb.WORKER_ERR_FAILED and why
+        status, _ = await fake.control(1, STATUS)
+        assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 0)
+
+
+async def test_real_worker_waits_out_a_full_listen_backlog_on_main_sock(sockdir, nursery):
+    """A controller too busy to accept (main.sock's backlog full) is retried until the dial
+    timeout, reported once, and registered with once it accepts again."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sockdir / "main.sock"))
+    listener.listen(0)
+    fillers = []
+    try:
+        while True:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            filler.connect(str(sockdir / "main.sock"))
+    except BlockingIOError:
+        pass
+    proc = spawn_worker(sockdir)
+    try:
+        with trio.fail_after(10):
+            while b"listen backlog full" not in (
+                line := await trio.to_thread.run_sync(proc.stderr.readline, abandon_on_cancel=True)
+            ):
+                assert line, "worker exited"
+        for sock in (*fillers, listener):
+            sock.close()
+        (sockdir / "main.sock").unlink()
+        fake = FakeController(sockdir)
+        await nursery.start(fake.serve)
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+        assert proc.poll() is None
+    finally:
+        for sock in (*fillers, listener):
+            sock.close()
+        reap(proc)

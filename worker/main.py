@@ -14,10 +14,10 @@ from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
 from worker.calculator import Calculator
+from worker.lean import LeanWorker
 from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
 from worker.runner import SetupError, build_runner
-from worker.shell import WorkerShell
 
 log = logging.getLogger("worker")
 
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         log.info("poller %s for %s", poller.name, args.hub)
         return trio.run(poller.run)
-    shell = WorkerShell(
+    worker = LeanWorker(
         config.socket_dir,
         runner,
         pulse_period=args.pulse,
@@ -198,4 +198,4 @@ def main(argv: list[str] | None = None) -> int:
         max_extra_size=config.max_extra_size,
         parent_pid=parent,
     )
-    return trio.run(shell.run)
+    return trio.run(worker.run)

@@ -8,7 +8,6 @@ killed together with its whole process group.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import importlib
 import inspect
@@ -20,7 +19,7 @@ from typing import Any
 
 import trio
 
-from worker.spawn import spawn_and_wait
+from worker.spawn import Finished, spawn_and_wait
 
 Runner = Callable[[int, bytes], Awaitable[bytes]]
 
@@ -82,27 +81,52 @@ def load_handler(spec: str) -> Callable[[bytes], Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def handler_runner(func: Callable[[bytes], Any], max_output: int) -> Runner:
-    """Async callables run in the worker's loop, plain ones in a thread."""
-    is_async = inspect.iscoroutinefunction(func)
+class HandlerRunner:
+    """A `--handler` callable as a runner: async callables run in the caller's trio loop,
+    plain ones in a thread. `failure` and `result` turn what it did into the task's outcome
+    (the local worker calls them when it runs a plain handler in a thread of its own)."""
 
-    async def run(task_id: int, payload: bytes) -> bytes:
+    __slots__ = ("func", "is_async", "max_output")
+
+    def __init__(self, func: Callable[[bytes], Any], max_output: int) -> None:
+        self.func = func
+        self.is_async = inspect.iscoroutinefunction(func)
+        self.max_output = max_output
+
+    async def __call__(self, task_id: int, payload: bytes) -> bytes:
         try:
-            if is_async:
-                value = await func(payload)
+            if self.is_async:
+                value = await self.func(payload)
             else:
-                value = await trio.to_thread.run_sync(func, payload, abandon_on_cancel=True)
+                value = await trio.to_thread.run_sync(self.func, payload, abandon_on_cancel=True)
         except TaskFailed:
             raise
         except Exception as exc:
-            summary = str(exc).splitlines()[0] if str(exc) else ""
-            raise TaskFailed(f"{type(exc).__name__}: {summary}".rstrip(": ")) from None
+            raise self.failure(exc) from None
+        return self.result(value)
+
+    @staticmethod
+    def failure(exc: Exception) -> TaskFailed:
+        """What a handler's exception tells the controller: its type and first line."""
+        if isinstance(exc, TaskFailed):
+            return exc
+        summary = str(exc).splitlines()[0] if str(exc) else ""
+        return TaskFailed(f"{type(exc).__name__}: {summary}".rstrip(": "))
+
+    def result(self, value: Any) -> bytes:
+        """The handler's return value as the result; TaskFailed when it is not bytes-like or
+        too big."""
         result = _as_bytes(value)
-        if len(result) > max_output:
-            raise TaskFailed(f"result of {len(result)} bytes exceeds max_extra_size ({max_output})")
+        if len(result) > self.max_output:
+            raise TaskFailed(
+                f"result of {len(result)} bytes exceeds max_extra_size ({self.max_output})"
+            )
         return result
 
-    return run
+
+def handler_runner(func: Callable[[bytes], Any], max_output: int) -> Runner:
+    """Async callables run in the worker's loop, plain ones in a thread."""
+    return HandlerRunner(func, max_output)
 
 
 # A list that a caller who wants the command's stderr as it comes (the poller, for its lease
@@ -112,21 +136,37 @@ STDERR_LINES: contextvars.ContextVar[list[bytes] | None] = contextvars.ContextVa
 )
 
 
+class ExecRunner:
+    """`--exec`: one process per task (payload on stdin, TASK_ID in the environment, stdout
+    is the result). The local worker starts `Command`s itself (`program`, `env`, `outcome`);
+    calling it runs one in the caller's trio task."""
+
+    __slots__ = ("argv", "environ", "max_output", "program")
+
+    def __init__(self, argv: list[str], max_output: int) -> None:
+        if not argv:
+            raise SetupError("--exec needs a command")
+        program = shutil.which(argv[0])
+        if program is None:
+            raise SetupError(f"--exec: command not found or not executable: {argv[0]}")
+        self.argv = argv
+        self.program = program  # looked up once, not per job
+        # The worker's environment, read once: os.environ decodes every variable on each copy.
+        self.environ = dict(os.environ)
+        self.max_output = max_output
+
+    async def __call__(self, task_id: int, payload: bytes) -> bytes:
+        return await run_command(
+            self.argv, task_id, payload, self.max_output, self.program, self.environ
+        )
+
+    def env(self, task_id: int) -> dict[str, str]:
+        return {**self.environ, "TASK_ID": str(task_id)}
+
+
 def exec_runner(argv: list[str], max_output: int) -> Runner:
     """One process per task: payload on stdin, TASK_ID in the environment, stdout is the result."""
-    if not argv:
-        raise SetupError("--exec needs a command")
-    if shutil.which(argv[0]) is None:
-        raise SetupError(f"--exec: command not found or not executable: {argv[0]}")
-
-    program = shutil.which(argv[0]) or argv[0]  # looked up once, not per job
-    # The worker's environment, read once: os.environ decodes every variable on each copy.
-    environ = dict(os.environ)
-
-    async def run(task_id: int, payload: bytes) -> bytes:
-        return await run_command(argv, task_id, payload, max_output, program, environ)
-
-    return run
+    return ExecRunner(argv, max_output)
 
 
 async def run_command(
@@ -156,6 +196,12 @@ async def run_command(
         )
     except OSError as exc:
         raise TaskFailed(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    return command_outcome(argv[0], done, max_output)
+
+
+def command_outcome(name: str, done: Finished, max_output: int) -> bytes:
+    """A finished command's result (its stdout); TaskFailed for a non-zero exit, a signal
+    (with the tail of its stderr) or output over the limit."""
     if done.too_big:
         raise TaskFailed(f"output exceeded max_extra_size ({max_output} bytes); command killed")
     code = done.code
@@ -165,13 +211,8 @@ async def run_command(
         else:
             how = f"exited with status {code}"
         tail = bytes(done.stderr[-STDERR_TAIL:]).decode("utf-8", "replace").strip()
-        raise TaskFailed(f"{argv[0]} {how}" + (f": {tail}" if tail else ""))
+        raise TaskFailed(f"{name} {how}" + (f": {tail}" if tail else ""))
     return bytes(done.stdout)
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 def build_runner(exec_argv: list[str] | None, handler: str | None, max_output: int) -> Runner:

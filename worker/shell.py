@@ -1,5 +1,9 @@
 """The worker's trio shell: registration, pulses, the control socket, the running task.
 
+The same local worker as worker/lean.py, as a trio task for a program that runs one
+inside its own trio loop (the tests, an embedding); the `worker` command runs
+worker/lean.py's blocking loop, which makes fewer system calls and trio turns a job.
+
 Life of a worker: REGISTER on main.sock (retrying with capped backoff while
 the controller is away), listen on `<worker_id>.sock`, pulse OK at once and
 then every period, answer control messages one per connection, run at most

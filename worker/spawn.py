@@ -1,10 +1,11 @@
 """One `--exec` command per job, started and watched with as few system calls as it takes.
 
-`os.posix_spawnp` (glibc starts the child with vfork semantics: no copy of the
+`os.posix_spawn` (glibc starts the child with vfork semantics: no copy of the
 worker's memory, no thread hop) in a session of its own, a pidfd for its exit,
-and one epoll set over its stdin, stdout, stderr and pidfd, served by the
-calling trio task: no process object, no task per pipe. Cancelling the
-caller (RESTART, task_timeout, SIGTERM past the drain) kills the whole
+and its stdin, stdout, stderr and pidfd in an epoll set: `Command` in the
+local worker's own loop (worker/lean.py), `spawn_and_wait` in a trio task
+(calculators, pollers). No process object, no task per pipe. Stopping a job
+early (RESTART, task_timeout, SIGTERM past the drain) kills the whole
 process group and reaps it.
 """
 
@@ -36,6 +37,164 @@ class Finished:
         self.too_big = False
 
 
+class Command:
+    """One started command, served from an epoll set the caller owns.
+
+    The constructor starts it and registers its stdin (while there is payload
+    to write), stdout, stderr and a pidfd in `epoll`; the caller hands every
+    event on `fds` to `on_event` until `running` is False, then calls `reap`.
+    `kill` ends it early (its whole process group) and reaps it. OSError from
+    the constructor: it could not be started.
+    """
+
+    __slots__ = (
+        "_epoll",
+        "_exited",
+        "_max_output",
+        "_on_stderr",
+        "_open",
+        "_read_chunk",
+        "_stderr_keep",
+        "_view",
+        "done",
+        "err_r",
+        "in_w",
+        "out_r",
+        "pid",
+        "pidfd",
+    )
+
+    def __init__(
+        self,
+        epoll: select.epoll,
+        program: str,
+        argv: list[str],
+        env: dict[str, str],
+        payload: bytes,
+        *,
+        max_output: int,
+        stderr_keep: int,
+        read_chunk: int,
+        on_stderr: Callable[[bytes], None] | None = None,
+    ) -> None:
+        self.pid, self.in_w, self.out_r, self.err_r = _start(program, argv, env)
+        self._open = {self.in_w, self.out_r, self.err_r}
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except BaseException:
+            self._abandon()
+            raise
+        self._epoll = epoll
+        self._max_output = max_output
+        self._stderr_keep = stderr_keep
+        self._read_chunk = read_chunk
+        self._on_stderr = on_stderr
+        self._exited = False
+        self.done = Finished()
+        self._view = memoryview(payload)
+        if self._view:
+            os.set_blocking(self.in_w, False)  # the outputs stay blocking: read once per event
+            epoll.register(self.in_w, _OUT)
+        else:
+            self._close(self.in_w)
+        epoll.register(self.out_r, _IN)
+        epoll.register(self.err_r, _IN)
+        epoll.register(self.pidfd, select.EPOLLIN)
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors registered in the caller's epoll set."""
+        return (self.in_w, self.out_r, self.err_r, self.pidfd)
+
+    @property
+    def watched(self) -> set[int]:
+        """The descriptors still in the caller's epoll set."""
+        live = set(self._open)
+        if not self._exited:
+            live.add(self.pidfd)
+        return live
+
+    @property
+    def running(self) -> bool:
+        """Until it has exited and both its outputs are closed."""
+        return not self._exited or self.out_r in self._open or self.err_r in self._open
+
+    def on_event(self, fd: int) -> None:
+        done = self.done
+        if fd == self.pidfd:
+            if not self._exited:
+                self._exited = True
+                self._epoll.unregister(fd)
+        elif fd == self.in_w:
+            self._feed()
+        elif fd == self.out_r:
+            if self._drain(fd, done.stdout) and len(done.stdout) > self._max_output:
+                done.too_big = True
+                _kill_group(self.pid)
+                self._close(fd)
+        elif fd == self.err_r:
+            before = len(done.stderr)
+            self._drain(fd, done.stderr)
+            if self._on_stderr is not None and len(done.stderr) > before:
+                self._on_stderr(bytes(done.stderr[before:]))
+            if len(done.stderr) > 2 * self._stderr_keep:
+                del done.stderr[: -self._stderr_keep]
+
+    def reap(self) -> Finished:
+        """Once it is no longer `running`: its exit code, and its descriptors closed."""
+        self.done.code = _reap(self.pid)
+        self._release()
+        return self.done
+
+    def kill(self) -> None:
+        """Kill its process group, wait for it and reap it (no zombie left)."""
+        _kill_group(self.pid)
+        select.select([self.pidfd], [], [])  # SIGKILL: it exits at its next instruction
+        with contextlib.suppress(ChildProcessError):
+            _reap(self.pid)
+        self._release()
+
+    def _release(self) -> None:
+        if not self._exited:
+            self._exited = True
+            self._epoll.unregister(self.pidfd)
+        os.close(self.pidfd)
+        self._abandon()
+
+    def _abandon(self) -> None:
+        for fd in self._open:
+            os.close(fd)  # closing removes it from the epoll set
+        self._open.clear()
+
+    def _feed(self) -> None:
+        try:
+            self._view = self._view[os.write(self.in_w, self._view) :]
+        except BlockingIOError:
+            return
+        except OSError:  # it closed its stdin early (EPIPE): the rest is its business
+            self._view = self._view[:0]
+        if not self._view:
+            self._close(self.in_w)
+
+    def _drain(self, fd: int, into: bytearray) -> bool:
+        """Read once from a pipe the epoll set says is readable (it stays blocking, so a
+        second read could wait; the level-triggered set reports what is left); False once
+        it closed."""
+        if fd not in self._open:
+            return False
+        data = os.read(fd, self._read_chunk)
+        if not data:
+            self._close(fd)
+            return False
+        into += data
+        return True
+
+    def _close(self, fd: int) -> None:
+        if fd in self._open:
+            self._open.discard(fd)
+            os.close(fd)
+
+
 async def spawn_and_wait(
     program: str,
     argv: list[str],
@@ -47,65 +206,36 @@ async def spawn_and_wait(
     read_chunk: int,
     on_stderr: Callable[[bytes], None] | None = None,
 ) -> Finished:
-    """Run `program` (a path) as `argv` with `payload` on its stdin; OSError if it cannot
-    be started."""
-    pid, in_w, out_r, err_r = _start(program, argv, env)
-    done = Finished()
-    pidfd = os.pidfd_open(pid)
+    """Run `program` (a path) as `argv` with `payload` on its stdin, in the calling trio
+    task; OSError if it cannot be started."""
     epoll = select.epoll()
-    open_fds = {in_w, out_r, err_r}
     try:
-        view = memoryview(payload)
-        if view:
-            os.set_blocking(in_w, False)  # the outputs stay blocking: read once per event
-            epoll.register(in_w, _OUT)
-        else:
-            os.close(in_w)
-            open_fds.discard(in_w)
-        epoll.register(out_r, _IN)
-        epoll.register(err_r, _IN)
-        epoll.register(pidfd, select.EPOLLIN)
-        exited = False
-        while not exited or out_r in open_fds or err_r in open_fds:
-            events = epoll.poll(0)
-            if not events:
-                await trio.lowlevel.wait_readable(epoll.fileno())
-                continue
-            for fd, _ in events:
-                if fd == pidfd:
-                    exited = True
-                    epoll.unregister(pidfd)
-                elif fd == in_w:
-                    view = _feed(in_w, view, epoll, open_fds)
-                elif fd == out_r:
-                    if not _drain(out_r, done.stdout, read_chunk, epoll, open_fds):
-                        continue
-                    if len(done.stdout) > max_output:
-                        done.too_big = True
-                        _kill_group(pid)
-                        _close(out_r, epoll, open_fds)
-                elif fd == err_r:
-                    before = len(done.stderr)
-                    _drain(err_r, done.stderr, read_chunk, epoll, open_fds)
-                    if on_stderr is not None and len(done.stderr) > before:
-                        on_stderr(bytes(done.stderr[before:]))
-                    if len(done.stderr) > 2 * stderr_keep:
-                        del done.stderr[:-stderr_keep]
-            await trio.lowlevel.checkpoint_if_cancelled()
-        done.code = _reap(pid)
-        return done
-    except BaseException:
-        _kill_group(pid)
-        with trio.CancelScope(shield=True):
-            await trio.lowlevel.wait_readable(pidfd)
-        with contextlib.suppress(ChildProcessError):
-            _reap(pid)
-        raise
+        command = Command(
+            epoll,
+            program,
+            argv,
+            env,
+            payload,
+            max_output=max_output,
+            stderr_keep=stderr_keep,
+            read_chunk=read_chunk,
+            on_stderr=on_stderr,
+        )
+        try:
+            while command.running:
+                events = epoll.poll(0)
+                if not events:
+                    await trio.lowlevel.wait_readable(epoll.fileno())
+                    continue
+                for fd, _ in events:
+                    command.on_event(fd)
+                await trio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            command.kill()
+            raise
+        return command.reap()
     finally:
         epoll.close()
-        os.close(pidfd)
-        for fd in open_fds:
-            os.close(fd)
 
 
 def _start(program: str, argv: list[str], env: dict[str, str]) -> tuple[int, int, int, int]:
@@ -142,35 +272,6 @@ def _reap(pid: int) -> int:
     waitpid returns at once."""
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
-
-
-def _feed(fd: int, view: memoryview, epoll: select.epoll, open_fds: set[int]) -> memoryview:
-    try:
-        view = view[os.write(fd, view) :]
-    except BlockingIOError:
-        return view
-    except OSError:  # it closed its stdin early (EPIPE): the rest is its business
-        view = view[:0]
-    if not view:
-        _close(fd, epoll, open_fds)
-    return view
-
-
-def _drain(fd: int, into: bytearray, chunk: int, epoll: select.epoll, open_fds: set[int]) -> bool:
-    """Read once from a pipe the epoll set says is readable (it stays blocking, so a second
-    read could wait; the level-triggered set reports what is left); False once it closed."""
-    data = os.read(fd, chunk)
-    if not data:
-        _close(fd, epoll, open_fds)
-        return False
-    into += data
-    return True
-
-
-def _close(fd: int, epoll: select.epoll, open_fds: set[int]) -> None:
-    if fd in open_fds:
-        open_fds.discard(fd)
-        os.close(fd)  # closing removes it from the epoll set
 
 
 def _kill_group(pid: int) -> None:

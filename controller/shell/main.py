@@ -168,7 +168,7 @@ async def run_controller(
         log.info("descriptor limit raised from %d to %d", before, soft)
     journal = recovered = None
     if config.journal is not None:
-        journal = Journal.open(config.journal)
+        journal = Journal.open(config.journal, config.journal_sync)
         recovered = journal.load()
     metrics = Metrics() if config.metrics_address is not None else None
     shell, desk, door = assemble(config, journal, metrics, busy_poll)
