@@ -1,4 +1,4 @@
-"""The one place the configuration is read and validated (docs/design-notes.md, "Configuration").
+"""The one place the configuration is read and validated (docs/operations.md lists every key).
 
 The file is a JSON object; every key is optional and has the default below.
 Anything wrong (an unreadable file, bad JSON, an unknown key, a wrong type, a

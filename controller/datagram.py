@@ -1,6 +1,6 @@
 """The UDP datagram format, shared by the front door and its clients. Pure.
 
-One JSON object per datagram (the seed's single-quoted literal form is read
+One JSON object per datagram (the single-quoted literal form is read
 too, safely). `packet_type` 0: no acknowledgement wanted, 1: wanted, 2: this
 is one. Everything both sides must agree on lives here: packet types, size
 limits, how payloads and results travel (text, or base64 when not UTF-8),
@@ -93,7 +93,7 @@ def encode(obj: dict[str, Any]) -> bytes:
 
 
 def parse_packet(data: bytes) -> dict[str, Any]:
-    """JSON, or the seed's single-quoted Python-literal form (never eval); BadPacket else."""
+    """JSON, or the single-quoted Python-literal form (never eval); BadPacket else."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

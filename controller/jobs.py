@@ -5,7 +5,7 @@ here, and reads them back here: duplicate detection (a job's `id` is
 unique while its record is kept), status questions, results. The journal
 persists exactly these records, and recovery rebuilds the book from it.
 
-A job's state uses the words of docs/design-notes.md ("Jobs"): pending,
+A job's state uses the state names of docs/http-api.md ("States"): pending,
 requested, working, finished, failed, canceled, deleted. While a job is
 live its state is read from the scheduler's task it is attached to (so the
 book costs nothing per placement); once it ends, the book stores the final
@@ -56,7 +56,7 @@ _FROM_TASK = {
     TaskState.CANCELED: JobState.CANCELED,
 }
 
-# The UDP door's own words for the same states (section 4 of the contract).
+# The UDP door's own words for the same states (the words get_task and notify_task use).
 _UDP_WORDS = {
     JobState.PENDING: "queued",
     JobState.REQUESTED: "running",

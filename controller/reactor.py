@@ -3,7 +3,7 @@
 Every task crosses three Unix connections (SET_TASK, FETCH_ME, FETCH), each a
 connect or accept, one frame each way and a close. Giving each of them its own
 trio task, cancel scope and `wait_readable` costs several times the system
-calls themselves (docs/design-notes.md has the measurements). So the hot
+calls themselves (docs/architecture.md, "Decisions"). So the hot
 paths register their sockets in one level-triggered epoll set owned by a
 `Reactor`; one trio task waits for that set to become readable (an epoll fd
 is pollable) and runs the ready sockets' callbacks in the order the events

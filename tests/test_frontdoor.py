@@ -1,4 +1,4 @@
-"""The pure front door with raw datagrams: every rule of the UDP door (docs/design-notes.md)."""
+"""The pure front door with raw datagrams: every rule of the UDP door (docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_add_task_acknowledged_and_submitted_once():
     assert again == ack and len(sched.submitted) == 1
 
 
-def test_seed_single_quoted_form_accepted():
+def test_single_quoted_form_accepted():
     fd, sched = door()
     data = b"{'method': 'add_task', 'params': {'task_id': 5}, 'packet_type': 1, 'transmission_id': 1598326709621}"
     [(ack, _)] = sent(fd.datagram(data, CLIENT, 0.0))
@@ -384,7 +384,7 @@ def test_an_add_task_that_made_a_job_is_answered_by_the_book_not_remembered():
     assert again == [Send(first.data, CLIENT)] and len(sched.submitted) == 1
     assert fd.stats.duplicates == 1
     # Once the job ended, a copy is acknowledged and its outcome sent again (the client
-    # drops a repeated notification, DESIGN.md section 5).
+    # drops a repeated notification, delivery is at-least-once and the client drops repeats).
     finish(fd, 1, result=b"r", now=1.0)
     [(ack, _), (note, _)] = sent(fd.datagram(packet(txid=1, task_id=5), CLIENT, 2.0))
     assert ack == json.loads(first.data)
@@ -518,7 +518,7 @@ def test_request_memory_keeps_every_sender_and_id_apart(remembered, others):
         ' \n{"a": [1, 2.5, "x"]}',  # white space before: the cheap path hands over to json.loads
         '{"a": [1, 2.5, "x"]}\r\n ',  # and after
         '{"a": [1, 2.5, "x"]}',
-        "{'a': [1, 2.5, 'x']}",  # the seed's single-quoted form
+        "{'a': [1, 2.5, 'x']}",  # the single-quoted literal form
     ],
 )
 def test_datagram_parsing_reads_what_json_reads(text):

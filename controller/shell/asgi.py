@@ -4,7 +4,7 @@ Six paths, each also without its trailing slash, and `/job/{id}/`: an exact
 dict lookup, then the one pattern. Starlette did this before; its layers
 (error and exception middlewares, the router's regex per route, a wrapper
 around every `send`) cost ~6% of the controller's CPU per request with the
-door busy, which is the door's ceiling (docs/design-notes.md, "The HTTP door").
+door busy, which is the door's ceiling (docs/performance.md, "What bounds the figures").
 A handler that raises is logged and answered 500 with the JSON error object;
 the lifespan protocol is answered so that hypercorn starts and stops cleanly.
 """

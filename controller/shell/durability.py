@@ -41,7 +41,7 @@ from controller.journal import Journal
 # How long a batch waits for more: nothing while at most BATCH_AFTER jobs are in flight
 # (a batch of two or three saves little and delays all of them), then this for each job
 # beyond, and at most that. An fsync costs ~100 us of CPU here whatever it carries, and a
-# client's wake-up tens of microseconds whatever it reads (docs/design-notes.md, "Batches").
+# client's wake-up tens of microseconds whatever it reads (docs/operations.md, "Tuning").
 BATCH_AFTER = 4
 BATCH_DELAY_PER_JOB = 60e-6
 BATCH_DELAY_MAX = 0.004

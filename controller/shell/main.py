@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         type=parse_cpus,
         help="run the controller only on these CPUs, e.g. 0 or 0,2-3 (local workers are not "
-        "pinned unless given their own --cpus after --); see docs/design-notes.md",
+        "pinned unless given their own --cpus after --); see docs/operations.md, Tuning",
     )
     parser.add_argument(
         "--busy-poll",
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the controller this many nice levels from where it was started, e.g. -10: "
         "ahead of its workers and clients for the CPU (local workers keep the starting "
         f"level). Default {DEFAULT_ADJUSTMENT}. Measured: little gain even with very short "
-        "jobs (docs/design-notes.md). Going below the starting level needs root or "
+        "jobs (docs/operations.md, Tuning). Going below the starting level needs root or "
         "CAP_SYS_NICE; without, it says so and runs as started",
     )
     add_common_flags(parser)

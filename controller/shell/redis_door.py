@@ -1,4 +1,4 @@
-"""The Redis stream door (DESIGN.md section 10): one queue for several controllers, one per host.
+"""The Redis stream door (docs/redis.md): one queue for several controllers, one per host.
 
 redis-py is a blocking (or asyncio) client, and the controller runs on trio, so
 the door's Redis calls (controller/shell/redis_calls.py) run in a worker thread
