@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -76,4 +77,7 @@ def test_the_schemathesis_command_finds_nothing(tmp_path: Path) -> None:
             timeout=300,
         )
     assert proc.returncode == 0, proc.stdout[-6000:]
-    assert "No issues found" in proc.stdout
+    # Every generated case passed. A warning that random ids found no job (404) is not an
+    # issue of the API; whether it is printed depends on which cases the stateful phase chains.
+    counts = re.search(r"(\d+) generated, (\d+) passed\n", proc.stdout)
+    assert counts is not None and counts[1] == counts[2], proc.stdout[-6000:]
