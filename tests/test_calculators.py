@@ -14,6 +14,7 @@ from controller.calclink import (
     PerformUnacked,
 )
 from controller.core import Core, PerformTask, TaskFinished, TaskState
+from controller.core.roster import MAX_REMEMBERED
 from controller.frontdoor import FrontDoor, Send
 from controller.jobs import JobBook
 
@@ -205,6 +206,19 @@ def test_garbage_from_a_calculator_is_dropped_and_counted():
         assert fd.datagram(data, CALC, 0.0) == []
     assert fd.stats.unparseable == 2 and fd.stats.refused == 1  # the last: no status
     assert fd.datagram(datagram("heartbeat", status="ready"), CALC, 0.1) == [Heartbeat(CALC, True)]
+
+
+def test_a_flood_of_calculator_addresses_within_forget_after_is_capped():
+    c = Core(calculator_timeout=TIMEOUT, forget_remote_after=3600.0)
+    for i in range(3 * MAX_REMEMBERED):  # a heartbeat each from many ports, never again
+        c.calculators.heartbeat((f"127.0.{i // 60000}.9", 1024 + i % 60000), True, i / 1000)
+        c.expire(i / 1000)  # the silent ones stop being workers
+    assert len(c.calculators.roster) <= MAX_REMEMBERED
+    assert len(c.calculators._by_addr) <= MAX_REMEMBERED
+    # the live ones' pulse deadlines, and one for the roster
+    assert len(c.scheduler.deadlines) < MAX_REMEMBERED
+    c.expire(10_000.0)
+    assert len(c.calculators.roster) == 0 and c.calculators.addresses == {}
 
 
 def test_calculator_addresses_are_forgotten_after_silence():
