@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import socket
 import urllib.request
@@ -185,6 +186,29 @@ async def test_a_body_slower_than_http_body_timeout_is_cut(sockdir):
             nursery.cancel_scope.cancel()
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b"did not end in time" in answer
+
+
+@pytest.mark.parametrize("path", ["/nosuch/", "/job/"])
+async def test_a_broken_chunked_body_is_refused_quietly(sockdir, caplog, path):
+    """hypercorn refuses the broken body (400) and closes the connection while the handler
+    may be answering too: the two take turns, nothing is logged as a failure, and the door
+    goes on."""
+    async with http_controller(sockdir, workers=1) as ctl:
+        for attempt in range(30):
+            stream = await _connect(ctl.url)
+            await stream.send_all(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            )
+            for _ in range(attempt % 10):  # the broken chunk at a different moment each time
+                await trio.lowlevel.checkpoint()
+            await stream.send_all(b"zz\r\n")  # not a chunk size
+            answer = await _read_until_closed(stream)  # closed (a reset may eat the answer)
+            assert answer == b"" or answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 404")), answer
+            await stream.aclose()
+        await wait_until(lambda: ctl.web.connections.open == 0)
+        assert (await _get(await _connect(ctl.url))).startswith(b"HTTP/1.1 200")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, caplog.text[-3000:]
 
 
 def test_the_hypercorn_names_the_door_uses_are_there():

@@ -13,6 +13,11 @@ the rest, so that nobody on the network can stop the controller or starve it:
   HTTP/2.0") is closed before hypercorn sees it, and a `101 Switching
   Protocols` (hypercorn's answer to `Upgrade: h2c`) is never sent: the
   connection is closed instead. Over TLS only "http/1.1" is offered by ALPN.
+  It also takes its senders one at a time: hypercorn sends its answers under a
+  lock but its end of stream (`send_eof`, when it closes the connection) without
+  it, so a client whose broken request makes hypercorn answer and close while
+  the handler answers too would otherwise fail the connection (trio's "another
+  task is currently sending") with a traceback in the log.
 
 hypercorn's names used here are `TCPServer(app, config, context, state,
 stream)`, `WorkerContext(max_requests)` and a server's `idle_task` (the
@@ -51,6 +56,8 @@ class OneOneStream(trio.abc.HalfCloseableStream):
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.transport: Any = stream
         self._head = b""  # the connection's first bytes, until they can be told apart
+        self._sending = False  # a send_all or send_eof is under way
+        self._turns = trio.lowlevel.ParkingLot()  # senders waiting for it to end
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
@@ -68,13 +75,25 @@ class OneOneStream(trio.abc.HalfCloseableStream):
         if bytes(data[: len(SWITCHING)]) == SWITCHING:
             await self.transport.aclose()
             raise trio.BrokenResourceError("no protocol switch: only HTTP/1.1 is served")
-        await self.transport.send_all(data)
+        await self._one_at_a_time(self.transport.send_all, data)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        await self.transport.send_eof()
+        await self._one_at_a_time(self.transport.send_eof)
+
+    async def _one_at_a_time(self, send: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run one send of the wrapped stream once no other is under way (no checkpoint
+        of its own when none is: the common case costs nothing)."""
+        while self._sending:
+            await self._turns.park()
+        self._sending = True
+        try:
+            await send(*args)
+        finally:
+            self._sending = False
+            self._turns.unpark()
 
     async def aclose(self) -> None:
         await self.transport.aclose()
