@@ -7,7 +7,10 @@ the rest, so that nobody on the network can stop the controller or starve it:
   `max_connections` are open at once; one past that is accepted and closed at
   once. An accept that fails for want of a descriptor (or of kernel memory) is
   logged, at most once per 30 s, and tried again after a pause
-  (controller/shell/descriptors.py); the controller goes on.
+  (controller/shell/descriptors.py); the controller goes on. A connection
+  whose handling fails is closed alone, and the failure is contained
+  (controller/containment.py: the first of a kind with its traceback, then a
+  count every 30 s), so no client can flood the log.
 - `OneOneStream` sits under hypercorn on each connection and keeps it at
   HTTP/1.1: a connection that opens with the HTTP/2 preface ("PRI *
   HTTP/2.0") is closed before hypercorn sees it, and a `101 Switching
@@ -34,6 +37,7 @@ from typing import Any
 
 import trio
 
+from controller.containment import contained
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 
 log = logging.getLogger("controller.http")
@@ -168,8 +172,8 @@ async def _run(
         if ssl_context is not None:
             stream = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
         await handler(OneOneStream(stream))
-    except Exception:  # one connection's failure is that connection's alone
-        log.exception("HTTP connection failed")
+    except Exception as exc:  # one connection's failure is that connection's alone
+        contained("an HTTP connection", exc, trio.current_time())
     finally:
         connections.open -= 1
         sock.close()
