@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -57,7 +58,8 @@ class Roster(Generic[K]):
         self.done: dict[int, int] = {}  # jobs ended on it, over its lives as a worker
         # When each entry is to be looked at again, in the order they were set (which is
         # that order but for a live entry's recheck, when forget_after < RECHECK_LIVE).
-        self._due_at: dict[int, float] = {}
+        # (An OrderedDict: a plain dict slows down as entries leave its front and come back.)
+        self._due_at: OrderedDict[int, float] = OrderedDict()
         self._armed = math.inf  # when the roster's one deadline in the heap is due
 
     def __len__(self) -> int:
@@ -72,8 +74,8 @@ class Roster(Generic[K]):
             wid = self.ids[key] = next(self._next_id)
             self.keys[wid] = key
             self.names[wid] = self._name_of(key)
-        self._due_at.pop(wid, None)
-        self._due_at[wid] = now + self.forget_after  # to the end: the latest heard
+        self._due_at[wid] = now + self.forget_after
+        self._due_at.move_to_end(wid)  # the latest heard
         self._arm()
         return wid
 
@@ -97,8 +99,8 @@ class Roster(Generic[K]):
             self._recheck(wid, now)
 
     def _recheck(self, wid: int, now: float) -> None:
-        del self._due_at[wid]
         self._due_at[wid] = now + max(self.forget_after, RECHECK_LIVE)
+        self._due_at.move_to_end(wid)
 
     def _drop(self, wid: int) -> None:
         del self._due_at[wid]
