@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 from typing import Any
 
 from controller.calclink import (
@@ -14,6 +15,7 @@ from controller.calclink import (
     PerformUnacked,
 )
 from controller.core import Core, PerformTask, TaskFinished, TaskState
+from controller.core.calculators import SILENT_REPORT_INTERVAL
 from controller.core.roster import MAX_REMEMBERED
 from controller.frontdoor import FrontDoor, Send
 from controller.jobs import JobBook
@@ -219,6 +221,23 @@ def test_a_flood_of_calculator_addresses_within_forget_after_is_capped():
     assert len(c.scheduler.deadlines) < MAX_REMEMBERED
     c.expire(10_000.0)
     assert len(c.calculators.roster) == 0 and c.calculators.addresses == {}
+
+
+def test_a_flood_of_silent_calculators_logs_a_count_not_a_line_each(caplog):
+    c = Core(calculator_timeout=TIMEOUT, forget_remote_after=60.0)
+    for port in range(2000, 3000):  # heartbeats from many ports, never again
+        c.calculators.heartbeat(("127.0.0.9", port), True, 0.0)
+    with caplog.at_level(logging.WARNING, logger="controller.core"):
+        c.expire(TIMEOUT)
+        assert c.workers == {} and c.calculators.silent_dropped == 1000
+        c.calculators.heartbeat(("127.0.0.9", 9999), True, TIMEOUT + SILENT_REPORT_INTERVAL)
+        c.expire(2 * TIMEOUT + SILENT_REPORT_INTERVAL)
+    lines = [r.getMessage() for r in caplog.records if "silent" in r.getMessage()]
+    assert lines == [
+        "calculator 127.0.0.9:2000 silent for calculator_timeout; dropping it",
+        "1000 idle calculators silent for calculator_timeout dropped since the last report "
+        "(the latest 127.0.0.9:9999)",
+    ]
 
 
 def test_calculator_addresses_are_forgotten_after_silence():
