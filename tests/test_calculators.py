@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 from typing import Any
 
 from controller.calclink import (
@@ -14,6 +15,8 @@ from controller.calclink import (
     PerformUnacked,
 )
 from controller.core import Core, PerformTask, TaskFinished, TaskState
+from controller.core.calculators import SILENT_REPORT_INTERVAL
+from controller.core.roster import MAX_REMEMBERED
 from controller.frontdoor import FrontDoor, Send
 from controller.jobs import JobBook
 
@@ -205,6 +208,36 @@ def test_garbage_from_a_calculator_is_dropped_and_counted():
         assert fd.datagram(data, CALC, 0.0) == []
     assert fd.stats.unparseable == 2 and fd.stats.refused == 1  # the last: no status
     assert fd.datagram(datagram("heartbeat", status="ready"), CALC, 0.1) == [Heartbeat(CALC, True)]
+
+
+def test_a_flood_of_calculator_addresses_within_forget_after_is_capped():
+    c = Core(calculator_timeout=TIMEOUT, forget_remote_after=3600.0)
+    for i in range(3 * MAX_REMEMBERED):  # a heartbeat each from many ports, never again
+        c.calculators.heartbeat((f"127.0.{i // 60000}.9", 1024 + i % 60000), True, i / 1000)
+        c.expire(i / 1000)  # the silent ones stop being workers
+    assert len(c.calculators.roster) <= MAX_REMEMBERED
+    assert len(c.calculators._by_addr) <= MAX_REMEMBERED
+    # the live ones' pulse deadlines, and one for the roster
+    assert len(c.scheduler.deadlines) < MAX_REMEMBERED
+    c.expire(10_000.0)
+    assert len(c.calculators.roster) == 0 and c.calculators.addresses == {}
+
+
+def test_a_flood_of_silent_calculators_logs_a_count_not_a_line_each(caplog):
+    c = Core(calculator_timeout=TIMEOUT, forget_remote_after=60.0)
+    for port in range(2000, 3000):  # heartbeats from many ports, never again
+        c.calculators.heartbeat(("127.0.0.9", port), True, 0.0)
+    with caplog.at_level(logging.WARNING, logger="controller.core"):
+        c.expire(TIMEOUT)
+        assert c.workers == {} and c.calculators.silent_dropped == 1000
+        c.calculators.heartbeat(("127.0.0.9", 9999), True, TIMEOUT + SILENT_REPORT_INTERVAL)
+        c.expire(2 * TIMEOUT + SILENT_REPORT_INTERVAL)
+    lines = [r.getMessage() for r in caplog.records if "silent" in r.getMessage()]
+    assert lines == [
+        "calculator 127.0.0.9:2000 silent for calculator_timeout; dropping it",
+        "1000 idle calculators silent for calculator_timeout dropped since the last report "
+        "(the latest 127.0.0.9:9999)",
+    ]
 
 
 def test_calculator_addresses_are_forgotten_after_silence():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import socket
 import urllib.request
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from controller import containment
 from controller.shell import http as http_module
-from controller.shell import keepalive
+from controller.shell import http_conn, keepalive
 from tests.helpers import live_controller, run_udp_client, wait_for_condition, wait_until
 from tests.test_http import client, http_controller
 
@@ -185,6 +187,51 @@ async def test_a_body_slower_than_http_body_timeout_is_cut(sockdir):
             nursery.cancel_scope.cancel()
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b"did not end in time" in answer
+
+
+@pytest.mark.parametrize("path", ["/nosuch/", "/job/"])
+async def test_a_broken_chunked_body_is_refused_quietly(sockdir, caplog, path):
+    """hypercorn refuses the broken body (400) and closes the connection while the handler
+    may be answering too: the two take turns, nothing is logged as a failure, and the door
+    goes on."""
+    async with http_controller(sockdir, workers=1) as ctl:
+        for attempt in range(30):
+            stream = await _connect(ctl.url)
+            await stream.send_all(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            )
+            for _ in range(attempt % 10):  # the broken chunk at a different moment each time
+                await trio.lowlevel.checkpoint()
+            await stream.send_all(b"zz\r\n")  # not a chunk size
+            answer = await _read_until_closed(stream)  # closed (a reset may eat the answer)
+            assert answer == b"" or answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 404")), answer
+            await stream.aclose()
+        await wait_until(lambda: ctl.web.connections.open == 0)
+        assert (await _get(await _connect(ctl.url))).startswith(b"HTTP/1.1 200")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, caplog.text[-3000:]
+
+
+async def test_connections_that_fail_log_one_traceback_not_one_each(monkeypatch, caplog):
+    monkeypatch.setattr(containment, "FAILURES", containment.Failures())  # a first failure
+
+    async def failing(stream: trio.abc.Stream) -> None:
+        raise RuntimeError("a bug one connection reaches")
+
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    connections = http_conn.Connections(10)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(http_conn.serve_connections, [(listener, None)], failing, connections)
+        for _ in range(20):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await _read_until_closed(stream)  # closed: that connection alone
+            await stream.aclose()
+        await wait_until(lambda: containment.FAILURES.total == 20)
+        nursery.cancel_scope.cancel()
+    assert caplog.text.count("Traceback") == 1, caplog.text[-3000:]
 
 
 def test_the_hypercorn_names_the_door_uses_are_there():

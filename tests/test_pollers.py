@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller.core import Core, HandOut, TaskFinished, TaskState
+from controller.core.roster import MAX_REMEMBERED
 
 CLAIM, LEASE = 10.0, 5.0
 
@@ -166,3 +167,19 @@ def test_poller_names_are_forgotten_after_silence_but_not_while_live():
     assert len(c.pollers._by_name) == 1
     c.expire(500.0)
     assert "live" in c.pollers.roster.ids  # still waiting: still known
+
+
+def test_a_flood_of_poller_names_within_forget_after_is_capped():
+    c = Core(claim_timeout=CLAIM, lease_timeout=LEASE, forget_remote_after=3600.0)
+    c.pollers.ping("live", 0.0)  # waiting all along
+    for i in range(3 * MAX_REMEMBERED):  # new names, each asking once and giving up
+        c.pollers.ping(f"n{i}", 1.0 + i / 1000)
+        c.pollers.gave_up(f"n{i}", 1.0 + i / 1000)
+    assert len(c.pollers.roster) <= MAX_REMEMBERED
+    assert len(c.pollers._by_name) <= MAX_REMEMBERED
+    assert len(c.scheduler.deadlines) < 100  # the roster holds one deadline, not one a name
+    assert "live" in c.pollers.roster.ids  # the oldest heard, but live: kept
+    assert f"n{3 * MAX_REMEMBERED - 1}" in c.pollers.roster.ids  # the newest are kept
+    assert "n0" not in c.pollers.roster.ids  # the oldest silent ones went first
+    c.expire(10_000.0)
+    assert list(c.pollers.roster.ids) == ["live"]

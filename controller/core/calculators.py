@@ -15,6 +15,7 @@ calculator silent for `calculator_timeout` is dead: its job is placed again
 from __future__ import annotations
 
 import logging
+import math
 
 from controller.core.model import (
     Action,
@@ -34,6 +35,9 @@ Address = tuple[str, int]
 
 # Calculator numbers live apart from local workers' and pollers'.
 FIRST_CALCULATOR_ID = 1 << 41
+# Idle calculators gone silent are reported at most once per this many seconds, with a count:
+# anyone who can send heartbeats from many ports must not be able to flood the log.
+SILENT_REPORT_INTERVAL = 30.0
 
 
 class Calculators:
@@ -60,6 +64,9 @@ class Calculators:
         self.addresses = self.roster.keys
         self.names = self.roster.names
         self.ignored_reports = 0
+        self.silent_dropped = 0  # idle calculators dropped for silence, in all
+        self._silent_unreported = 0
+        self._silent_report_at = -math.inf
 
     # ------------------------------------------------------------ the scheduler's side
 
@@ -178,8 +185,30 @@ class Calculators:
             self.scheduler.at(worker.deadline, self._deadline_due, worker)
             return
         name = self.names[worker.worker_id]
-        log.warning("calculator %s silent for calculator_timeout; dropping it", name)
+        if worker.task is not None:  # one line per job placed again (jobs are few)
+            log.warning("calculator %s silent for calculator_timeout; dropping it", name)
+        else:
+            self._report_silent(name, now)
         self.scheduler.lost(worker, now, actions, cause="calculator silent")
+
+    def _report_silent(self, name: str, now: float) -> None:
+        """An idle calculator went silent: the first is logged, then one line with a count
+        per SILENT_REPORT_INTERVAL."""
+        self.silent_dropped += 1
+        self._silent_unreported += 1
+        if now < self._silent_report_at:
+            return
+        if self._silent_unreported == 1:
+            log.warning("calculator %s silent for calculator_timeout; dropping it", name)
+        else:
+            log.warning(
+                "%d idle calculators silent for calculator_timeout dropped since the last "
+                "report (the latest %s)",
+                self._silent_unreported,
+                name,
+            )
+        self._silent_unreported = 0
+        self._silent_report_at = now + SILENT_REPORT_INTERVAL
 
 
 def _name(address: Address) -> str:

@@ -7,12 +7,20 @@ the rest, so that nobody on the network can stop the controller or starve it:
   `max_connections` are open at once; one past that is accepted and closed at
   once. An accept that fails for want of a descriptor (or of kernel memory) is
   logged, at most once per 30 s, and tried again after a pause
-  (controller/shell/descriptors.py); the controller goes on.
+  (controller/shell/descriptors.py); the controller goes on. A connection
+  whose handling fails is closed alone, and the failure is contained
+  (controller/containment.py: the first of a kind with its traceback, then a
+  count every 30 s), so no client can flood the log.
 - `OneOneStream` sits under hypercorn on each connection and keeps it at
   HTTP/1.1: a connection that opens with the HTTP/2 preface ("PRI *
   HTTP/2.0") is closed before hypercorn sees it, and a `101 Switching
   Protocols` (hypercorn's answer to `Upgrade: h2c`) is never sent: the
   connection is closed instead. Over TLS only "http/1.1" is offered by ALPN.
+  It also takes its senders one at a time: hypercorn sends its answers under a
+  lock but its end of stream (`send_eof`, when it closes the connection) without
+  it, so a client whose broken request makes hypercorn answer and close while
+  the handler answers too would otherwise fail the connection (trio's "another
+  task is currently sending") with a traceback in the log.
 
 hypercorn's names used here are `TCPServer(app, config, context, state,
 stream)`, `WorkerContext(max_requests)` and a server's `idle_task` (the
@@ -29,6 +37,7 @@ from typing import Any
 
 import trio
 
+from controller.containment import contained
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 
 log = logging.getLogger("controller.http")
@@ -51,6 +60,8 @@ class OneOneStream(trio.abc.HalfCloseableStream):
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.transport: Any = stream
         self._head = b""  # the connection's first bytes, until they can be told apart
+        self._sending = False  # a send_all or send_eof is under way
+        self._turns = trio.lowlevel.ParkingLot()  # senders waiting for it to end
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
@@ -68,13 +79,25 @@ class OneOneStream(trio.abc.HalfCloseableStream):
         if bytes(data[: len(SWITCHING)]) == SWITCHING:
             await self.transport.aclose()
             raise trio.BrokenResourceError("no protocol switch: only HTTP/1.1 is served")
-        await self.transport.send_all(data)
+        await self._one_at_a_time(self.transport.send_all, data)
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        await self.transport.send_eof()
+        await self._one_at_a_time(self.transport.send_eof)
+
+    async def _one_at_a_time(self, send: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run one send of the wrapped stream once no other is under way (no checkpoint
+        of its own when none is: the common case costs nothing)."""
+        while self._sending:
+            await self._turns.park()
+        self._sending = True
+        try:
+            await send(*args)
+        finally:
+            self._sending = False
+            self._turns.unpark()
 
     async def aclose(self) -> None:
         await self.transport.aclose()
@@ -149,8 +172,8 @@ async def _run(
         if ssl_context is not None:
             stream = trio.SSLStream(stream, ssl_context, server_side=True, https_compatible=True)
         await handler(OneOneStream(stream))
-    except Exception:  # one connection's failure is that connection's alone
-        log.exception("HTTP connection failed")
+    except Exception as exc:  # one connection's failure is that connection's alone
+        contained("an HTTP connection", exc, trio.current_time())
     finally:
         connections.open -= 1
         sock.close()
