@@ -115,6 +115,21 @@ def test_register_next_pulse_zero_counts_as_one_second():
     assert wid not in core.workers
 
 
+def test_a_promise_of_silence_is_held_to_an_hour():
+    """A process that registers promising years of silence is forgotten within the hour,
+    at registration and at every later pulse."""
+    core = Core()
+    wid = register(core, 0.0, next_pulse=2**32 - 1)
+    assert core.expire(3599.999) == [] and wid in core.workers
+    core.expire(3600.0)
+    assert wid not in core.workers
+    other = ready_worker(core, 4000.0)
+    pulse(core, other, 4001.0, next_pulse=2**32 - 1)
+    assert core.expire(7600.999) == [] and other in core.workers
+    core.expire(7601.0)
+    assert other not in core.workers
+
+
 # ---------------------------------------------------------------- the happy path
 
 

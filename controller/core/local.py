@@ -38,6 +38,9 @@ from gen import worker_protocol_pb2 as pb
 log = logging.getLogger("controller.core")
 
 _REPLY_OK = Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK))
+# The longest silence a worker may promise (`next_pulse`, seconds): a longer promise is
+# held to this, so that a process that registers and goes quiet is forgotten within the hour.
+MAX_NEXT_PULSE = 3600
 _REPLY_UNKNOWN_ID = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
 _REPLY_UNKNOWN_TYPE = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_TYPE))
 _REPLY_FAILED = Reply(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
@@ -97,7 +100,7 @@ class LocalWorkers:
             sched.lost(worker, now, actions, cause="shutdown")
             sched.dispatch(actions)
             return actions
-        worker.deadline = now + max(1, pulse.next_pulse)
+        worker.deadline = now + promised(pulse)
         worker.last_pulse = now
         task_id = pulse.task_id
         state = worker.state
@@ -126,7 +129,7 @@ class LocalWorkers:
             kind=self,
             pid=ev.pid,
             uid=ev.uid,
-            deadline=now + max(1, ev.pulse.next_pulse),
+            deadline=now + promised(ev.pulse),
         )
         worker.last_pulse = now
         self.scheduler.add_worker(worker)
@@ -286,3 +289,9 @@ class LocalWorkers:
         worker.fetch_wanted = False
         worker.advance(WorkerEvent.FETCH)
         actions.append(Dial(worker.worker_id, worker.uid, pb.CTRL_FETCH))
+
+
+def promised(pulse: pb.WorkerPulse) -> int:
+    """Seconds until the worker's next pulse is due: its `next_pulse` (0 counts as 1),
+    at most MAX_NEXT_PULSE."""
+    return min(max(1, pulse.next_pulse), MAX_NEXT_PULSE)
