@@ -39,6 +39,7 @@ import redis
 import trio
 
 from controller.client import AsyncClient, JobFailed, Outcome, UdpSession
+from controller.config import JOURNAL_SYNC_MODES
 from tests.helpers import (
     REDIS_SERVER,
     RedisServer,
@@ -149,7 +150,9 @@ def recording_job(execlog: Path) -> list[str]:
     return ["--exec", "sh", "-c", f'input=$(cat); echo "$input" >> {execlog}; printf %s "$input"']
 
 
-async def run(seconds: float, seed: int, workers: int, workdir: Path, doors: set[str]) -> int:
+async def run(
+    seconds: float, seed: int, workers: int, workdir: Path, doors: set[str], journal_sync: str
+) -> int:
     rng = random.Random(seed)
     port = free_udp_port()
     http_port = free_tcp_port()
@@ -169,6 +172,7 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path, doors: set
         client_address={"host": "127.0.0.1", "port": port},
         http_address={"host": "127.0.0.1", "port": http_port} if "http" in doors else None,
         journal=str(workdir / "journal.sqlite3"),
+        journal_sync=journal_sync,
         timeout_task_placement=120,
         max_retries=10,
         dial_timeout=1.0,
@@ -194,6 +198,7 @@ async def run(seconds: float, seed: int, workers: int, workdir: Path, doors: set
             socket_dir=str(b_sockets),
             client_address={"host": "127.0.0.1", "port": free_udp_port()},
             journal=str(b_dir / "journal.sqlite3"),
+            journal_sync=journal_sync,
             max_retries=10,
             dial_timeout=1.0,
             redis=stream,
@@ -584,6 +589,13 @@ def main() -> None:
         help="doors to drive, from udp,http,redis (default all; redis needs redis-server)",
     )
     parser.add_argument(
+        "--journal-sync",
+        choices=JOURNAL_SYNC_MODES,
+        default="full",
+        help="the controllers' journal_sync (default full; normal has no fsync per commit, "
+        "and its faults here are process kills, which it survives)",
+    )
+    parser.add_argument(
         "--workdir", metavar="DIR", help="where logs and the journal go (default: a new temp dir)"
     )
     args = parser.parse_args()
@@ -599,13 +611,14 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     print(
         f"chaos: {seconds:g} s, seed {args.seed}, doors {', '.join(sorted(doors))}, "
+        f"journal_sync {args.journal_sync}, "
         f"{args.workers} local workers + a calculator"
         + (" + a poller" if "http" in doors else "")
         + (" + controller B with one worker on the stream" if "redis" in doors else "")
         + f", in {workdir}",
         flush=True,
     )
-    sys.exit(trio.run(run, seconds, args.seed, args.workers, workdir, doors))
+    sys.exit(trio.run(run, seconds, args.seed, args.workers, workdir, doors, args.journal_sync))
 
 
 if __name__ == "__main__":
