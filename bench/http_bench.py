@@ -156,7 +156,9 @@ def main() -> dict[str, Any]:
         f"{ms(http_lat, 0.99)} ms [target p50 < 2 ms]; UDP door p50 {ms(udp_lat, 0.5)} ms",
         flush=True,
     )
-    with socket_dir() as tmp, live_controller(tmp, journal=None) as ctl:  # no worker: jobs wait
+    # No worker: the jobs wait. Room for the 1,000 long polls beside the pool's other
+    # connections (max_connections would close the ones past 1,000).
+    with socket_dir() as tmp, live_controller(tmp, journal=None, max_connections=1100) as ctl:
         idle = trio.run(_pulse_latency, tmp)
         held = trio.run(_with_open_waits, ctl.url, tmp, 1000)
     results["pulse_latency"] = {
