@@ -154,6 +154,40 @@ async def test_a_connection_silent_mid_head_is_closed(sockdir, short_idle):
         await wait_until(lambda: ctl.web.connections.open == 0)
 
 
+async def _trickle(stream: trio.SocketStream, data: bytes, pause: float) -> None:
+    """A slow client: `data` a few bytes at a time, `pause` seconds apart (the pacing is the
+    behaviour under test, not a wait for something to settle)."""
+    for start in range(0, len(data), 4):
+        await stream.send_all(data[start : start + 4])
+        await trio.sleep(pause)
+
+
+async def test_a_head_that_keeps_coming_is_served_past_the_idle_time(sockdir, short_idle):
+    """Only silence ends a connection mid-head: a head trickled over several idle times,
+    never silent for one, is answered."""
+    async with http_controller(sockdir, workers=1) as ctl:
+        stream = await _connect(ctl.url)
+        head = b"GET /health/ HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 20 + b"\r\n\r\n"
+        await _trickle(stream, head, SHORT_IDLE / 4)  # ~2 s in all, 4 x SHORT_IDLE
+        got = b""
+        with trio.fail_after(10):
+            while b"\r\n\r\n" not in got:
+                chunk = await stream.receive_some(65536)
+                assert chunk, got
+                got += chunk
+        assert got.startswith(b"HTTP/1.1 200"), got
+
+
+async def test_a_head_slower_than_http_body_timeout_is_cut(sockdir, short_idle):
+    async with http_controller(sockdir, workers=1, http_body_timeout=1.0) as ctl:
+        stream = await _connect(ctl.url)
+        head = b"GET /health/ HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200 + b"\r\n\r\n"
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await _trickle(stream, head, SHORT_IDLE / 4)  # ~7 s: past 1 s + the idle time
+        assert await _read_until_closed(stream) == b""
+        await wait_until(lambda: ctl.web.connections.open == 0)
+
+
 async def test_a_connection_silent_mid_body_is_closed(sockdir, short_idle):
     async with http_controller(sockdir, workers=1) as ctl:
         stream = await _connect(ctl.url)

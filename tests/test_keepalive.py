@@ -111,7 +111,7 @@ def test_fit_gives_a_hypercorn_server_an_idle_timer():
 
     server = TCPServer(None, Config(), WorkerContext(None), {}, None)
     assert keepalive.usable() is True
-    assert keepalive.fit(server) is True
+    assert isinstance(keepalive.fit(server), keepalive.IdleTimer)
     assert isinstance(server.idle_task, IdleTimer)
 
 
@@ -135,4 +135,4 @@ def test_a_hypercorn_without_the_timer_keeps_its_own(monkeypatch):
     server = Server()
     mine = server.idle_task
     monkeypatch.undo()
-    assert keepalive.fit(server) is False and server.idle_task is mine
+    assert keepalive.fit(server) is None and server.idle_task is mine

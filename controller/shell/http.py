@@ -43,7 +43,7 @@ from controller.shell.asgi import (
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http_access import Gate, read_tokens
-from controller.shell.http_conn import Connections, serve_connections
+from controller.shell.http_conn import Connections, OneOneStream, serve_connections
 from controller.shell.openapi import OPENAPI
 from controller.shell.statuspage import render_status_page
 
@@ -154,7 +154,9 @@ class HttpDoor:
         async def connection(stream: trio.abc.Stream) -> None:
             server = TCPServer(app, hc, context, {}, stream)  # type: ignore[arg-type]
             if idle_timer:
-                keepalive.fit(server)
+                timer = keepalive.fit(server, head_limit=self.config.http_body_timeout)
+                if timer is not None and isinstance(stream, OneOneStream):
+                    stream.on_receive = timer.heard  # a head that keeps coming is not idle
             await server.run()
 
         ssl_context = hc.create_ssl_context() if self._sockets.secure_sockets else None

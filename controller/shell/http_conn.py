@@ -62,12 +62,15 @@ class OneOneStream(trio.abc.HalfCloseableStream):
         self._head = b""  # the connection's first bytes, until they can be told apart
         self._sending = False  # a send_all or send_eof is under way
         self._turns = trio.lowlevel.ParkingLot()  # senders waiting for it to end
+        self.on_receive: Callable[[], None] | None = None  # told of every byte that arrives
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         data: bytes | bytearray = await self.transport.receive_some(max_bytes)
+        if data and self.on_receive is not None:
+            self.on_receive()
         if len(self._head) < len(H2_PREFACE) and data:
             self._head += bytes(data[: len(H2_PREFACE) - len(self._head)])
             if self._head == H2_PREFACE:

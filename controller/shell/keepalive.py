@@ -50,16 +50,21 @@ class IdleTimer:
     """hypercorn's `SingleTask` for the keep-alive timeout: one watching task per connection
     at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_limit: float = math.inf) -> None:
         self._deadline = math.inf  # idle since GRACE before this; inf: a request runs
         self._watching = False
         self._restarts = 0
         self._acting: trio.CancelScope | None = None  # hypercorn's action, once running
+        # How long a request's head may keep coming (http_body_timeout), and since when it
+        # does (None: no byte of it yet).
+        self.head_limit = head_limit
+        self._head_from: float | None = None
 
     async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
         """The connection is idle from now (opened, or a request ended)."""
         self._interrupt()
         self._deadline = trio.current_time() + GRACE
+        self._head_from = None
         self._restarts += 1
         if not self._watching:
             self._watching = True
@@ -69,6 +74,20 @@ class IdleTimer:
         """A request came: the connection is not idle."""
         self._interrupt()
         self._deadline = math.inf
+        self._head_from = None
+
+    def heard(self) -> None:
+        """Bytes arrived. Before a request's head is whole that is not silence: the idle
+        time starts again, for at most `head_limit` seconds from the head's first byte
+        (hypercorn itself only stops the timer once the head is whole)."""
+        if self._deadline == math.inf:
+            return  # a request runs: its body has rules of its own
+        now = trio.current_time()
+        if self._head_from is None:
+            self._head_from = now
+        if now - self._head_from < self.head_limit:
+            self._interrupt()
+            self._deadline = now + GRACE
 
     def _interrupt(self) -> None:
         if self._acting is not None:
@@ -117,12 +136,13 @@ def usable() -> bool:
     return True
 
 
-def fit(server: Any) -> bool:
-    """Give one hypercorn TCPServer an IdleTimer in place of its own; False (and its own
-    timer kept) when it does not hold the timer this module replaces."""
+def fit(server: Any, head_limit: float = math.inf) -> IdleTimer | None:
+    """Give one hypercorn TCPServer an IdleTimer in place of its own and return it; None
+    (and its own timer kept) when it does not hold the timer this module replaces."""
     from hypercorn.trio.worker_context import TrioSingleTask
 
     if type(getattr(server, "idle_task", None)) is not TrioSingleTask:
-        return False
-    server.idle_task = IdleTimer()
-    return True
+        return None
+    timer = IdleTimer(head_limit)
+    server.idle_task = timer
+    return timer
