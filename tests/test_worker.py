@@ -105,6 +105,16 @@ async def test_async_handler_runs_in_loop(sockdir, nursery):
     assert (await fake.control(1, FETCH))[1] == b"ABC"
 
 
+def assert_refused(reply: bytes) -> None:
+    """`reply` is one WorkerResponse frame: WORKER_ERR_FAILED, saying why."""
+    decoder = wire.FrameDecoder(pb.WorkerResponse)
+    decoder.feed(reply)
+    frame = decoder.next_frame()
+    assert frame is not None
+    resp, why = frame
+    assert resp.error == pb.WORKER_ERR_FAILED and why
+
+
 @pytest.mark.parametrize(
     "data",
     [b"\xff" * 11, wire.encode_varint(10_000), b"\x02\xff\xff"],
@@ -112,13 +122,7 @@ async def test_async_handler_runs_in_loop(sockdir, nursery):
 )
 async def test_bad_frames_end_that_connection_only(sockdir, nursery, data):
     fake, _ = await start(nursery, sockdir)
-    reply = await send_raw(sockdir / "1.sock", data)
-    decoder = wire.FrameDecoder(pb.WorkerResponse)
-    decoder.feed(reply)
-    frame = decoder.next_frame()
-    assert frame is not None
-    resp, why = frame
-    assert resp.error == pb.WORKER_ERR_FAILED and why
+    assert_refused(await send_raw(sockdir / "1.sock", data))
     status, _ = await fake.control(1, STATUS)
     assert status.error == pb.WORKER_ERR_OK
 
@@ -572,13 +576,7 @@ async def test_real_worker_drain_timeout_abandons_the_job_then_shuts_down(sockdi
 )
 async def test_real_worker_refuses_bad_frames_on_that_connection_only(sockdir, nursery, data):
     async with real_worker(nursery, sockdir) as (fake, _proc):
-        reply = await send_raw(sockdir / "1.sock", data)
-        decoder = wire.FrameDecoder(pb.WorkerResponse)
-        decoder.feed(reply)
-        frame = decoder.next_frame()
-        assert frame is not None
-        resp, why = frame
-        assert resp.error == pb.WORKER_ERR_FAILED and why
+        assert_refused(await send_raw(sockdir / "1.sock", data))
         status, _ = await fake.control(1, STATUS)
         assert (status.error, status.task_id) == (pb.WORKER_ERR_OK, 0)
 
