@@ -13,12 +13,12 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from controller import datagram as dg
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobState
+from controller.options import rfc3339
 
 # ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
 MAX_WAIT = 60.0
@@ -210,12 +210,6 @@ def parse_number(
     if not low <= number <= high:
         raise ApiError(400, f"{name} must be from {low:g} to {high:g}, got {value[:40]!r}")
     return number
-
-
-def rfc3339(wall: float) -> str:
-    """Wall-clock seconds as RFC 3339 in UTC (microseconds, `Z`)."""
-    stamp = datetime.fromtimestamp(wall, UTC).isoformat(timespec="microseconds")
-    return stamp.replace("+00:00", "Z")
 
 
 def dumps(body: Any) -> bytes:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 from controller.core.model import IdentityEnum, Task, TaskState
 from controller.deadlines import Deadlines
+from controller.options import DEFAULT as DEFAULT_OPTIONS
+from controller.options import JobOptions
 
 # Records forgotten per expire() call: deletes reach the journal in bounded batches,
 # and a backlog after a restart does not stall the event loop.
@@ -115,6 +117,7 @@ class Job:
     final: JobState | None = None  # set once the job ended
     expires_at: float = 0.0  # 0: kept until its outcome is delivered
     delivered: bool = False  # the submitter has the outcome (or repeats ran out)
+    options: JobOptions = DEFAULT_OPTIONS  # queue, priority, labels, time, retry rules
 
     @property
     def name(self) -> str:

@@ -13,7 +13,12 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+from controller.options import DEFAULT as DEFAULT_OPTIONS
+from controller.options import DEFAULT_QUEUE, JobOptions
 from gen import worker_protocol_pb2 as pb
+
+# What a worker that names no queue serves.
+SERVES_DEFAULT = frozenset({DEFAULT_QUEUE})
 
 
 class IdentityEnum(enum.Enum):
@@ -165,6 +170,8 @@ class Task:
     created_at: float = 0.0
     # A poller's claim token for this task ("": none): its every report must carry it.
     lease: str = ""
+    # Queue, priority, labels, time and retry rules (shared by jobs that set none).
+    opts: JobOptions = DEFAULT_OPTIONS
 
     def advance(self, event: TaskEvent) -> None:
         self.state = next_task_state(self.state, event)
@@ -200,6 +207,8 @@ class Worker:
     armed: bool = False  # a pulse-deadline entry for it is in the heap
     done: int = 0  # tasks fetched from it, for the status view
     last_pulse: float = 0.0
+    queues: frozenset[str] = SERVES_DEFAULT  # the queues it takes jobs from
+    labels: frozenset[str] = frozenset()  # what it has, for jobs' `requires`
 
     def advance(self, event: WorkerEvent) -> None:
         self.state = next_worker_state(self.state, event)

@@ -1,0 +1,258 @@
+"""A job's options (queue, priority, labels, time, retries), one reader for every door. Pure.
+
+Every door takes the same options: the UDP door from `params`, the HTTP door from the
+`POST /job/` body (JSON values), the Redis door from an entry's fields (text). `parse`
+reads either form and checks every value; a bad one raises `BadOption`, which each door
+turns into its own refusal (an error ack, a 400, a `failed` outcome). The result is a
+`JobOptions` with every default already resolved, so the scheduler, the journal and the
+job object read one record. Jobs that give no option share their door's defaults object:
+most jobs cost nothing for options.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+DEFAULT_QUEUE = "default"
+NAME_RULE = "[a-z0-9_.-]{1,64}"
+_NAME = re.compile(r"[a-z0-9_.-]{1,64}")
+MIN_PRIORITY = -100
+MAX_PRIORITY = 100
+MAX_JOB_RETRIES = 100
+# How long a retry may wait at most, however often it doubled.
+MAX_RETRY_DELAY = 3600.0
+# Times further away than this are a mistake, not a plan (and keep every sum finite).
+MAX_SECONDS = 10 * 366 * 86400.0
+MAX_LABELS = 32
+MAX_OWNER = 200
+_OWNER_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:~@+=-")
+
+OPTION_NAMES = frozenset(
+    {
+        "queue",
+        "priority",
+        "requires",
+        "delay",
+        "run_at",
+        "max_retries",
+        "retry_delay",
+        "timeout",
+        "placement_timeout",
+        "owner",
+    }
+)
+
+
+class BadOption(ValueError):
+    """An option's value is refused; the message names the option and says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobOptions:
+    """A job's options, defaults resolved. Times are seconds; `run_at` is wall-clock seconds
+    (None: as soon as a worker is free)."""
+
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    requires: frozenset[str] = frozenset()
+    run_at: float | None = None
+    max_retries: int = 3
+    retry_delay: float = 0.0
+    timeout: float = 0.0  # 0: no limit
+    placement_timeout: float = 0.0  # 0: no limit
+    owner: str = ""
+
+    def retry_wait(self, failures: int, jitter: float) -> float:
+        """Seconds before the retry that follows the `failures`-th failure: `retry_delay`
+        doubled at each further one, at most MAX_RETRY_DELAY, times `jitter` (0.8..1.2)."""
+        if self.retry_delay <= 0:
+            return 0.0
+        base = self.retry_delay * 2.0 ** min(max(failures - 1, 0), 32)
+        return min(base, MAX_RETRY_DELAY) * jitter
+
+
+DEFAULT = JobOptions()
+
+
+def valid_name(name: object) -> bool:
+    """A queue or label name: 1 to 64 of a-z 0-9 _ . -"""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def _number(name: str, value: Any, text: bool, *, upper: float) -> float:
+    if text and isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise BadOption(f"{name} must be a number of seconds, got {value[:40]!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadOption(f"{name} must be a number of seconds, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise BadOption(f"{name} must be a number of seconds from 0, got {value!r}")
+    if number > upper:
+        raise BadOption(f"{name} must be at most {upper:g} seconds, got {value!r}")
+    return number
+
+
+def _integer(name: str, value: Any, text: bool, low: int, high: int) -> int:
+    if text and isinstance(value, str):
+        stripped = value.strip()
+        if not re.fullmatch(r"[+-]?[0-9]{1,4}", stripped):
+            raise BadOption(f"{name} must be an integer from {low} to {high}, got {value[:40]!r}")
+        value = int(stripped)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadOption(f"{name} must be an integer from {low} to {high}, got {value!r}"[:200])
+    if not low <= value <= high:
+        raise BadOption(f"{name} must be an integer from {low} to {high}, got {value}")
+    return value
+
+
+def _labels(value: Any, text: bool) -> frozenset[str]:
+    if text and isinstance(value, str):
+        value = [part.strip() for part in value.split(",")] if value.strip() else []
+    if not isinstance(value, list):
+        raise BadOption(f"requires must be a list of labels, got {type(value).__name__}")
+    if len(value) > MAX_LABELS:
+        raise BadOption(f"requires names at most {MAX_LABELS} labels, got {len(value)}")
+    for label in value:
+        if not valid_name(label):
+            shown = label[:80] if isinstance(label, str) else label
+            raise BadOption(f"a label must match {NAME_RULE}, got {shown!r}")
+    return frozenset(value)
+
+
+def parse_time(value: Any) -> float:
+    """An RFC 3339 time (with a zone offset) as wall-clock seconds."""
+    if not isinstance(value, str):
+        raise BadOption(f"run_at must be an RFC 3339 time as text, got {type(value).__name__}")
+    try:
+        moment = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise BadOption(f"run_at is not an RFC 3339 time: {value[:60]!r}") from None
+    if moment.tzinfo is None:
+        raise BadOption(f"run_at needs a zone offset (Z or +HH:MM): {value[:60]!r}")
+    return moment.timestamp()
+
+
+def parse(
+    fields: Mapping[str, Any], defaults: JobOptions, now_wall: float, *, text: bool = False
+) -> JobOptions:
+    """The options among `fields` (other keys are ignored), over `defaults`. `text`: values
+    come as text (Redis fields, command lines): numbers are read from it and `requires` is
+    comma separated. Raises BadOption."""
+    given = [name for name in fields if name in OPTION_NAMES]
+    if not given:
+        return defaults
+    changes: dict[str, Any] = {}
+    if "queue" in fields:
+        queue = fields["queue"]
+        if not valid_name(queue):
+            shown = queue[:80] if isinstance(queue, str) else queue
+            raise BadOption(f"queue must match {NAME_RULE}, got {shown!r}")
+        changes["queue"] = queue
+    if "priority" in fields:
+        changes["priority"] = _integer(
+            "priority", fields["priority"], text, MIN_PRIORITY, MAX_PRIORITY
+        )
+    if "requires" in fields:
+        changes["requires"] = _labels(fields["requires"], text)
+    if "delay" in fields and "run_at" in fields:
+        raise BadOption("give delay or run_at, not both")
+    if "delay" in fields:
+        delay = _number("delay", fields["delay"], text, upper=MAX_SECONDS)
+        changes["run_at"] = now_wall + delay if delay > 0 else None
+    if "run_at" in fields:
+        run_at = parse_time(fields["run_at"])
+        if run_at > now_wall + MAX_SECONDS:
+            raise BadOption("run_at is more than ten years away")
+        changes["run_at"] = run_at if run_at > now_wall else None
+    if "max_retries" in fields:
+        changes["max_retries"] = _integer(
+            "max_retries", fields["max_retries"], text, 0, MAX_JOB_RETRIES
+        )
+    for name, upper in (
+        ("retry_delay", MAX_RETRY_DELAY),
+        ("timeout", MAX_SECONDS),
+        ("placement_timeout", MAX_SECONDS),
+    ):
+        if name in fields:
+            changes[name] = _number(name, fields[name], text, upper=upper)
+    if "owner" in fields:
+        owner = fields["owner"]
+        if (
+            not isinstance(owner, str)
+            or not 0 < len(owner) <= MAX_OWNER
+            or not set(owner) <= _OWNER_CHARS
+        ):
+            raise BadOption(
+                f"owner must be 1 to {MAX_OWNER} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
+            )
+        changes["owner"] = owner
+    return replace(defaults, **changes)
+
+
+def rfc3339(wall: float) -> str:
+    """Wall-clock seconds as RFC 3339 in UTC (microseconds, `Z`)."""
+    stamp = datetime.fromtimestamp(wall, UTC).isoformat(timespec="microseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def as_fields(options: JobOptions) -> dict[str, Any]:
+    """The options as the job object shows them (JSON values)."""
+    return {
+        "queue": options.queue,
+        "priority": options.priority,
+        "requires": sorted(options.requires),
+        "run_at": rfc3339(options.run_at) if options.run_at is not None else None,
+        "max_retries": options.max_retries,
+        "retry_delay": options.retry_delay,
+        "timeout": options.timeout,
+        "placement_timeout": options.placement_timeout,
+        "owner": options.owner,
+    }
+
+
+def to_json(options: JobOptions) -> str:
+    """The options as the journal keeps them."""
+    return json.dumps(
+        {
+            "queue": options.queue,
+            "priority": options.priority,
+            "requires": sorted(options.requires),
+            "run_at": options.run_at,
+            "max_retries": options.max_retries,
+            "retry_delay": options.retry_delay,
+            "timeout": options.timeout,
+            "placement_timeout": options.placement_timeout,
+            "owner": options.owner,
+        },
+        separators=(",", ":"),
+    )
+
+
+def from_json(text: str, defaults: JobOptions) -> JobOptions:
+    """Options the journal kept (what is missing, from an older journal, takes `defaults`)."""
+    data = json.loads(text) if text else {}
+    if not isinstance(data, dict) or not data:
+        return defaults
+    run_at = data.get("run_at")
+    return JobOptions(
+        queue=str(data.get("queue", defaults.queue)),
+        priority=int(data.get("priority", defaults.priority)),
+        requires=frozenset(str(label) for label in data.get("requires", ())),
+        run_at=float(run_at) if run_at is not None else None,
+        max_retries=int(data.get("max_retries", defaults.max_retries)),
+        retry_delay=float(data.get("retry_delay", defaults.retry_delay)),
+        timeout=float(data.get("timeout", defaults.timeout)),
+        placement_timeout=float(data.get("placement_timeout", defaults.placement_timeout)),
+        owner=str(data.get("owner", defaults.owner)),
+    )
