@@ -20,7 +20,8 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from controller import streams
-from controller.httpapi import ID_RULE, rfc3339, valid_id
+from controller.httpapi import ID_RULE, valid_id
+from controller.options import rfc3339
 
 # How long one blocking XREAD of the results waits (ms): also how soon close() is noticed.
 WATCH_BLOCK_MS = 1000

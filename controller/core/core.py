@@ -25,6 +25,8 @@ from controller.core.model import (
 from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
 from controller.core.scheduler import Counters, Scheduler
+from controller.options import DEFAULT as DEFAULT_OPTIONS
+from controller.options import JobOptions
 
 
 class Core:
@@ -119,10 +121,17 @@ class Core:
         raise TypeError(f"not a core event: {event!r}")
 
     def submit(
-        self, task_id: int, payload: bytes, owner: object, now: float
+        self,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        now: float,
+        options: JobOptions = DEFAULT_OPTIONS,
+        wait: float = 0.0,
     ) -> tuple[Task, list[Action]]:
-        """Queue a new task; returns it and the actions (a SET_TASK when a worker is free)."""
-        task = self.scheduler.submit(task_id, payload, owner, now)
+        """Queue a new task (after `wait` seconds when > 0: scheduled); returns it and the
+        actions (a SET_TASK when a worker is free)."""
+        task = self.scheduler.submit(task_id, payload, owner, now, options, wait)
         actions: list[Action] = []
         self.scheduler.dispatch(actions)
         return task, actions

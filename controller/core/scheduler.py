@@ -35,6 +35,8 @@ from controller.core.model import (
     WorkerEvent,
 )
 from controller.deadlines import Deadlines
+from controller.options import DEFAULT as DEFAULT_OPTIONS
+from controller.options import JobOptions
 
 log = logging.getLogger("controller.core")
 
@@ -113,11 +115,20 @@ class Scheduler:
 
     # ------------------------------------------------------------ tasks in
 
-    def submit(self, task_id: int, payload: bytes, owner: object, now: float) -> Task:
-        """Queue a new task (the caller dispatches)."""
+    def submit(
+        self,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        now: float,
+        options: JobOptions = DEFAULT_OPTIONS,
+        wait: float = 0.0,
+    ) -> Task:
+        """Queue a new task (the caller dispatches); with `wait` > 0 it is scheduled."""
         if task_id < 1:
             raise ValueError(f"task_id must be >= 1, got {task_id}")
         task = Task(ref=self.next_ref, task_id=task_id, payload=payload, owner=owner)
+        task.opts = options
         task.created_at = now
         self.next_ref += 1
         self.tasks[task.ref] = task

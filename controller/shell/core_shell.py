@@ -42,6 +42,8 @@ from controller.core import (
     WorkerExited,
 )
 from controller.core.model import Task
+from controller.options import DEFAULT as DEFAULT_OPTIONS
+from controller.options import JobOptions
 from controller.reactor import Reactor
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 from controller.shell.durability import WriteAhead
@@ -190,9 +192,17 @@ class CoreShell:
         self.execute(actions)
         return task
 
-    def queue(self, task_id: int, payload: bytes, owner: object) -> tuple[Task, list[Action]]:
-        """Queue a task; the caller records it, then carries out the actions (`execute`)."""
-        return self.core.submit(task_id, payload, owner, trio.current_time())
+    def queue(
+        self,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        options: JobOptions = DEFAULT_OPTIONS,
+        wait: float = 0.0,
+    ) -> tuple[Task, list[Action]]:
+        """Queue a task (scheduled `wait` seconds ahead when > 0); the caller records it, then
+        carries out the actions (`execute`)."""
+        return self.core.submit(task_id, payload, owner, trio.current_time(), options, wait)
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""

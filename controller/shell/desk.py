@@ -25,6 +25,8 @@ from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
 from controller.jobs import DEFAULT_MAX_LOG_SIZE, Job, JobBook, JobState, notes_of
 from controller.journal import Journal, Recovered, Rejected
+from controller.options import DEFAULT as DEFAULT_OPTIONS
+from controller.options import JobOptions
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 
@@ -61,7 +63,14 @@ class Scheduling(Protocol):
 
     core: Core
 
-    def queue(self, task_id: int, payload: bytes, owner: object) -> tuple[Task, list[Any]]: ...
+    def queue(
+        self,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        options: JobOptions = ...,
+        wait: float = ...,
+    ) -> tuple[Task, list[Any]]: ...
 
     def execute(self, actions: list[Any]) -> None: ...
 
@@ -170,16 +179,19 @@ class JobDesk:
         name: str = "",
         info_url: str = "",
         download_url: str = "",
+        options: JobOptions = DEFAULT_OPTIONS,
     ) -> Job:
         """Record a new job and queue it (with what a person gave it: a name, links). The job is
         in the book and staged for the journal before the scheduler's actions run (one of
         them may hand it out at once); with `journal_first` they wait until it is on disk
         (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
-        task, actions = self.scheduling.queue(task_id, payload, job_id)
+        wait = 0.0 if options.run_at is None else options.run_at - time.time()
+        task, actions = self.scheduling.queue(task_id, payload, job_id, options, wait)
         notes = notes_of(name, info_url, download_url)
         job = Job(
             job_id, task.ref, task_id, door, key, payload, notes, added_at=now, updated_at=now
         )
+        job.options = options
         job.task = task
         self.book.add(job)
         if self.journal is not None:

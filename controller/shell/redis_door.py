@@ -41,8 +41,9 @@ from controller import streams
 from controller.config import Config
 from controller.containment import INTERNAL_MESSAGE, contained
 from controller.frontdoor import DoorAction, Send
-from controller.httpapi import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, rfc3339, valid_id
+from controller.httpapi import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, valid_id
 from controller.jobs import Job, JobState
+from controller.options import rfc3339
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.redis_calls import WRITE_BATCH, Entry, Outcome, StreamCalls
