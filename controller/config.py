@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from controller.options import MAX_RETRY_DELAY, JobOptions
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -95,6 +96,20 @@ class Config:
     udp_memory: int = 67108864
     # The HTTP door over TLS with this certificate and key; None: plain HTTP.
     http_tls: HttpTls | None = None
+    # Seconds before a failed job's first retry (doubled at each further one, with jitter).
+    retry_delay: float = 0.0
+
+    def job_options(self, door: str) -> JobOptions:
+        """The options of a job from `door` that gives none: UDP jobs wait at most
+        timeout_task_placement for a worker, the others without limit; the owner is the
+        door's name (the UDP door puts its client's address instead)."""
+        return JobOptions(
+            max_retries=self.max_retries,
+            retry_delay=self.retry_delay,
+            timeout=self.task_timeout,
+            placement_timeout=self.timeout_task_placement if door == "udp" else 0.0,
+            owner=door,
+        )
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (flags override the file)."""
@@ -225,6 +240,13 @@ def _http_tls(value: Any) -> HttpTls | None:
     return HttpTls(Path(value["cert"]), Path(value["key"]))
 
 
+def _retry_delay(value: Any) -> float:
+    seconds = _seconds(value)
+    if seconds > MAX_RETRY_DELAY:
+        raise ValueError(f"must be at most {MAX_RETRY_DELAY:g} seconds, got {value!r}")
+    return seconds
+
+
 JOURNAL_SYNC_MODES = ("full", "normal")
 
 
@@ -267,6 +289,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_log_size": _size,
     "udp_memory": _size,
     "http_tls": _http_tls,
+    "retry_delay": _retry_delay,
 }
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import base64
 import ipaddress
 import logging
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller import datagram as dg
+from controller import options
 from controller.calclink import (
     CalculatorLink,
     Completed,
@@ -37,6 +39,7 @@ from controller.calclink import (
 from controller.containment import INTERNAL_MESSAGE
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobBook, JobState, udp_job_id
+from controller.options import JobOptions
 from controller.transmissions import PLAIN_ACK, TRANSMISSION_MEMORY, Address, Repeats, Seen
 
 log = logging.getLogger("controller.frontdoor")
@@ -80,6 +83,7 @@ class Submit:
     task_id: int
     payload: bytes
     addr: Address
+    options: JobOptions | None = None  # None: the door's defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,8 @@ DoorAction = (
 # What a retained job costs besides its payload and result (its record, the book's slot).
 RETAINED_OVERHEAD = 300
 CALCULATOR_METHODS = frozenset({"heartbeat", "completed_task"})
+# Client hosts whose default options (their address as owner) are kept made.
+MAX_OWNERS_KEPT = 4096
 
 
 @dataclass
@@ -130,6 +136,7 @@ class FrontDoor:
         first_txid: int = 1,
         calculators: CalculatorLink | None = None,
         memory: int = 64 * 1024 * 1024,
+        options: JobOptions | None = None,
     ) -> None:
         """`refusal()`: why new jobs must be refused now ("" when welcome)."""
         self.book = book
@@ -158,6 +165,10 @@ class FrontDoor:
         self._retained: dict[str, int] = {}
         self._retained_bytes = 0
         self.evicted = 0
+        # The options of a job that gives none, its owner the client's address (one object
+        # per client host, shared by its jobs); None: the controller's defaults.
+        self.options = options
+        self._owners: dict[str, JobOptions] = {}
 
     # ------------------------------------------------------------ inbound
 
@@ -283,10 +294,32 @@ class FrontDoor:
             if not job.state.final:
                 return []
             return self.job_finished(job, now)  # send the stored outcome again
+        options = self._options(params, addr)
         if self.refusal():
             raise BadPacket("journal_unavailable", "cannot record new tasks now")
         self.stats.tasks_added += 1
-        return [Submit(job_id, task_id, payload, addr)]
+        return [Submit(job_id, task_id, payload, addr, options)]
+
+    def _options(self, params: dict[str, Any], addr: Address) -> JobOptions | None:
+        """The job's options (`params.<name>`), its owner the client's address by default;
+        BadPacket `bad_option` for a bad one. None: the controller's defaults."""
+        door_defaults = self.options
+        if door_defaults is None:  # a door made without defaults (tests)
+            if not options.OPTION_NAMES.intersection(params):
+                return None
+            base = options.DEFAULT
+        else:
+            host = addr[0]
+            known = self._owners.get(host)
+            if known is None:
+                if len(self._owners) >= MAX_OWNERS_KEPT:
+                    self._owners.clear()
+                known = self._owners[host] = replace(door_defaults, owner=host)
+            base = known
+        try:
+            return options.parse(params, base, time.time())
+        except options.BadOption as exc:
+            raise BadPacket("bad_option", str(exc)) from None
 
     def _get_task(self, params: dict[str, Any], addr: Address) -> dict[str, Any]:
         task_id = self._task_id(params)

@@ -10,15 +10,18 @@ status and the message of the error object `{"code": status, "message": ...}`.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from controller import datagram as dg
+from controller import options
+from controller.core.model import TaskState
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobState
-from controller.options import rfc3339
+from controller.options import JobOptions, rfc3339
 
 # ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
 MAX_WAIT = 60.0
@@ -35,7 +38,10 @@ MAX_TEXT = 10_000
 MAX_ERROR = 100_000
 MAX_LOG = 1_000_000
 
-NEW_JOB_FIELDS = frozenset({"name", "info_url", "download_url", "payload", "payload_b64", "id"})
+NEW_JOB_FIELDS = frozenset(
+    {"name", "info_url", "download_url", "payload", "payload_b64", "id", *options.OPTION_NAMES}
+)
+QUEUE_FIELDS = frozenset({"paused"})
 UPDATE_FIELDS = frozenset({"state", "log", "worker", "lease", "result", "result_b64", "error"})
 # A poller's lease is a token the controller made (about 22 characters); anything longer is not one.
 MAX_LEASE = 200
@@ -62,6 +68,7 @@ class NewJob:
     name: str
     info_url: str
     download_url: str
+    options: JobOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +144,18 @@ def _bytes(data: dict[str, Any], name: str, max_size: int) -> bytes | None:
         raise ApiError(413 if exc.code.endswith("_too_large") else 400, exc.message) from None
 
 
-def parse_new_job(body: bytes, max_payload: int) -> NewJob:
-    """The body of `POST /job/` (every field optional)."""
+def parse_new_job(
+    body: bytes,
+    max_payload: int,
+    defaults: JobOptions = options.DEFAULT,
+    now_wall: float | None = None,
+) -> NewJob:
+    """The body of `POST /job/` (every field optional; the options over `defaults`)."""
     data = _object(body, NEW_JOB_FIELDS)
+    try:
+        chosen = options.parse(data, defaults, time.time() if now_wall is None else now_wall)
+    except options.BadOption as exc:
+        raise ApiError(400, str(exc)) from None
     job_id = _text(data, "id", MAX_ID_LENGTH)
     if job_id is not None and not valid_id(job_id):
         raise ApiError(400, ID_RULE)
@@ -151,6 +167,7 @@ def parse_new_job(body: bytes, max_payload: int) -> NewJob:
         name=_text(data, "name") or "",
         info_url=_text(data, "info_url") or "",
         download_url=_text(data, "download_url") or "",
+        options=chosen,
     )
 
 
@@ -175,6 +192,24 @@ def parse_update(body: bytes, max_result: int) -> Update:
     if update.state is None and update.log is None:
         raise ApiError(400, "give state and/or log")
     return update
+
+
+def parse_queue(value: str | None) -> str | None:
+    """`?queue=NAME` of `GET /job/`, or a queue's name in a path."""
+    if value is None:
+        return None
+    if not options.valid_name(value):
+        raise ApiError(400, f"a queue name must match {options.NAME_RULE}, got {value[:80]!r}")
+    return value
+
+
+def parse_pause(body: bytes) -> bool:
+    """The body of `PUT /queue/{name}/`: `{"paused": true|false}`."""
+    data = _object(body, QUEUE_FIELDS)
+    paused = data.get("paused")
+    if not isinstance(paused, bool):
+        raise ApiError(400, "give paused: true or false")
+    return paused
 
 
 def parse_state(value: str | None) -> JobState | None:
@@ -239,7 +274,11 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
         "log": job.log,
         "error": job.error,
         "failed_post": job.failed_post,
+        **options.as_fields(job.options),
     }
+    task = job.task
+    if task is not None and task.state is TaskState.SCHEDULED:  # waiting for a time
+        out["run_at"] = rfc3339(task.deadline + wall_offset)
     if state is JobState.DELETED:
         return out
     dg.put_bytes(out, "payload", job.payload)

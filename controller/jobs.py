@@ -5,7 +5,7 @@ here, and reads them back here: duplicate detection (a job's `id` is
 unique while its record is kept), status questions, results. The journal
 persists exactly these records, and recovery rebuilds the book from it.
 
-A job's state uses the state names of docs/http-api.md ("States"): pending,
+A job's state uses the state names of docs/http-api.md ("States"): scheduled, pending,
 requested, working, finished, failed, canceled, deleted. While a job is
 live its state is read from the scheduler's task it is attached to (so the
 book costs nothing per placement); once it ends, the book stores the final
@@ -32,6 +32,7 @@ MAX_FORGET_PER_CALL = 1000
 
 
 class JobState(IdentityEnum):
+    SCHEDULED = "scheduled"
     PENDING = "pending"
     REQUESTED = "requested"
     WORKING = "working"
@@ -45,9 +46,10 @@ class JobState(IdentityEnum):
         return self not in _LIVE
 
 
-_LIVE = frozenset({JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
+_LIVE = frozenset({JobState.SCHEDULED, JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
 
 _FROM_TASK = {
+    TaskState.SCHEDULED: JobState.SCHEDULED,
     TaskState.QUEUED: JobState.PENDING,
     TaskState.ASSIGNING: JobState.REQUESTED,
     TaskState.RUNNING: JobState.WORKING,
@@ -60,6 +62,7 @@ _FROM_TASK = {
 
 # The UDP door's own words for the same states (the words get_task and notify_task use).
 _UDP_WORDS = {
+    JobState.SCHEDULED: "queued",
     JobState.PENDING: "queued",
     JobState.REQUESTED: "running",
     JobState.WORKING: "running",
@@ -240,6 +243,18 @@ class JobBook:
         job.updated_at = now
         return job
 
+    def revive(self, job: Job, task: Task, now: float) -> None:
+        """An ended job runs again (a user retried it): live, attached to `task`, its outcome
+        and retention gone."""
+        job.final = None
+        job.task = task
+        job.result = b""
+        job.error = ""
+        job.failed_post = False
+        job.delivered = False
+        job.expires_at = 0.0  # a retention deadline already in the heap is skipped
+        job.updated_at = now
+
     def delete(self, job: Job, now: float) -> None:
         """Soft delete: payload and result dropped, the record kept until its retention."""
         job.final = JobState.DELETED
@@ -247,11 +262,15 @@ class JobBook:
         job.result = b""
         job.updated_at = now
 
-    def latest(self, limit: int, state: JobState | None = None) -> list[Job]:
-        """The newest jobs first, at most `limit`, in `state` if given; deleted ones only
-        when asked for (an operator's query: it may look at many records)."""
+    def latest(
+        self, limit: int, state: JobState | None = None, queue: str | None = None
+    ) -> list[Job]:
+        """The newest jobs first, at most `limit`, in `state` and `queue` if given; deleted
+        ones only when asked for (an operator's query: it may look at many records)."""
         out: list[Job] = []
         for job in reversed(self._by_id.values()):
+            if queue is not None and job.options.queue != queue:
+                continue
             job_state = job.state
             if state is None:
                 if job_state is JobState.DELETED:

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from controller.jobs import Job
+from controller.options import to_json
 
 log = logging.getLogger("controller.journal")
 
 # "JCTL": marks the file as ours, so a foreign SQLite file is refused, not altered.
 APPLICATION_ID = 0x4A43544C
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # Worker ids are reserved in blocks committed ahead of use, so that a crash can
 # never hand out an id twice and no REGISTER waits for a commit.
 WORKER_ID_BLOCK = 1000
@@ -42,6 +43,10 @@ PRUNE_BATCH = 1000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- The last columns have no comments, so that SQLite's DROP COLUMN can take them out in a
+-- test: log (its log lines, a JSON list), options (its options as JSON: queue, priority,
+-- times, retries, or empty for the configuration's) and base (its attempts when a user last
+-- retried it, from which max_retries counts).
 CREATE TABLE IF NOT EXISTS jobs (
     ref INTEGER PRIMARY KEY,
     id TEXT NOT NULL,                 -- the job's id (udp-<host>-<port>-<task_id> for UDP jobs)
@@ -51,10 +56,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     task_id INTEGER NOT NULL,
     name TEXT NOT NULL DEFAULT '',
     payload BLOB NOT NULL,
-    state TEXT NOT NULL,              -- pending, working, finished, failed, canceled, deleted
+    state TEXT NOT NULL,              -- scheduled, pending, working, finished, failed, canceled,
+                                      -- deleted
     attempts INTEGER NOT NULL DEFAULT 0,
     failed_on TEXT NOT NULL DEFAULT '[]',
-    queued_at REAL NOT NULL,          -- when it (re-)entered the queue
+    queued_at REAL NOT NULL,          -- when it (re-)entered the queue (scheduled: when due)
     added_at REAL NOT NULL,
     result BLOB,
     error TEXT,
@@ -63,8 +69,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     expires_at REAL,                  -- when a finished record may be forgotten
     info_url TEXT NOT NULL DEFAULT '',
     download_url TEXT NOT NULL DEFAULT '',
-    log TEXT NOT NULL DEFAULT '[]'    -- the job's log lines, a JSON list
+    log TEXT NOT NULL DEFAULT '[]',
+    options TEXT NOT NULL DEFAULT '',
+    base INTEGER NOT NULL DEFAULT 0
 );
+-- Queues whose jobs are not handed out until resumed.
+CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
 -- The lease of each job a poller holds: it must show it to keep the job after a restart.
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
 """
@@ -90,15 +100,27 @@ ALTER TABLE jobs ADD COLUMN download_url TEXT NOT NULL DEFAULT '';
 ALTER TABLE jobs ADD COLUMN log TEXT NOT NULL DEFAULT '[]'
 """
 
+# Version 3 kept no job options (every job took the configuration's).
+_MIGRATE_3_TO_4 = """
+ALTER TABLE jobs ADD COLUMN options TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN base INTEGER NOT NULL DEFAULT 0
+"""
+
 _INSERT = (
     "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
     " attempts, failed_on, queued_at, added_at, result, error, failed_post, info_url,"
-    " download_url, log) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " download_url, log, options, base) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+    " ?, ?, ?, ?, ?)"
 )
 _PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
     " payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
+)
+# A failed or canceled job keeps its payload: a user may retry it.
+_FINISH_KEEP = (
+    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
+    " notified = 0, expires_at = NULL WHERE ref = ?"
 )
 # Where _PROGRESS's and _FINISH's values (their parameters before the ref) sit among
 # _INSERT's, so that a change to a job added in the same batch rewrites its insert; and
@@ -107,12 +129,24 @@ _PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
 _FINISH_IN_INSERT = (8, 9, 13, 14, 15)  # state, attempts, result, error, failed_post
 _PAYLOAD_IN_INSERT = 7
 _LOG_IN_INSERT = 18
+# state, base, result, error, failed_post: a retry of a job whose insert is in the batch.
+_RETRIED_IN_INSERT = (8, 20, 13, 14, 15)
 # A job started and finished within one batch (most short jobs under load): one UPDATE
 # carrying both, written where the start's was.
 _PROGRESS_FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
     " error = ?, failed_post = ?, payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
+_PROGRESS_FINISH_KEEP = (
+    "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
+    " error = ?, failed_post = ?, notified = 0, expires_at = NULL WHERE ref = ?"
+)
+_RETRIED = (
+    "UPDATE jobs SET state = 'pending', base = ?, queued_at = ?, result = NULL, error = NULL,"
+    " failed_post = 0, notified = 0, expires_at = NULL WHERE ref = ?"
+)
+_PAUSED = "INSERT OR REPLACE INTO paused (queue) VALUES (?)"
+_RESUMED = "DELETE FROM paused WHERE queue = ?"
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
 _LOG = "UPDATE jobs SET log = ? WHERE ref = ?"
 _FORGET = "DELETE FROM jobs WHERE ref = ?"
@@ -155,6 +189,8 @@ class JobRow:
     info_url: str = ""
     download_url: str = ""
     log: list[str] = field(default_factory=list)
+    options: str = ""  # JSON (controller.options.to_json); "": the configuration's
+    base: int = 0
 
 
 @dataclass
@@ -163,6 +199,7 @@ class Recovered:
     first_worker_id: int = 1
     next_ref: int = 1
     pruned: int = 0
+    paused: list[str] = field(default_factory=list)
 
 
 Op = tuple[str, tuple[Any, ...]]
@@ -295,7 +332,7 @@ class Journal:
         db.execute(f"PRAGMA synchronous={self._sync}")
         db.execute("BEGIN IMMEDIATE")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             raise JournalError(
                 f"journal {self.path}: schema version {version} is not {SCHEMA_VERSION}"
@@ -307,6 +344,10 @@ class Journal:
             if version == 2:
                 log.info("journal %s: upgrading from schema version 2", self.path)
             _run_script(db, _MIGRATE_2_TO_3)
+        if version in (1, 2, 3):
+            if version == 3:
+                log.info("journal %s: upgrading from schema version 3", self.path)
+            _run_script(db, _MIGRATE_3_TO_4)
         _run_script(db, _SCHEMA)
         db.execute(f"PRAGMA application_id={APPLICATION_ID}")
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
@@ -342,7 +383,7 @@ class Journal:
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
-                " expires_at, info_url, download_url, log FROM jobs ORDER BY ref"
+                " expires_at, info_url, download_url, log, options, base FROM jobs ORDER BY ref"
             ):
                 out.jobs.append(
                     JobRow(
@@ -368,8 +409,11 @@ class Journal:
                         info_url=read_text(r[18]),
                         download_url=read_text(r[19]),
                         log=[str(line) for line in json.loads(r[20])],
+                        options=str(r[21]),
+                        base=int(r[22]),
                     )
                 )
+            out.paused = [str(row[0]) for row in db.execute("SELECT queue FROM paused")]
             out.next_ref = (out.jobs[-1].ref + 1) if out.jobs else 1
         except (sqlite3.Error, ValueError, TypeError) as exc:
             raise JournalError(f"journal {self.path}: cannot read it back: {exc}") from None
@@ -416,12 +460,29 @@ class Journal:
             job.payload,
         )
         links = (stored_text(job.info_url), stored_text(job.download_url), _log_text(job.log))
+        options = job.options
+        run_at = options.run_at
+        state, due = (
+            ("pending", wall) if run_at is None or run_at <= wall else ("scheduled", run_at)
+        )
+        kept = to_json(options)
         self._inserted[job.ref] = len(self._staged)
-        self._stage((_INSERT, (*row, "pending", 0, "[]", wall, wall, None, None, False, *links)))
+        self._stage(
+            (_INSERT, (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0))
+        )
 
-    def job_progress(self, ref: int, state: str, attempts: int, failed_on: tuple[int, ...]) -> None:
+    def job_progress(
+        self,
+        ref: int,
+        state: str,
+        attempts: int,
+        failed_on: tuple[int, ...],
+        due: float | None = None,
+    ) -> None:
+        """The job started, went back to the queue, or waits for its time (`state`
+        scheduled, due at wall-clock `due`)."""
         failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
-        values = (state, attempts, failed, time.time())
+        values = (state, attempts, failed, time.time() if due is None else due)
         if self._fold(ref, _PROGRESS_IN_INSERT, values):
             return
         index = self._progressed.get(ref)
@@ -435,16 +496,31 @@ class Journal:
         ref = job.ref
         error = stored_text(job.error)
         values = (job.state.value, job.attempts, job.result, error, job.failed_post)
-        if self._fold(ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
+        keep = job.state.value != "finished"  # failed or canceled: it may be retried
+        if keep:
+            if self._fold(ref, _FINISH_IN_INSERT, values):
+                return
+        elif self._fold(ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
             return
         index = self._progressed.pop(ref, None)
         if index is None:
-            self._stage((_FINISH, (*values, ref)))
+            self._stage((_FINISH_KEEP if keep else _FINISH, (*values, ref)))
             return
         _, (_, _, failed, queued_at, _) = self._staged[index]
         state, attempts, *outcome = values
         row = (state, attempts, failed, queued_at, *outcome, ref)
-        self._staged[index] = (_PROGRESS_FINISH, row)
+        self._staged[index] = (_PROGRESS_FINISH_KEEP if keep else _PROGRESS_FINISH, row)
+
+    def job_retried(self, ref: int, base: int) -> None:
+        """A user put the failed or canceled job back: pending, max_retries counted anew
+        from `base` attempts."""
+        self._progressed.pop(ref, None)
+        if not self._fold(ref, _RETRIED_IN_INSERT, ("pending", base, None, None, False)):
+            self._stage((_RETRIED, (base, time.time(), ref)))
+
+    def queue_paused(self, queue: str, paused: bool) -> None:
+        """A queue was paused or resumed."""
+        self._stage((_PAUSED if paused else _RESUMED, (queue,)))
 
     def _fold(self, ref: int, positions: tuple[int, ...], values: tuple[Any, ...]) -> bool:
         """Write `values` at `positions` of the job's _INSERT when that is in the batch being

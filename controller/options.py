@@ -11,6 +11,7 @@ most jobs cost nothing for options.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -221,8 +222,9 @@ def as_fields(options: JobOptions) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=1024)
 def to_json(options: JobOptions) -> str:
-    """The options as the journal keeps them."""
+    """The options as the journal keeps them (most jobs share a few: kept made)."""
     return json.dumps(
         {
             "queue": options.queue,

@@ -20,6 +20,7 @@ from controller.core import (
     WorkerState,
 )
 from controller.core.model import TaskEvent, WorkerEvent, next_task_state, next_worker_state
+from controller.options import JobOptions
 from gen import worker_protocol_pb2 as pb
 
 UID = 1000
@@ -544,8 +545,7 @@ def test_placement_deadlines_in_order_or_not_each_fire_once_and_on_time(steps):
     ended: dict[int, float] = {}
     for n, (gap, timeout, look) in enumerate(steps, start=1):
         now += gap
-        core.scheduler.timeout_task_placement = timeout
-        task, _ = core.submit(n, b"", None, now)
+        task, _ = core.submit(n, b"", None, now, JobOptions(placement_timeout=timeout))
         deadline[task.ref] = now + timeout
         if look:
             got = finished(core.expire(now))

@@ -14,7 +14,7 @@ import trio
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
 from controller.jobs import Job, JobState, notes_of, udp_job_id
-from controller.journal import WORKER_ID_BLOCK, Journal, JournalError
+from controller.journal import SCHEMA_VERSION, WORKER_ID_BLOCK, Journal, JournalError
 from controller.shell import committer as committer_module
 from controller.shell.committer import Committer
 from controller.shell.durability import (
@@ -147,7 +147,8 @@ def fresh(path: Path) -> Journal:
 
 # How life_of_jobs and later_life leave their two jobs.
 LIFE_OUTCOME = {
-    1: ("failed", 0, [3], b"", b"", "boom", False),  # finish() says 0 attempts
+    # A failed job keeps its payload (a user may retry it); a finished one drops it.
+    1: ("failed", 0, [3], b"p1", b"", "boom", False),  # finish() says 0 attempts
     2: ("finished", 0, [], b"", b"r2", "", True),
 }
 
@@ -367,7 +368,7 @@ def test_version_1_journal_is_upgraded_in_place(tmp_path):
         ("udp-127.0.0.1-4000-8", "udp", "failed", True),
     ]
     assert rows[1].payload == b"a" and rows[1].added_at == 100.0
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
@@ -603,12 +604,30 @@ def test_version_2_journal_gains_links_and_log(tmp_path):
     commit(journal)
     journal.close()
     with sqlite3.connect(path) as db:
-        for column in ("info_url", "download_url", "log"):
+        for column in ("base", "options", "log", "download_url", "info_url"):
             db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
         db.execute("PRAGMA user_version = 2")
     (row,) = Journal.open(path).load().jobs
     assert (row.payload, row.info_url, row.log) == (b"kept", "", [])
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_version_3_journal_gains_options_and_its_jobs_take_the_configured_ones(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    add(journal, 1, "h", 1, 1, b"kept")
+    commit(journal)
+    journal.close()
+    with sqlite3.connect(path) as db:
+        for column in ("base", "options"):
+            db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+        db.execute("DROP TABLE paused")
+        db.execute("PRAGMA user_version = 3")
+    recovered = Journal.open(path).load()
+    (row,) = recovered.jobs
+    assert (row.payload, row.options, row.base, recovered.paused) == (b"kept", "", 0, [])
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4
 
 
 def test_journal_sync_defaults_to_full(tmp_path):

@@ -25,7 +25,6 @@ from controller.core.model import (
 from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
 from controller.core.scheduler import Counters, Scheduler
-from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
 
 
@@ -36,6 +35,7 @@ class Core:
         max_retries: int = 3,
         timeout_task_placement: float = 30.0,
         task_timeout: float = 0.0,
+        retry_delay: float = 0.0,
         first_worker_id: int = 1,
         claim_timeout: float = 300.0,
         lease_timeout: float = 30.0,
@@ -46,6 +46,7 @@ class Core:
             max_retries=max_retries,
             timeout_task_placement=timeout_task_placement,
             task_timeout=task_timeout,
+            retry_delay=retry_delay,
         )
         self.recovery = Recovery(self.scheduler)
         self.local = LocalWorkers(self.scheduler, self.recovery, first_worker_id)
@@ -126,7 +127,7 @@ class Core:
         payload: bytes,
         owner: object,
         now: float,
-        options: JobOptions = DEFAULT_OPTIONS,
+        options: JobOptions | None = None,
         wait: float = 0.0,
     ) -> tuple[Task, list[Action]]:
         """Queue a new task (after `wait` seconds when > 0: scheduled); returns it and the

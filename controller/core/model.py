@@ -37,6 +37,7 @@ class TaskState(IdentityEnum):
     FAILED_POST = "failed_post"
     ORPHAN = "orphan"  # was running when the controller restarted; waiting to be claimed
     CANCELED = "canceled"  # by a user: never placed again
+    SCHEDULED = "scheduled"  # waiting for its time (delay, run_at, retry_delay)
 
     @property
     def public(self) -> str:
@@ -45,6 +46,8 @@ class TaskState(IdentityEnum):
             return "running"
         if self is TaskState.CANCELED:
             return "error"
+        if self is TaskState.SCHEDULED:
+            return "queued"
         return str(self.value)
 
     @property
@@ -66,6 +69,8 @@ class TaskEvent(IdentityEnum):
     PLACEMENT_TIMEOUT = enum.auto()  # no free worker within timeout_task_placement
     ADOPT = enum.auto()  # a re-registered worker reports it still holds this task
     CANCEL = enum.auto()  # a user canceled it
+    WAIT = enum.auto()  # to wait for a time before it is pending (delay, retry_delay)
+    DUE = enum.auto()  # its time came: pending
 
 
 _TS, _TE = TaskState, TaskEvent  # short names for the table only
@@ -87,6 +92,12 @@ TASK_TRANSITIONS: dict[tuple[TaskState, TaskEvent], TaskState] = {
     (_TS.ASSIGNING, _TE.CANCEL): _TS.CANCELED,
     (_TS.RUNNING, _TE.CANCEL): _TS.CANCELED,
     (_TS.ORPHAN, _TE.CANCEL): _TS.CANCELED,
+    (_TS.QUEUED, _TE.WAIT): _TS.SCHEDULED,
+    (_TS.ASSIGNING, _TE.WAIT): _TS.SCHEDULED,
+    (_TS.RUNNING, _TE.WAIT): _TS.SCHEDULED,
+    (_TS.ORPHAN, _TE.WAIT): _TS.SCHEDULED,
+    (_TS.SCHEDULED, _TE.DUE): _TS.QUEUED,
+    (_TS.SCHEDULED, _TE.CANCEL): _TS.CANCELED,
 }
 
 
@@ -159,10 +170,12 @@ class Task:
     owner: object  # who submitted it (the front door's client address), opaque here
     state: TaskState = TaskState.QUEUED
     attempts: int = 0  # SET_TASKs that were (or may have been) accepted
+    base: int = 0  # `attempts` when a user last retried it: max_retries counts from there
     failed_on: frozenset[int] = frozenset()  # workers it failed on (shared while empty)
     worker_id: int = 0  # holder while ASSIGNING / RUNNING
     queued_at: float = 0.0
-    # While queued: its timeout_task_placement; while running: its task_timeout (0: none).
+    # While queued: its placement deadline (0: none); while running: its timeout's; while
+    # scheduled: when it is due.
     # One field for both (a task is never both), and a deadline fires only if it is still
     # the task's one and the task is in the state it was set for.
     deadline: float = 0.0
@@ -209,6 +222,7 @@ class Worker:
     last_pulse: float = 0.0
     queues: frozenset[str] = SERVES_DEFAULT  # the queues it takes jobs from
     labels: frozenset[str] = frozenset()  # what it has, for jobs' `requires`
+    starved: int = -1  # the pending version at which it last found nothing it could take
 
     def advance(self, event: WorkerEvent) -> None:
         self.state = next_worker_state(self.state, event)

@@ -15,6 +15,7 @@ import logging
 
 from controller.core.model import Action, Task, TaskState, Worker
 from controller.core.scheduler import Scheduler, progress
+from controller.options import JobOptions
 
 log = logging.getLogger("controller.core")
 
@@ -40,16 +41,25 @@ class Recovery:
         placement_left: float | None = None,
         grace: float = 3.0,
         lease: str = "",
+        options: JobOptions | None = None,
+        base: int = 0,
+        wait: float | None = None,
     ) -> None:
         """Put back a task a previous run had accepted but not finished (`lease`: the
-        token its poller holds, which it must show to keep it)."""
+        token its poller holds, which it must show to keep it; `wait`: it was scheduled,
+        due that many seconds from now)."""
         sched = self.scheduler
         task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task.opts = sched.defaults if options is None else options
+        task.base = base
         task.lease = lease
         task.created_at = now
         task.failed_on = frozenset(failed_on)
         sched.tasks[ref] = task
         sched.next_ref = max(sched.next_ref, ref + 1)
+        if wait is not None:  # waiting for its time: no worker can hold it
+            sched.schedule(task, now + max(0.0, wait))
+            return
         self._orphans.setdefault(task_id, []).append(task)
         sched.on_settled = self._settled  # until the last orphan is settled
         if running:

@@ -1,13 +1,15 @@
-"""The scheduler: one queue of tasks, placed on workers of any kind. No I/O, no clock.
+"""The scheduler: pending tasks placed on workers of any kind. No I/O, no clock.
 
-How it works: tasks wait in a FIFO queue and idle workers in an
-insertion-ordered dict, the most recently idle taken first (under light
-load one worker stays warm instead of all taking turns). `_dispatch` pairs them and
-asks the worker's kind to hand the task over (`WorkerKind.place`: a SET_TASK
-dial for a local worker). The kind reports back through the methods under
-"what the worker kinds report": accepted, refused, finished, failed, lost.
-Retries, `max_retries`, "prefer a worker it has not failed on", the
-placement timeout and `task_timeout` are decided here once, for every kind.
+How it works: pending tasks wait in `Pending` (pending.py: queues and labels filter,
+priority orders, owners take turns) and idle workers in an insertion-ordered dict, the
+most recently idle taken first (under light load one worker stays warm instead of all
+taking turns). `dispatch` pairs them and asks the worker's kind to hand the task over
+(`WorkerKind.place`: a SET_TASK dial for a local worker). The kind reports back through
+the methods under "what the worker kinds report": accepted, refused, finished, failed,
+lost. Each task's options (`Task.opts`) say its retries, retry delay, placement timeout
+and timeout; "prefer a worker it has not failed on" and the times are decided here once,
+for every kind. A task waiting for its time (a delay, run_at, or a retry's delay) is
+SCHEDULED: a deadline puts it back among the pending.
 
 Deadlines of every part of the core live in one heap (`controller.deadlines`)
 with lazy deletion: each entry names its handler, and the handler checks the
@@ -18,8 +20,8 @@ workers or all tasks.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +36,8 @@ from controller.core.model import (
     Worker,
     WorkerEvent,
 )
+from controller.core.pending import Pending
 from controller.deadlines import Deadlines
-from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
 
 log = logging.getLogger("controller.core")
@@ -66,19 +68,27 @@ class Scheduler:
         max_retries: int = 3,
         timeout_task_placement: float = 30.0,
         task_timeout: float = 0.0,
+        retry_delay: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
-        self.max_retries = max_retries
-        self.timeout_task_placement = timeout_task_placement
-        self.task_timeout = task_timeout
+        # The options of a task submitted without any (the core's own tests, recovery of a
+        # journal that kept none): the configuration's.
+        self.defaults = JobOptions(
+            max_retries=max_retries,
+            placement_timeout=timeout_task_placement,
+            timeout=task_timeout,
+            retry_delay=retry_delay,
+        )
         self.workers: dict[int, Worker] = {}
         self.tasks: dict[int, Task] = {}  # live (unfinished) tasks by ref
         self.counters = Counters()
         self.deadlines: Deadlines[tuple[Handler, object]] = Deadlines()
-        # Placement deadlines, one per queued task, the task found by its ref when due. Most
-        # come in order (now + the same timeout): those go in two deques side by side, the
-        # deadline and the ref (two pointers to objects the task holds anyway: 16 bytes an
-        # entry); the rest (a task back in the queue with the time it had left) in a heap of
-        # (when, ref) pairs (72). With 100,000 jobs queued the pairs alone were 6 MB.
+        # Placement deadlines, one per pending task with a placement timeout, the task found
+        # by its ref when due. Most come in order (now + the same timeout): those go in two
+        # deques side by side, the deadline and the ref (two pointers to objects the task
+        # holds anyway: 16 bytes an entry); the rest (a task back in the queue with the time
+        # it had left, or another timeout) in a heap of (when, ref) pairs (72). With 100,000
+        # jobs queued the pairs alone were 6 MB.
         self._when_in_order: deque[float] = deque()
         self._ref_in_order: deque[int] = deque()
         self._placements: list[tuple[float, int]] = []
@@ -86,15 +96,28 @@ class Scheduler:
         # Called for every task that is placed on a worker or ends: it can no longer be
         # claimed by a worker that held it before a restart (see recovery.py).
         self.on_settled: Callable[[Task], None] | None = None
-        self._queue: deque[Task] = deque()
-        self._queued = 0  # tasks in state QUEUED (the deque may hold stale entries)
+        self.pending = Pending()
         self._idle: dict[int, Worker] = {}
+        self._rng = rng if rng is not None else random.Random()
 
     # ------------------------------------------------------------ queries
 
     @property
+    def max_retries(self) -> int:
+        return self.defaults.max_retries
+
+    @property
+    def timeout_task_placement(self) -> float:
+        return self.defaults.placement_timeout
+
+    @property
+    def task_timeout(self) -> float:
+        return self.defaults.timeout
+
+    @property
     def queued(self) -> int:
-        return self._queued
+        """Tasks pending (waiting for a worker)."""
+        return self.pending.count
 
     @property
     def idle_workers(self) -> int:
@@ -121,18 +144,49 @@ class Scheduler:
         payload: bytes,
         owner: object,
         now: float,
-        options: JobOptions = DEFAULT_OPTIONS,
+        options: JobOptions | None = None,
         wait: float = 0.0,
     ) -> Task:
-        """Queue a new task (the caller dispatches); with `wait` > 0 it is scheduled."""
+        """Queue a new task (the caller dispatches); with `wait` > 0 it is scheduled that
+        many seconds ahead. `options` None: the configuration's defaults."""
         if task_id < 1:
             raise ValueError(f"task_id must be >= 1, got {task_id}")
         task = Task(ref=self.next_ref, task_id=task_id, payload=payload, owner=owner)
-        task.opts = options
+        task.opts = self.defaults if options is None else options
         task.created_at = now
         self.next_ref += 1
         self.tasks[task.ref] = task
         self.counters.submitted += 1
+        if wait > 0:
+            self.schedule(task, now + wait)
+        else:
+            self.enqueue(task, now)
+        return task
+
+    def schedule(self, task: Task, when: float) -> None:
+        """The task waits in state SCHEDULED until `when`, then is pending."""
+        if task.state is not TaskState.SCHEDULED:
+            task.advance(TaskEvent.WAIT)
+        task.deadline = when
+        self.at(when, self._scheduled_due, task)
+
+    def resubmit(
+        self,
+        ref: int,
+        task_id: int,
+        payload: bytes,
+        owner: object,
+        options: JobOptions,
+        attempts: int,
+        now: float,
+    ) -> Task:
+        """A job that ended failed or canceled is back, pending, with a fresh max_retries
+        (its attempts go on counting) and the same ref. The caller dispatches."""
+        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task.opts = options
+        task.base = attempts
+        task.created_at = now
+        self.tasks[ref] = task
         self.enqueue(task, now)
         return task
 
@@ -159,6 +213,16 @@ class Scheduler:
         """Call `handler` once `when` has come (it must check that `obj` still needs it)."""
         self.deadlines.push(when, (handler, obj))
 
+    # ------------------------------------------------------------ queues
+
+    def pause(self, queue: str) -> None:
+        """Hand out none of `queue`'s tasks until `resume` (they stay pending)."""
+        self.pending.pause(queue)
+
+    def resume(self, queue: str, actions: list[Action]) -> None:
+        self.pending.resume(queue)
+        self.dispatch(actions)
+
     # ------------------------------------------------------------ what the worker kinds report
 
     def add_worker(self, worker: Worker) -> None:
@@ -170,6 +234,13 @@ class Scheduler:
         worker.advance(WorkerEvent.READY)
         self._idle[worker.worker_id] = worker
 
+    def serves(self, worker: Worker, queues: frozenset[str], labels: frozenset[str]) -> None:
+        """What `worker` takes changed (a calculator's heartbeat said so)."""
+        if worker.queues != queues or worker.labels != labels:
+            worker.queues = queues
+            worker.labels = labels
+            worker.starved = -1
+
     def accepted(self, worker: Worker, now: float, actions: list[Action]) -> None:
         task = worker.task
         assert task is not None
@@ -177,7 +248,7 @@ class Scheduler:
         worker.advance(WorkerEvent.ACCEPTED)
         task.advance(TaskEvent.ACCEPTED)
         actions.append(progress(task, waited=now - task.queued_at))
-        if self.task_timeout > 0:
+        if task.opts.timeout > 0:
             self.start_clock(task, now)
 
     def refused(self, worker: Worker, now: float, actions: list[Action]) -> None:
@@ -196,12 +267,13 @@ class Scheduler:
         self._finish(task, actions, now, result=result)
 
     def failed(self, worker: Worker, error: str, now: float, actions: list[Action]) -> None:
-        """The task failed on the worker (which stays usable): retry it elsewhere."""
+        """The task failed on the worker (which stays usable): retry it elsewhere, after its
+        retry_delay."""
         task = self._release(worker)
         task.failed_on_worker(worker.worker_id)
         task.last_error = error
         log.info("task %d failed on worker %d: %s", task.task_id, worker.worker_id, error[-200:])
-        self.retry(task, now, actions)
+        self.retry(task, now, actions, failed=True)
 
     def lost(
         self,
@@ -211,8 +283,10 @@ class Scheduler:
         *,
         cause: str,
         blame: bool = True,
+        failed: bool = False,
     ) -> None:
-        """Forget the worker; re-place its task (`blame`: the task counts it as a failure)."""
+        """Forget the worker; re-place its task (`blame`: the task counts it as an attempt;
+        `failed`: as a failure too, so its retry_delay applies)."""
         del self.workers[worker.worker_id]
         self._idle.pop(worker.worker_id, None)
         if cause != "shutdown":
@@ -226,15 +300,17 @@ class Scheduler:
             task.failed_on_worker(worker.worker_id)
             if not task.last_error:
                 task.last_error = f"worker {worker.worker_id} lost ({cause})"
-            self.retry(task, now, actions)
+            self.retry(task, now, actions, failed=failed)
         else:
             self._requeue(task, now, actions)
 
-    def take_back(self, worker: Worker, now: float, actions: list[Action], cause: str) -> None:
+    def take_back(
+        self, worker: Worker, now: float, actions: list[Action], cause: str, failed: bool = False
+    ) -> None:
         """Stop the worker's task by force and count the worker lost."""
         self.counters.restarts_sent += 1
         worker.kind.take_back(worker, actions)
-        self.lost(worker, now, actions, cause=cause)
+        self.lost(worker, now, actions, cause=cause, failed=failed)
 
     def cancel(self, ref: int, now: float, actions: list[Action]) -> bool:
         """A user canceled the task: it ends now and is never placed again. A worker that
@@ -263,7 +339,7 @@ class Scheduler:
         task.advance(TaskEvent.ADOPT)
         worker.task = task
         task.worker_id = worker.worker_id
-        if self.task_timeout > 0:
+        if task.opts.timeout > 0:
             self.start_clock(task, now)
 
     # ------------------------------------------------------------ the queue
@@ -271,61 +347,80 @@ class Scheduler:
     def enqueue(
         self, task: Task, now: float, front: bool = False, placement_left: float | None = None
     ) -> None:
-        left = self.timeout_task_placement if placement_left is None else max(0.0, placement_left)
+        """The task is pending from now (`placement_left`: what is left of its placement
+        timeout, after a restart)."""
+        if task.state is not TaskState.QUEUED:
+            task.advance(TaskEvent.DUE)
         task.queued_at = now
-        task.deadline = when = now + left
-        whens = self._when_in_order
-        if not whens or when >= whens[-1]:
-            whens.append(when)
-            self._ref_in_order.append(task.ref)
+        limit = task.opts.placement_timeout
+        if limit > 0:
+            left = limit if placement_left is None else max(0.0, placement_left)
+            task.deadline = when = now + left
+            whens = self._when_in_order
+            if not whens or when >= whens[-1]:
+                whens.append(when)
+                self._ref_in_order.append(task.ref)
+            else:
+                heapq.heappush(self._placements, (when, task.ref))
         else:
-            heapq.heappush(self._placements, (when, task.ref))
-        self._queued += 1
-        if front:
-            self._queue.appendleft(task)
-        else:
-            self._queue.append(task)
+            task.deadline = 0.0
+        self.pending.add(task, front)
 
     def unqueue(self, task: Task) -> None:
-        """A queued task leaves the queue other than by dispatch (its entry is skipped lazily)."""
-        self._queued -= 1
+        """A pending task leaves the queue other than by dispatch."""
+        self.pending.remove(task)
 
     def dispatch(self, actions: list[Action]) -> None:
-        """Give queued tasks to idle workers, oldest task first."""
-        queue = self._queue
+        """Give pending tasks to idle workers: the most recently idle worker first, each the
+        task the pending order gives it (see pending.py)."""
+        pending = self.pending
         idle = self._idle
-        while queue and idle:
-            task = queue.popleft()
-            if task.state is not TaskState.QUEUED:
-                continue  # timed out or adopted while queued
-            worker = self._pick(task)
+        while pending.count and idle:
+            version = pending.version
+            worker = None
+            for candidate in reversed(idle.values()):
+                if candidate.starved != version:
+                    worker = candidate
+                    break
+            if worker is None:
+                return  # nothing pending fits any idle worker
+            task = pending.pick(worker)
+            if task is None:
+                worker.starved = version
+                continue
+            if task.failed_on and worker.worker_id in task.failed_on:
+                worker = self._other(task, worker)
             if self.on_settled is not None:
                 self.on_settled(task)
             del idle[worker.worker_id]
-            self._queued -= 1
             worker.advance(WorkerEvent.ASSIGN)
             task.advance(TaskEvent.PLACE)
             worker.task = task
             task.worker_id = worker.worker_id
             worker.kind.place(worker, task, actions)
 
-    def _pick(self, task: Task) -> Worker:
-        """The most recently idle worker, skipping those this task already failed on if
-        possible."""
-        idle = self._idle
-        if not task.failed_on:
-            return next(reversed(idle.values()))
-        # At most len(failed_on) idle workers can be excluded, so this looks at few.
-        for worker in itertools.islice(reversed(idle.values()), len(task.failed_on) + 1):
-            if worker.worker_id not in task.failed_on:
-                return worker
-        return next(reversed(idle.values()))
+    def _other(self, task: Task, worker: Worker) -> Worker:
+        """An idle worker that may take `task` and that it has not failed on, else `worker`.
+        (At most len(failed_on) idle workers can be excluded, so this looks at few.)"""
+        fits = self.pending.fits
+        looked = 0
+        for other in reversed(self._idle.values()):
+            if other.worker_id in task.failed_on:
+                looked += 1
+                if looked > len(task.failed_on):
+                    break
+                continue
+            if fits(other, task):
+                return other
+        return worker
 
     # ------------------------------------------------------------ endings and retries
 
-    def retry(self, task: Task, now: float, actions: list[Action]) -> None:
-        """The task's attempt failed: queue it again, or end it once retries are used up."""
-        if task.attempts > self.max_retries:
+    def retry(self, task: Task, now: float, actions: list[Action], *, failed: bool = False) -> None:
+        """The task's attempt failed (`failed`) or its worker was lost: queue it again (a
+        failure after its retry_delay, a loss at once), or end it once retries are used up."""
+        tries = task.attempts - task.base
+        if tries > task.opts.max_retries:
             task.worker_id = 0
             task.advance(TaskEvent.FAIL)
             self.counters.errors += 1
@@ -337,6 +432,12 @@ class Scheduler:
             )
             return
         self.counters.retries += 1
+        wait = task.opts.retry_wait(tries, self._rng.uniform(0.8, 1.2)) if failed else 0.0
+        if wait > 0:
+            task.worker_id = 0
+            self.schedule(task, now + wait)
+            actions.append(progress(task))
+            return
         self._requeue(task, now, actions)
 
     def _requeue(self, task: Task, now: float, actions: list[Action]) -> None:
@@ -381,32 +482,39 @@ class Scheduler:
         )
 
     def start_clock(self, task: Task, now: float) -> None:
-        """The task runs from now on: arm its task_timeout (callers check there is one)."""
-        task.deadline = now + self.task_timeout
+        """The task runs from now on: arm its timeout (callers check there is one)."""
+        task.deadline = now + task.opts.timeout
         self.at(task.deadline, self._running_due, task)
 
     # ------------------------------------------------------------ deadlines
 
     def _placement_due(self, when: float, task: Task, now: float, actions: list[Action]) -> None:
         if task.state is TaskState.QUEUED and task.deadline == when:
-            self._queued -= 1
+            self.pending.remove(task)
             task.advance(TaskEvent.PLACEMENT_TIMEOUT)
             self.counters.failed_post += 1
-            limit = f"{self.timeout_task_placement:g}"
+            limit = f"{task.opts.placement_timeout:g}"
             self._finish(task, actions, now, error=f"no free worker within {limit} s")
+
+    def _scheduled_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
+        assert isinstance(obj, Task)
+        if obj.state is TaskState.SCHEDULED and obj.deadline == when:
+            self.enqueue(obj, now)
+            actions.append(progress(obj))
 
     def _running_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
         assert isinstance(obj, Task)
         if obj.state is TaskState.RUNNING and obj.deadline == when:
             worker = self.workers[obj.worker_id]
+            limit = obj.opts.timeout
             log.warning(
-                "task %d ran longer than task_timeout %g s on worker %d; restarting it",
+                "task %d ran longer than its timeout of %g s on worker %d; restarting it",
                 obj.task_id,
-                self.task_timeout,
+                limit,
                 worker.worker_id,
             )
-            obj.last_error = f"exceeded task_timeout of {self.task_timeout:g} s"
-            self.take_back(worker, now, actions, cause="task timeout")
+            obj.last_error = f"exceeded its timeout of {limit:g} s"
+            self.take_back(worker, now, actions, cause="task timeout", failed=True)
 
 
 def progress(task: Task, waited: float = 0.0) -> TaskProgress:

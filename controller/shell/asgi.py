@@ -29,7 +29,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# The one pattern path: /job/{id}/ (and /job/{id}).
+# The job's path: /job/{id}/ (and /job/{id}); other paths with a part in them are `patterns`.
 JOB_PREFIX = "/job/"
 
 
@@ -143,8 +143,18 @@ class Router:
         job_endpoint: Endpoint,
         job_methods: Sequence[str],
         gate: Callable[[Scope], Response | None] = lambda scope: None,
+        patterns: Sequence[tuple[str, Endpoint, Sequence[str]]] = (),
     ) -> None:
+        """`patterns`: paths with one part named in braces, such as "/queue/{name}/" (the part
+        is one path segment, given to the endpoint as `path_params[name]`)."""
         self._gate = gate
+        self._patterns: list[tuple[str, str, str, tuple[Endpoint, frozenset[str]]]] = []
+        for path, endpoint, methods in patterns:
+            prefix, rest = path.split("{", 1)
+            name, suffix = rest.split("}", 1)
+            self._patterns.append(
+                (prefix, name, suffix.rstrip("/"), (endpoint, _with_head(methods)))
+            )
         self._exact: dict[str, tuple[Endpoint, frozenset[str]]] = {}
         for path, endpoint, methods in routes:
             entry = (endpoint, _with_head(methods))
@@ -170,6 +180,8 @@ class Router:
         path: str = scope["path"]
         params: dict[str, str] = {}
         entry = self._exact.get(path)
+        if entry is None and self._patterns:
+            entry, params = self._match(path)
         if entry is None and path.startswith(JOB_PREFIX):
             job_id = path[len(JOB_PREFIX) :]
             if job_id.endswith("/"):
@@ -189,6 +201,16 @@ class Router:
                 contained("an HTTP request", exc, trio.current_time(), f"{scope['method']} {path}")
                 response = error_response(500, INTERNAL_MESSAGE)
         await response(scope, receive, send)
+
+    def _match(self, path: str) -> tuple[tuple[Endpoint, frozenset[str]] | None, dict[str, str]]:
+        trimmed = path[:-1] if path.endswith("/") else path
+        for prefix, name, suffix, entry in self._patterns:
+            if not trimmed.startswith(prefix) or not trimmed.endswith(suffix):
+                continue
+            value = trimmed[len(prefix) : len(trimmed) - len(suffix)]
+            if value and "/" not in value:
+                return entry, {name: value}
+        return None, {}
 
 
 def _with_head(methods: Sequence[str]) -> frozenset[str]:

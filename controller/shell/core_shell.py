@@ -42,7 +42,6 @@ from controller.core import (
     WorkerExited,
 )
 from controller.core.model import Task
-from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
 from controller.reactor import Reactor
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
@@ -127,6 +126,7 @@ class CoreShell:
             max_retries=config.max_retries,
             timeout_task_placement=config.timeout_task_placement,
             task_timeout=config.task_timeout,
+            retry_delay=config.retry_delay,
             claim_timeout=config.claim_timeout,
             lease_timeout=config.lease_timeout,
             calculator_timeout=config.calculator_timeout,
@@ -197,7 +197,7 @@ class CoreShell:
         task_id: int,
         payload: bytes,
         owner: object,
-        options: JobOptions = DEFAULT_OPTIONS,
+        options: JobOptions | None = None,
         wait: float = 0.0,
     ) -> tuple[Task, list[Action]]:
         """Queue a task (scheduled `wait` seconds ahead when > 0); the caller records it, then

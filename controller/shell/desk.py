@@ -25,8 +25,7 @@ from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
 from controller.jobs import DEFAULT_MAX_LOG_SIZE, Job, JobBook, JobState, notes_of
 from controller.journal import Journal, Recovered, Rejected
-from controller.options import DEFAULT as DEFAULT_OPTIONS
-from controller.options import JobOptions
+from controller.options import JobOptions, from_json
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 
@@ -68,7 +67,7 @@ class Scheduling(Protocol):
         task_id: int,
         payload: bytes,
         owner: object,
-        options: JobOptions = ...,
+        options: JobOptions | None = ...,
         wait: float = ...,
     ) -> tuple[Task, list[Any]]: ...
 
@@ -121,7 +120,15 @@ class JobDesk:
                 else:
                     sends.append(action)
             elif isinstance(action, Submit):
-                self.submit(action.job_id, "udp", action.addr, action.task_id, action.payload, now)
+                self.submit(
+                    action.job_id,
+                    "udp",
+                    action.addr,
+                    action.task_id,
+                    action.payload,
+                    now,
+                    options=action.options,
+                )
             elif isinstance(action, Delivered):
                 self.delivered(action.job_id, now)
             elif isinstance(action, Evict):
@@ -179,19 +186,20 @@ class JobDesk:
         name: str = "",
         info_url: str = "",
         download_url: str = "",
-        options: JobOptions = DEFAULT_OPTIONS,
+        options: JobOptions | None = None,
     ) -> Job:
         """Record a new job and queue it (with what a person gave it: a name, links). The job is
         in the book and staged for the journal before the scheduler's actions run (one of
         them may hand it out at once); with `journal_first` they wait until it is on disk
         (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
-        wait = 0.0 if options.run_at is None else options.run_at - time.time()
+        run_at = options.run_at if options is not None else None
+        wait = 0.0 if run_at is None else run_at - time.time()
         task, actions = self.scheduling.queue(task_id, payload, job_id, options, wait)
         notes = notes_of(name, info_url, download_url)
         job = Job(
             job_id, task.ref, task_id, door, key, payload, notes, added_at=now, updated_at=now
         )
-        job.options = options
+        job.options = task.opts
         job.task = task
         self.book.add(job)
         if self.journal is not None:
@@ -240,6 +248,40 @@ class JobDesk:
             self.scheduling.execute(actions)  # its TaskFinished comes back through `finished`
         return True
 
+    def retry(self, job: Job, now: float) -> bool:
+        """Put a failed or canceled job back to pending with a fresh max_retries (its
+        attempts go on counting); False for a job in any other state."""
+        if job.state not in (JobState.FAILED, JobState.CANCELED):
+            return False
+        scheduler = self.scheduling.core.scheduler
+        task = scheduler.resubmit(
+            job.ref, job.task_id, job.payload, job.id, job.options, job.attempts, now
+        )
+        self.book.revive(job, task, now)
+        if self.journal is not None:
+            self.journal.job_retried(job.ref, job.attempts)
+        door = self.doors.get(job.door)
+        if door is not None:
+            door.forget(job)  # its old outcome is no longer news
+        actions: list[Any] = []
+        scheduler.dispatch(actions)
+        self.scheduling.execute(actions)
+        return True
+
+    def pause(self, queue: str, paused: bool) -> None:
+        """Stop (or resume) handing out `queue`'s jobs; journaled."""
+        scheduler = self.scheduling.core.scheduler
+        if paused == (queue in scheduler.pending.paused):
+            return
+        if self.journal is not None:
+            self.journal.queue_paused(queue, paused)
+        if paused:
+            scheduler.pause(queue)
+            return
+        actions: list[Any] = []
+        scheduler.resume(queue, actions)
+        self.scheduling.execute(actions)
+
     def delete(self, job: Job, now: float) -> None:
         """Soft delete (canceling it first if it is live); deleting twice changes nothing."""
         if job.state is JobState.DELETED:
@@ -261,10 +303,18 @@ class JobDesk:
     # ------------------------------------------------------------ from the scheduler
 
     def progress(self, action: TaskProgress) -> None:
-        """A job started running, or went back to the queue after running."""
-        if self.journal is not None:
-            state = "working" if action.state is TaskState.RUNNING else "pending"
-            self.journal.job_progress(action.ref, state, action.attempts, action.failed_on)
+        """A job started running, went back to the queue, or waits for its time."""
+        if self.journal is None:
+            return
+        if action.state is TaskState.SCHEDULED:
+            task = self.scheduling.core.tasks[action.ref]
+            due = task.deadline + self.book.wall_offset
+            self.journal.job_progress(
+                action.ref, "scheduled", action.attempts, action.failed_on, due
+            )
+            return
+        state = "working" if action.state is TaskState.RUNNING else "pending"
+        self.journal.job_progress(action.ref, state, action.attempts, action.failed_on)
 
     def finished(self, action: TaskFinished) -> None:
         now = trio.current_time()
@@ -382,8 +432,12 @@ class JobDesk:
         picked = [row.task_id for row in recovered.jobs if row.door != "udp"]
         if picked:  # numbers the controller picks stay unique among live jobs after a restart
             self._picked = itertools.count(max(FIRST_PICKED_TASK_ID, max(picked) + 1))
+        defaults = core.scheduler.defaults
+        for queue in recovered.paused:
+            core.scheduler.pause(queue)
         for row in recovered.jobs:
             counts[row.state] = counts.get(row.state, 0) + 1
+            options = from_json(row.options, defaults) if row.options else defaults
             key: object = (row.host, row.port) if row.door == "udp" else None
             job = Job(
                 id=row.id,
@@ -396,10 +450,12 @@ class JobDesk:
                 added_at=row.added_at - self.book.wall_offset,
                 updated_at=now,
                 attempts=row.attempts,
+                options=options,
             )
             for line in row.log:
                 job.add_log(line, self.max_log_size)
-            if row.state in ("pending", "working"):
+            if row.state in ("scheduled", "pending", "working"):
+                left = options.placement_timeout - (wall - row.queued_at)
                 core.recover(
                     row.ref,
                     row.task_id,
@@ -409,12 +465,15 @@ class JobDesk:
                     running=row.state == "working",
                     attempts=row.attempts,
                     failed_on=tuple(row.failed_on),
-                    placement_left=core.timeout_task_placement - (wall - row.queued_at),
+                    placement_left=left,
                     # A poller's job waits a lease_timeout for its holder to renew.
                     grace=max(RECOVERY_GRACE, core.pollers.lease_timeout)
                     if row.lease
                     else RECOVERY_GRACE,
                     lease=row.lease,
+                    options=options,
+                    base=row.base,
+                    wait=row.queued_at - wall if row.state == "scheduled" else None,
                 )
                 if row.lease:
                     self._leased.add(row.ref)

@@ -26,7 +26,7 @@ from hypercorn.trio.worker_context import WorkerContext
 
 from controller import httpapi
 from controller.config import Config
-from controller.core import HandOut
+from controller.core import Core, HandOut, TaskState
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
 from controller.shell import keepalive
@@ -94,10 +94,18 @@ class HttpDoor:
             ("/job/", self.jobs, ["GET", "POST"]),
             ("/ping/", self.ping, ["GET"]),
             ("/openapi.json", self.openapi, ["GET"]),
+            ("/queue/", self.queues, ["GET"]),
             ("/", self.status_page, ["GET"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
+        patterns = [
+            ("/job/{job_id}/retry/", self.retry, ["POST"]),
+            ("/queue/{name}/", self.queue, ["PUT"]),
+        ]
         self.gate = Gate(config.allowed_clients, tokens)
-        self.app = Router(routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal)
+        self.app = Router(
+            routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal, patterns=patterns
+        )
+        self.options = config.job_options("http")
         desk.on_finished = self.job_ended
         self.pollers = core.pollers
         self.connections = Connections(config.max_connections)
@@ -235,6 +243,7 @@ class HttpDoor:
                 return await self._add(request)
             query = request.query_params
             state = httpapi.parse_state(query.get("state"))
+            queue = httpapi.parse_queue(query.get("queue"))
             limit = httpapi.parse_number(
                 query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT, whole=True
             )
@@ -242,14 +251,14 @@ class HttpDoor:
             name_of = self.core.worker_name
             listing = {
                 job.id: httpapi.job_json(job, offset, name_of)
-                for job in self.book.latest(int(limit), state)
+                for job in self.book.latest(int(limit), state, queue)
             }
             return json_response(listing)
         except ApiError as exc:
             return self._refuse(exc)
 
     async def _add(self, request: Request) -> Response:
-        new = httpapi.parse_new_job(await self._body(request), self.max_payload)
+        new = httpapi.parse_new_job(await self._body(request), self.max_payload, self.options)
         if new.id is not None:
             existing = self.book.get(new.id)
             if existing is not None:
@@ -268,6 +277,7 @@ class HttpDoor:
             name=new.name,
             info_url=new.info_url,
             download_url=new.download_url,
+            options=new.options,
         )
         self.counters["jobs_added"] += 1
         await self.desk.write_ahead.committed()  # 201 only once the job is on disk
@@ -333,6 +343,38 @@ class HttpDoor:
             self.desk.logged(job, update.log, trio.current_time())
         await self.desk.write_ahead.committed()  # 200 only once the change is on disk
         return self._job_response(job, 200)
+
+    async def retry(self, request: Request) -> Response:
+        """POST /job/{id}/retry/: a failed or canceled job back to pending."""
+        self.counters["requests"] += 1
+        try:
+            job = self._lookup(request)
+            if not self.desk.retry(job, trio.current_time()):
+                raise ApiError(
+                    409, f"the job is {job.state.value}: only a failed or canceled job is retried"
+                )
+            await self.desk.write_ahead.committed()  # 200 only once that is on disk
+            return self._job_response(job, 200)
+        except ApiError as exc:
+            return self._refuse(exc)
+
+    async def queues(self, request: Request) -> Response:
+        """GET /queue/: every queue that has jobs, workers or a pause."""
+        self.counters["requests"] += 1
+        return json_response(queue_report(self.core))
+
+    async def queue(self, request: Request) -> Response:
+        """PUT /queue/{name}/ {"paused": true|false}."""
+        self.counters["requests"] += 1
+        try:
+            name = httpapi.parse_queue(request.path_params["name"])
+            assert name is not None
+            paused = httpapi.parse_pause(await self._body(request))
+            self.desk.pause(name, paused)
+            await self.desk.write_ahead.committed()  # 200 only once that is on disk
+            return json_response({name: queue_report(self.core).get(name, idle_queue(paused))})
+        except ApiError as exc:
+            return self._refuse(exc)
 
     async def ping(self, request: Request) -> Response:
         try:
@@ -423,3 +465,36 @@ class HttpDoor:
     def _refuse(self, exc: ApiError) -> Response:
         self.counters["errors"] += 1
         return error_response(exc.status, exc.message)
+
+
+def idle_queue(paused: bool = False) -> dict[str, Any]:
+    return {"pending": 0, "scheduled": 0, "working": 0, "workers": 0, "paused": paused}
+
+
+def queue_report(core: Core) -> dict[str, dict[str, Any]]:
+    """Each queue that has jobs, workers or a pause: its jobs pending, scheduled and working
+    (requested too), its live workers, and whether it is paused. (It looks at every live job:
+    an operator's question.)"""
+    report: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        found = report.get(name)
+        if found is None:
+            found = report[name] = idle_queue()
+        return found
+
+    for task in core.tasks.values():
+        state = task.state
+        if state is TaskState.QUEUED:
+            word = "pending"
+        elif state is TaskState.SCHEDULED:
+            word = "scheduled"
+        else:
+            word = "working"
+        entry(task.opts.queue)[word] += 1
+    for worker in core.workers.values():
+        for name in worker.queues:
+            entry(name)["workers"] += 1
+    for name in core.scheduler.pending.paused:
+        entry(name)["paused"] = True
+    return dict(sorted(report.items()))

@@ -78,6 +78,7 @@ class UdpDoor:
             status_report=self.status_report,
             notify_retries=config.notify_retries,
             max_payload=config.max_extra_size,
+            options=config.job_options("udp"),
             # Transmission ids stay unique across restarts: start from the wall clock in ms.
             first_txid=int(time.time() * 1000),
             calculators=CalculatorLink(
