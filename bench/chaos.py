@@ -343,9 +343,10 @@ async def run(
                 await kill_and_restart("controller_b")
             elif action == "restart_redis":
                 assert server is not None
-                await trio.to_thread.run_sync(server.stop)
-                await trio.sleep(rng.uniform(0.2, 2.0))
-                await trio.to_thread.run_sync(server.start)
+                with trio.CancelScope(shield=True):  # the end of the run never finds it down
+                    await trio.to_thread.run_sync(server.stop)
+                    await trio.sleep(rng.uniform(0.2, 2.0))
+                    await trio.to_thread.run_sync(server.start)
                 tally.kills["redis-server restart"] += 1
             elif action == "slow_http":
                 for _ in range(3):
