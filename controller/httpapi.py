@@ -277,8 +277,8 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
         **options.as_fields(job.options),
     }
     task = job.task
-    if task is not None and task.state is TaskState.SCHEDULED:  # waiting for a time
-        out["run_at"] = rfc3339(task.deadline + wall_offset)
+    if task is not None and task.state is TaskState.SCHEDULED and task.attempts:
+        out["run_at"] = rfc3339(task.deadline + wall_offset)  # waiting to be retried
     if state is JobState.DELETED:
         return out
     dg.put_bytes(out, "payload", job.payload)

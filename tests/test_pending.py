@@ -61,7 +61,9 @@ def test_a_worker_takes_the_right_task_or_none(jobs, turns):
             assert fits(w, task)
             top = max(t.opts.priority for t in eligible)
             assert task.opts.priority == top
-            same = [t for t in eligible if (t.opts.owner, t.opts.priority) == (task.opts.owner, top)]
+            same = [
+                t for t in eligible if (t.opts.owner, t.opts.priority) == (task.opts.owner, top)
+            ]
             assert task.ref == min(t.ref for t in same)
             del waiting[task.ref]
             assert len(pending) == len(waiting)
