@@ -173,8 +173,6 @@ def parse(
         changes["run_at"] = now_wall + delay if delay > 0 else None
     if "run_at" in fields:
         run_at = parse_time(fields["run_at"])
-        if run_at > now_wall + MAX_SECONDS:
-            raise BadOption("run_at is more than ten years away")
         changes["run_at"] = run_at if run_at > now_wall else None
     if "max_retries" in fields:
         changes["max_retries"] = _integer(

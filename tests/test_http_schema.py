@@ -38,6 +38,9 @@ def test_every_answer_matches_the_document(live_api: schemathesis.BaseSchema) ->
         "PUT /job/{job_id}/",
         "DELETE /job/{job_id}/",
         "GET /ping/",
+        "POST /job/{job_id}/retry/",
+        "GET /queue/",
+        "PUT /queue/{name}/",
         "GET /",
     }
 

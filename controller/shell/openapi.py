@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller import httpapi
+from controller import httpapi, options
 from controller.jobs import JobState
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -35,6 +35,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 _JOB = {"$ref": "#/components/schemas/Job"}
+_QUEUE = {"$ref": "#/components/schemas/Queue"}
 _JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _WAIT = {
     "name": "wait",
@@ -45,6 +46,35 @@ _WAIT = {
 }
 _TEXT = {"type": "string"}
 _SHORT = {"type": "string", "maxLength": httpapi.MAX_TEXT}
+_NAME = {"type": "string", "pattern": "^" + options.NAME_RULE + "$"}
+_SECONDS = {"type": "number", "minimum": 0, "maximum": options.MAX_SECONDS}
+# The job options, as POST /job/ takes them.
+_OPTIONS_IN: dict[str, Any] = {
+    "queue": _NAME,
+    "priority": {
+        "type": "integer",
+        "minimum": options.MIN_PRIORITY,
+        "maximum": options.MAX_PRIORITY,
+    },
+    "requires": {"type": "array", "items": _NAME, "maxItems": options.MAX_LABELS},
+    "delay": _SECONDS,
+    "run_at": {"type": "string", "format": "date-time"},
+    "max_retries": {"type": "integer", "minimum": 0, "maximum": options.MAX_JOB_RETRIES},
+    "retry_delay": {"type": "number", "minimum": 0, "maximum": options.MAX_RETRY_DELAY},
+    "timeout": _SECONDS,
+    "placement_timeout": _SECONDS,
+    "owner": {"type": "string", "pattern": httpapi.ID_PATTERN},
+}
+# The same in the job object (run_at: when it is or was due, or null).
+_OPTIONS_OUT: dict[str, Any] = {
+    **{name: _OPTIONS_IN[name] for name in ("queue", "priority", "requires", "max_retries")},
+    "run_at": {"type": "string", "format": "date-time", "nullable": True},
+    "retry_delay": {"type": "number", "minimum": 0},
+    "timeout": {"type": "number", "minimum": 0},
+    "placement_timeout": {"type": "number", "minimum": 0},
+    "owner": _TEXT,
+}
+_QUEUE_NAME = {"name": "name", "in": "path", "required": True, "schema": _NAME}
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.3",
@@ -79,6 +109,7 @@ OPENAPI: dict[str, Any] = {
                         "required": False,
                         "schema": {"type": "integer", "minimum": 1, "maximum": httpapi.MAX_LIMIT},
                     },
+                    {"name": "queue", "in": "query", "required": False, "schema": _NAME},
                 ],
                 "responses": {
                     "200": _json(
@@ -125,6 +156,52 @@ OPENAPI: dict[str, Any] = {
             "delete": {
                 "summary": "soft delete (canceled first if it runs)",
                 "responses": {"200": _json(_JOB, "the job, deleted"), **_errors(401, 403, 404)},
+            },
+        },
+        "/job/{job_id}/retry/": {
+            "parameters": [_JOB_ID],
+            "post": {
+                "summary": "a failed or canceled job back to pending, with a fresh max_retries",
+                "responses": {
+                    "200": _json(_JOB, "the job, pending again"),
+                    **_errors(401, 403, 404, 409),
+                },
+            },
+        },
+        "/queue/": {
+            "get": {
+                "summary": "every queue that has jobs, workers or a pause",
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "additionalProperties": _QUEUE}, "queues by name"
+                    ),
+                    **_errors(401, 403),
+                },
+            }
+        },
+        "/queue/{name}/": {
+            "parameters": [_QUEUE_NAME],
+            "put": {
+                "summary": "pause or resume handing out the queue's jobs (journaled)",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["paused"],
+                                "properties": {"paused": {"type": "boolean"}},
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "additionalProperties": _QUEUE}, "that queue, by name"
+                    ),
+                    **_errors(400, 401, 403),
+                },
             },
         },
         "/ping/": {
@@ -191,7 +268,10 @@ OPENAPI: dict[str, Any] = {
             "NewJob": {
                 "type": "object",
                 "additionalProperties": False,
-                "not": {"required": ["payload", "payload_b64"]},
+                "allOf": [
+                    {"not": {"required": ["payload", "payload_b64"]}},
+                    {"not": {"required": ["delay", "run_at"]}},
+                ],
                 "properties": {
                     "id": {"type": "string", "pattern": httpapi.ID_PATTERN},
                     "name": _SHORT,
@@ -199,6 +279,18 @@ OPENAPI: dict[str, Any] = {
                     "download_url": _SHORT,
                     "payload": _TEXT,
                     "payload_b64": {"type": "string", "format": "byte"},
+                    **_OPTIONS_IN,
+                },
+            },
+            "Queue": {
+                "type": "object",
+                "required": ["pending", "scheduled", "working", "workers", "paused"],
+                "properties": {
+                    "pending": {"type": "integer", "minimum": 0},
+                    "scheduled": {"type": "integer", "minimum": 0},
+                    "working": {"type": "integer", "minimum": 0},
+                    "workers": {"type": "integer", "minimum": 0},
+                    "paused": {"type": "boolean"},
                 },
             },
             "Update": {
@@ -258,6 +350,7 @@ OPENAPI: dict[str, Any] = {
                     "log",
                     "error",
                     "failed_post",
+                    *_OPTIONS_OUT,
                 ],
                 "properties": {
                     "id": _TEXT,
@@ -278,6 +371,7 @@ OPENAPI: dict[str, Any] = {
                     "payload_b64": {"type": "string", "format": "byte"},
                     "result": _TEXT,
                     "result_b64": {"type": "string", "format": "byte"},
+                    **_OPTIONS_OUT,
                 },
             },
         }
