@@ -14,6 +14,7 @@ from bench import (
     failure_bench,
     floor,
     http_bench,
+    placement_bench,
     plots,
     redis_bench,
     remote_bench,
@@ -33,6 +34,7 @@ def main() -> None:
     results["controller"] = controller_bench.main()
     print("controller, tasks queued at once (100 fake workers):")
     results["queued"] = controller_bench.bench_queued()
+    results["placement"] = placement_bench.main()
     results["worker"] = worker_bench.main()
     results["end_to_end"] = e2e_bench.main()
     results["window"] = e2e_bench.window_main()

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import trio
 
 from bench.common import process_cpu, rss_mb, self_cpu, socket_dir
 from controller.config import Config
+from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from tests.helpers import controller_argv, write_config
 
@@ -76,9 +78,17 @@ def bench_pulses(count: int = 5000, seconds: float = 10.0) -> dict[str, Any]:
     }
 
 
-async def _run_tasks(sockdir: Path, tasks: int, workers: int) -> dict[str, Any]:
+async def _run_tasks(
+    sockdir: Path,
+    tasks: int,
+    workers: int,
+    options: Callable[[int], JobOptions | None] = lambda n: None,
+    serves: tuple[frozenset[str], frozenset[str]] | None = None,
+) -> dict[str, Any]:
     """Queue `tasks` at once (no await in between) for W fake workers that answer at once;
-    tasks/s, controller CPU per task, and the controller's memory with all of them queued."""
+    tasks/s, controller CPU per task, and the controller's memory with all of them queued.
+    `options(n)`: the n-th task's options; `serves`: the queues and labels every fake worker
+    is taken to serve (default: the default queue, no labels)."""
     done = 0
     finished = trio.Event()
 
@@ -98,9 +108,13 @@ async def _run_tasks(sockdir: Path, tasks: int, workers: int) -> dict[str, Any]:
         try:
             while shell.core.idle_workers < workers:
                 await trio.sleep(0.01)
+            if serves is not None:
+                for worker in shell.core.workers.values():
+                    shell.core.scheduler.serves(worker, *serves)
+            made = [options(i) for i in range(tasks)]  # a door makes them as jobs arrive
             cpu0, t0 = self_cpu(), time.perf_counter()
             for i in range(tasks):
-                shell.submit(i % 1_000_000 + 1, b"payload-%d" % i)
+                shell.submit(i % 1_000_000 + 1, b"payload-%d" % i, None, made[i])
             submit_us = 1e6 * (time.perf_counter() - t0) / tasks
             peak = rss_mb(os.getpid())
             await finished.wait()

@@ -141,8 +141,7 @@ def test_remove_takes_a_task_out_from_anywhere_and_counts_follow():
     for task in tasks[::2]:
         pending.remove(task)
     assert len(pending) == 15
-    assert sum(pending.by_queue.values()) == 15
     assert sorted(t.ref for t in pending) == [t.ref for t in tasks[1::2]]
     for task in tasks[1::2]:
         pending.remove(task)
-    assert len(pending) == 0 and pending.by_queue == {} and list(pending) == []
+    assert len(pending) == 0 and list(pending) == [] and pending.pick(make_worker(1, frozenset(QUEUES), frozenset())) is None

@@ -33,7 +33,6 @@ class Pending:
         self._levels: dict[int, dict[str, dict[Bucket, deque[Task]]]] = {}
         self._order: list[int] = []  # the levels' priorities, negated (ascending = high first)
         self.count = 0
-        self.by_queue: dict[str, int] = {}
         self.paused: set[str] = set()
         self.version = 0
 
@@ -66,7 +65,6 @@ class Pending:
         else:
             tasks.append(task)
         self.count += 1
-        self.by_queue[opts.queue] = self.by_queue.get(opts.queue, 0) + 1
         self.version += 1
 
     def remove(self, task: Task) -> None:
@@ -81,28 +79,53 @@ class Pending:
             tasks.popleft()
         else:
             tasks.remove(task)
-        self._taken(opts.priority, level, opts.owner, buckets, key, tasks, rotate=False)
+        self.count -= 1
+        if not tasks:
+            del buckets[key]
+            if not buckets:
+                del level[opts.owner]
+                if not level:
+                    del self._levels[opts.priority]
+                    self._order.remove(-opts.priority)
 
     def pick(self, worker: Worker) -> Task | None:
         """Take the task `worker` should run next, or None when it can take none."""
         serves, labels, paused = worker.queues, worker.labels, self.paused
+        levels = self._levels
         for negated in self._order:
-            level = self._levels[-negated]
+            level = levels[-negated]
             for owner, buckets in level.items():
                 best: deque[Task] | None = None
-                best_key: Bucket | None = None
+                first = 0
                 for key, tasks in buckets.items():
-                    queue, requires = key
-                    if queue not in serves or queue in paused:
+                    queue = key[0]
+                    if queue not in serves or (paused and queue in paused):
                         continue
-                    if requires and not requires <= labels:
+                    if key[1] and not key[1] <= labels:
                         continue
-                    if best is None or tasks[0].ref < best[0].ref:
-                        best, best_key = tasks, key
-                if best is not None and best_key is not None:
-                    task = best.popleft()
-                    self._taken(-negated, level, owner, buckets, best_key, best, rotate=True)
+                    ref = tasks[0].ref
+                    if best is None or ref < first:
+                        best, first, chosen = tasks, ref, key
+                if best is None:
+                    continue
+                task = best.popleft()
+                self.count -= 1
+                if best:
+                    if len(level) > 1:  # the owner had its turn: to the end of the round
+                        del level[owner]
+                        level[owner] = buckets
                     return task
+                del buckets[chosen]
+                if buckets:
+                    if len(level) > 1:
+                        del level[owner]
+                        level[owner] = buckets
+                    return task
+                del level[owner]
+                if not level:
+                    del levels[-negated]
+                    self._order.remove(negated)
+                return task
         return None
 
     def fits(self, worker: Worker, task: Task) -> bool:
@@ -117,33 +140,3 @@ class Pending:
         if queue in self.paused:
             self.paused.discard(queue)
             self.version += 1
-
-    def _taken(
-        self,
-        priority: int,
-        level: dict[str, dict[Bucket, deque[Task]]],
-        owner: str,
-        buckets: dict[Bucket, deque[Task]],
-        key: Bucket,
-        tasks: deque[Task],
-        *,
-        rotate: bool,
-    ) -> None:
-        """One task left `tasks`: drop what is now empty; `rotate`: the owner had its turn."""
-        self.count -= 1
-        queue = key[0]
-        left = self.by_queue[queue] - 1
-        if left:
-            self.by_queue[queue] = left
-        else:
-            del self.by_queue[queue]
-        if not tasks:
-            del buckets[key]
-        if not buckets:
-            del level[owner]
-        elif rotate and len(level) > 1:
-            del level[owner]
-            level[owner] = buckets  # to the end of the round
-        if not level:
-            del self._levels[priority]
-            self._order.remove(-priority)

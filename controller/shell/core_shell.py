@@ -186,9 +186,11 @@ class CoreShell:
             with contextlib.suppress(OSError):
                 cfg.main_socket.unlink()
 
-    def submit(self, task_id: int, payload: bytes, owner: object = None) -> Task:
+    def submit(
+        self, task_id: int, payload: bytes, owner: object = None, options: JobOptions | None = None
+    ) -> Task:
         """The internal API: queue a task now; returns its record. Must run inside `serve`."""
-        task, actions = self.queue(task_id, payload, owner)
+        task, actions = self.queue(task_id, payload, owner, options)
         self.execute(actions)
         return task
 
