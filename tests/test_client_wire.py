@@ -299,14 +299,19 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @needs_redis
-def test_redis_submit_writes_the_options_as_text_fields(redis_url):
+def test_redis_submit_writes_the_options_as_text_fields_on_the_queues_stream(redis_url):
     r = redis.Redis.from_url(redis_url)
     moment = datetime(2032, 1, 1, tzinfo=UTC)
     with Client(f"{redis_url}?stream=wire") as client:
         client.submit(b"p", id="R1", **ALL_OPTIONS)
         client.submit(b"q", id="R2", run_at=moment, requires=[])
         client.submit(b"r", id="R3")
-    entries = [fields for _, fields in r.xrange("wire")]
+        client.submit(b"s", id="R4", queue="default")
+    default: Any = r.xrange("wire")
+    gpu: Any = r.xrange("wire.gpu")
+    assert [fields[b"id"] for _, fields in default] == [b"R2", b"R3", b"R4"]
+    assert [fields[b"id"] for _, fields in gpu] == [b"R1"]  # its queue's stream
+    entries = [gpu[0][1], *(fields for _, fields in default)]
     assert entries[0] == {
         b"payload": b"p",
         b"id": b"R1",

@@ -1,7 +1,7 @@
 """The client's redis:// backend (blocking; `AsyncClient` runs it in threads).
 
 `submit` marks the job `pending` in `job:<id>` unless it has a state already,
-then adds the entry (XADD), in one round trip; `get` reads the hash;
+then adds the entry (XADD) to its queue's stream, in one round trip; `get` reads the hash;
 `cancel` and `retry` run the cancel and retry scripts of controller/streams.py.
 Waiting for an
 outcome never polls: one thread per client reads `<stream>:results` with a
@@ -22,7 +22,7 @@ import redis
 
 from controller import streams
 from controller.httpapi import ID_RULE, valid_id
-from controller.options import rfc3339
+from controller.options import DEFAULT_QUEUE, rfc3339
 from controller.streams import NO_LISTENER
 
 __all__ = ["NO_LISTENER", "RedisBackend", "parse_url"]
@@ -81,9 +81,14 @@ class RedisBackend:
         fields.update(options or {})
         pipe = self.redis.pipeline(transaction=False)  # one round trip; no MULTI needed
         pipe.hsetnx(streams.job_key(job_id), "state", "pending")
-        pipe.xadd(self.stream, fields)
+        pipe.xadd(self.queue_stream(fields.get("queue", DEFAULT_QUEUE)), fields)
         pipe.execute()
         return job_id
+
+    def queue_stream(self, queue: str) -> str:
+        """The stream of a queue's entries: the configured one for `default`, else
+        `<stream>.<queue>` (results of every queue go to `<stream>:results`)."""
+        return self.stream if queue == DEFAULT_QUEUE else f"{self.stream}.{queue}"
 
     def read(self, job_id: str) -> dict[str, Any] | None:
         """The job's hash as a job object (`result` as bytes), or None if it has none."""
