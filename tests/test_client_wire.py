@@ -304,12 +304,13 @@ def test_redis_submit_writes_the_options_as_text_fields_on_the_queues_stream(red
     moment = datetime(2032, 1, 1, tzinfo=UTC)
     with Client(f"{redis_url}?stream=wire") as client:
         client.submit(b"p", id="R1", **ALL_OPTIONS)
-        client.submit(b"q", id="R2", run_at=moment, requires=[])
+        assert client.submit(b"q", id="R2", run_at=moment, requires=[]).state == "scheduled"
         client.submit(b"r", id="R3")
         client.submit(b"s", id="R4", queue="default")
     default: Any = r.xrange("wire")
     gpu: Any = r.xrange("wire.gpu")
     assert [fields[b"id"] for _, fields in default] == [b"R2", b"R3", b"R4"]
+    assert r.hget("job:R2", "state") == b"scheduled" and r.hget("job:R3", "state") == b"pending"
     assert [fields[b"id"] for _, fields in gpu] == [b"R1"]  # its queue's stream
     entries = [gpu[0][1], *(fields for _, fields in default)]
     assert entries[0] == {

@@ -9,7 +9,7 @@
 API; https checks the certificate against the system's trust store, or only against
 `ca_file=` when given; HTTPS_PROXY, HTTP_PROXY and NO_PROXY are honoured),
 `udp://HOST:PORT` (the UDP front door; the client picks each job's task_id, and
-`id`, `get` and `cancel` are not available there) or `redis://HOST:PORT/DB` (the
+`id`, `get`, `cancel` and `retry` are not available there) or `redis://HOST:PORT/DB` (the
 Redis stream `jobs`, or `?stream=NAME`, that controllers consume; see
 controller/client/stream.py).
 `job.state` uses the job states of the HTTP API (scheduled, pending, requested,
@@ -37,7 +37,7 @@ import redis
 from controller import datagram as dg
 from controller.client.errors import ClientError, ControllerError, JobFailed
 from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
-from controller.client.jobfields import as_text, option_fields
+from controller.client.jobfields import as_text, initial_state, option_fields
 from controller.client.stream import NO_LISTENER, RedisBackend
 from controller.client.udp import UdpBackend
 
@@ -280,9 +280,10 @@ class Client:
             resp = self._http.request("POST", "/job/", json=_body(data, name, id, options))
             return Job(self, _check(resp))
         if self._redis is not None:
+            state = initial_state(options)
             with _redis_errors():
-                job_id = self._redis.submit(data, name, id, as_text(options))
-            return Job(self, {"id": job_id, "state": "pending"})
+                job_id = self._redis.submit(data, name, id, as_text(options), state)
+            return Job(self, {"id": job_id, "state": state})
         if id is not None:
             raise ValueError("udp:// picks each job's task_id itself: id is not accepted")
         udp = self._udp()

@@ -64,6 +64,13 @@ def _run_at(value: Any) -> str:
     return rfc3339(value.timestamp())
 
 
+def initial_state(fields: Mapping[str, Any]) -> str:
+    """The state a job with these (checked) fields starts in: `scheduled` when it waits for
+    a time still to come, else `pending`."""
+    options = parse(fields, DEFAULT, time.time())
+    return "pending" if options.run_at is None else "scheduled"
+
+
 def as_text(fields: Mapping[str, Any]) -> dict[str, str]:
     """Checked fields as a Redis entry carries them: text, `requires` comma separated."""
     out: dict[str, str] = {}

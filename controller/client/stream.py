@@ -1,13 +1,13 @@
 """The client's redis:// backend (blocking; `AsyncClient` runs it in threads).
 
-`submit` marks the job `pending` in `job:<id>` unless it has a state already,
-then adds the entry (XADD) to its queue's stream, in one round trip; `get` reads the hash;
-`cancel` and `retry` run the cancel and retry scripts of controller/streams.py.
-Waiting for an
-outcome never polls: one thread per client reads `<stream>:results` with a
-blocking XREAD and wakes the waiters of the ids it sees; a waiter reads the
-hash after it has registered (and after that thread has fixed where it
-starts), so an outcome written before the wait began is found there.
+`submit` marks the job `pending` (or `scheduled`, when it waits for a time) in
+`job:<id>` unless it has a state already, then adds the entry (XADD) to its queue's
+stream, in one round trip; `get` reads the hash; `cancel` and `retry` run the cancel
+and retry scripts of controller/streams.py. Waiting for an outcome never polls: one
+thread per client reads `<stream>:results` with a blocking XREAD and wakes the
+waiters of the ids it sees; a waiter reads the hash after it has registered (and
+after that thread has fixed where it starts), so an outcome written before the wait
+began is found there.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class RedisBackend:
         name: str | None,
         job_id: str | None,
         options: dict[str, str] | None = None,
+        state: str = "pending",
     ) -> str:
-        """Add the entry; `options` are its option fields, as text (jobfields.as_text)."""
+        """Add the entry; `options` are its option fields, as text (jobfields.as_text), and
+        `state` what `job:<id>` says until a controller has the job."""
         if job_id is None:
             job_id = str(uuid.uuid4()).upper()
         elif not valid_id(job_id):
@@ -80,7 +82,7 @@ class RedisBackend:
             fields["name"] = name
         fields.update(options or {})
         pipe = self.redis.pipeline(transaction=False)  # one round trip; no MULTI needed
-        pipe.hsetnx(streams.job_key(job_id), "state", "pending")
+        pipe.hsetnx(streams.job_key(job_id), "state", state)
         pipe.xadd(self.queue_stream(fields.get("queue", DEFAULT_QUEUE)), fields)
         pipe.execute()
         return job_id
