@@ -9,7 +9,9 @@ Writing an outcome and acknowledging its entry is one Lua script, so that it
 is atomic and can be repeated: a job whose hash is already final keeps the
 outcome it has (first writer wins, so every job has exactly one final outcome,
 and one results entry, however many controllers ran it), and the entry is
-acknowledged either way. Canceling is another script, used by the client.
+acknowledged either way. Canceling is another script, used by the client, and so is
+retrying a failed or canceled job: it makes the hash `pending` again and announces the id
+on `<stream>:retry`, where the controller that ran the job puts it back in its queue.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def acked_set(stream: str) -> str:
 def cancel_channel(stream: str) -> str:
     """Where a cancel is announced, so that the controller running the job stops it at once."""
     return f"{stream}:cancel"
+
+
+def retry_channel(stream: str) -> str:
+    """Where a retry is announced, so that the controller that ran the job runs it again."""
+    return f"{stream}:retry"
 
 
 def entry_job_id(stream: str, entry_id: str) -> str:
@@ -169,4 +176,23 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', '{RESULTS_MAXLEN}', '*', 'id', ARGV[1
            'state', 'canceled')
 redis.call('PUBLISH', KEYS[3], ARGV[1])
 return 'canceled'
+"""
+
+# The answer of RETRY_SCRIPT when no controller listens on the retry channel (the hash is left
+# as it was: nobody would run the job).
+NO_LISTENER = "!nolistener"
+
+# KEYS: job hash, retry channel. ARGV: job id, updated_at. A failed or canceled job's hash becomes
+# `pending` again (no result, no error, no expiry: as a new job's) and its id is announced.
+# Returns the state the job has afterwards (NO_LISTENER: unchanged, nobody heard), or "" when
+# it has no hash.
+RETRY_SCRIPT = f"""
+local s = redis.call('HGET', KEYS[1], 'state')
+if not s then return '' end
+if s ~= 'failed' and s ~= 'canceled' then return s end
+if redis.call('PUBLISH', KEYS[2], ARGV[1]) == 0 then return '{NO_LISTENER}' end
+redis.call('HSET', KEYS[1], 'state', 'pending', 'updated_at', ARGV[2])
+redis.call('HDEL', KEYS[1], 'result', 'error')
+redis.call('PERSIST', KEYS[1])
+return 'pending'
 """

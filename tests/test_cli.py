@@ -207,3 +207,101 @@ def test_the_controller_loads_optional_doors_libraries_only_when_configured():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- udp-client add's job options
+
+
+def test_udp_client_add_reads_every_job_option_flag_into_add_task_params():
+    from controller.client.cli import _payload, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "--timeout",
+            "9",
+            "add",
+            "5",
+            "--payload",
+            "hi",
+            "--queue",
+            "gpu",
+            "--priority",
+            "-3",
+            "--requires",
+            "cuda, ssd",
+            "--delay",
+            "1.5",
+            "--max-retries",
+            "2",
+            "--retry-delay",
+            "10",
+            "--timeout",
+            "30",
+            "--placement-timeout",
+            "0.25",
+        ]
+    )
+    assert args.timeout == 9  # before `add`: how long udp-client waits
+    assert _payload(args) == {
+        "payload": "hi",
+        "queue": "gpu",
+        "priority": -3,
+        "requires": ["cuda", "ssd"],
+        "delay": 1.5,
+        "max_retries": 2,
+        "retry_delay": 10,
+        "timeout": 30,  # after `add`: the job's own
+        "placement_timeout": 0.25,
+    }
+    plain = build_parser().parse_args(["add", "5"])
+    assert _payload(plain) == {} and plain.timeout == 60
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [
+        ("--queue", "No Spaces", "queue"),
+        ("--priority", "101", "priority"),
+        ("--priority", "high", "priority"),
+        ("--requires", "gpu,GPU", "requires"),
+        ("--delay", "-1", "delay"),
+        ("--max-retries", "1000", "max_retries"),
+        ("--retry-delay", "soon", "retry_delay"),
+        ("--timeout", "inf", "timeout"),
+        ("--placement-timeout", "-0.5", "placement_timeout"),
+    ],
+)
+def test_udp_client_add_refuses_a_bad_option_with_the_controllers_message(flag, value, field):
+    from controller.options import DEFAULT, BadOption, parse
+
+    with pytest.raises(BadOption) as controller_says:
+        parse({field: value}, DEFAULT, 0.0, text=True)
+    proc = run("-m", "controller.client", "add", "5", flag, value)
+    assert proc.returncode == 2, proc.stderr
+    assert f"argument {flag}: {controller_says.value}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_udp_client_add_sends_the_options_with_the_task(tmp_path):
+    from tests.test_client_wire import udp_peer
+
+    with udp_peer() as peer:
+        proc = run(
+            "-m",
+            "controller.client",
+            "--server",
+            f"127.0.0.1:{peer.port}",
+            "add",
+            "3-4",
+            "--queue",
+            "batch",
+            "--requires",
+            "ssd",
+            "--timeout",
+            "5",
+        )
+    assert proc.returncode == 0, proc.stderr
+    sent = sorted((packet["params"] for packet in peer.packets), key=lambda p: p["task_id"])
+    assert sent == [
+        {"task_id": n, "queue": "batch", "requires": ["ssd"], "timeout": 5} for n in (3, 4)
+    ]

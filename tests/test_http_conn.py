@@ -318,12 +318,12 @@ def test_out_of_descriptors_the_controller_stays_up_and_recovers(tmp_path):
         held = _open_idle(port, 2 * NOFILE)  # more than it has descriptors for
         wait_for_condition(lambda: "cannot accept" in _log(tmp_path), 15)
         # Jobs still flow meanwhile or once the idle connections are closed (5 s).
-        out = run_udp_client(ctl.udp_port, "add", "7", "--payload", "x", "--timeout", "30")
+        out = run_udp_client(ctl.udp_port, "--timeout", "30", "add", "7", "--payload", "x")
         assert out.returncode == 0, out.stderr
         assert ctl.proc.poll() is None
         for sock in held:
             sock.close()
-        out = run_udp_client(ctl.udp_port, "add", "8", "--payload", "y", "--timeout", "30")
+        out = run_udp_client(ctl.udp_port, "--timeout", "30", "add", "8", "--payload", "y")
         assert out.returncode == 0, out.stderr
         assert ctl.proc.poll() is None
 
@@ -335,7 +335,7 @@ def test_max_connections_keeps_descriptors_for_the_rest(tmp_path):
     with live_controller(tmp_path, "--workers", "1", launcher=launcher, max_connections=40) as ctl:
         port = int(ctl.url.rsplit(":", 1)[1])
         held = _open_idle(port, 2 * NOFILE)
-        out = run_udp_client(ctl.udp_port, "add", "9", "--payload", "z", "--timeout", "30")
+        out = run_udp_client(ctl.udp_port, "--timeout", "30", "add", "9", "--payload", "z")
         assert out.returncode == 0, out.stderr
         for sock in held:
             sock.close()

@@ -419,3 +419,65 @@ def test_an_unacknowledged_entry_is_never_trimmed(tmp_path):
                 assert [entry for entry, _ in r.xrange("jobs")] == [held]
         finally:
             r.close()
+
+
+# ---------------------------------------------------------------- retry announcements
+
+
+@dataclass
+class _HeldJob:
+    id: str
+    door: str
+    state: Any
+    error: str = "it failed"
+    result: bytes = b""
+
+
+class _RetryDesk:
+    def __init__(self, allow: bool) -> None:
+        self.allow = allow
+        self.asked: list[str] = []
+
+    def retry(self, job: _HeldJob, now: float) -> bool:
+        self.asked.append(job.id)
+        return self.allow
+
+
+def _door_holding(jobs: list[_HeldJob], desk: _RetryDesk) -> Any:
+    """A Redis door with only what hearing a retry touches (no Redis, no controller)."""
+    from controller.shell.redis_door import RedisDoor
+
+    door = RedisDoor.__new__(RedisDoor)
+    door.book = {job.id: job for job in jobs}  # type: ignore[assignment]
+    door.desk = desk  # type: ignore[assignment]
+    door.entries, door.outbox, door.progress, door.reported = {}, {}, {}, {}
+    door.counters = {"retried": 0}
+    door._work = trio.Event()
+    return door
+
+
+async def test_a_heard_retry_puts_back_only_this_doors_ended_jobs():
+    from controller.jobs import JobState
+
+    jobs = [
+        _HeldJob("failed", "redis", JobState.FAILED),
+        _HeldJob("live", "redis", JobState.WORKING),
+        _HeldJob("http-one", "http", JobState.FAILED),
+    ]
+    desk = _RetryDesk(allow=True)
+    door = _door_holding(jobs, desk)
+    for job_id in ("failed", "live", "http-one", "unknown"):
+        door._retry(job_id)
+    assert desk.asked == ["failed"]
+    assert door.entries == {"failed": []}  # held again: its next outcome is written
+    assert door.counters["retried"] == 1 and not door.outbox
+
+
+async def test_a_retry_the_desk_refuses_writes_the_jobs_outcome_back():
+    from controller.jobs import JobState
+
+    desk = _RetryDesk(allow=False)
+    door = _door_holding([_HeldJob("gone", "redis", JobState.CANCELED, error="")], desk)
+    door._retry("gone")
+    assert desk.asked == ["gone"]
+    assert door.outbox["gone"].state == "canceled" and door.entries == {}

@@ -303,17 +303,20 @@ def test_no_answer_exits_3():
 
 
 def test_global_options_after_the_command():
+    # --server may follow the command; --timeout after `add` is the job's own option.
     done = subprocess.run(
         [
             sys.executable,
             "-m",
             "controller.client",
+            "--timeout",
+            "0.5",
             "add",
             "1",
             "--server",
             f"127.0.0.1:{free_udp_port()}",
             "--timeout",
-            "0.5",
+            "60",
         ],
         capture_output=True,
         timeout=30,

@@ -9,11 +9,15 @@
 API; https checks the certificate against the system's trust store, or only against
 `ca_file=` when given; HTTPS_PROXY, HTTP_PROXY and NO_PROXY are honoured),
 `udp://HOST:PORT` (the UDP front door; the client picks each job's task_id, and
-`id`, `get` and `cancel` are not available there) or `redis://HOST:PORT/DB` (the
+`id`, `get`, `cancel` and `retry` are not available there) or `redis://HOST:PORT/DB` (the
 Redis stream `jobs`, or `?stream=NAME`, that controllers consume; see
 controller/client/stream.py).
-`job.state` uses the job states of the HTTP API (pending, requested, working,
-finished, failed, canceled, deleted) for all three.
+`job.state` uses the job states of the HTTP API (scheduled, pending, requested,
+working, finished, failed, canceled, deleted) for all three.
+`submit` also takes the job options (queue, priority, requires, delay or run_at,
+max_retries, retry_delay, timeout, placement_timeout, owner; controller/client/jobfields.py),
+checked before anything is sent; `retry(id)` puts a failed or canceled job back (HTTP
+and Redis).
 `job.result()` returns the result bytes, raises `JobFailed` (its `error` says
 why; a canceled or deleted job too) or the builtin `TimeoutError`.
 """
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -32,7 +37,8 @@ import redis
 from controller import datagram as dg
 from controller.client.errors import ClientError, ControllerError, JobFailed
 from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
-from controller.client.stream import RedisBackend
+from controller.client.jobfields import as_text, initial_state, option_fields
+from controller.client.stream import NO_LISTENER, RedisBackend
 from controller.client.udp import UdpBackend
 
 __all__ = [
@@ -45,8 +51,10 @@ __all__ = [
     "JobFailed",
 ]
 
-# get and cancel over udp://.
-_NO_SUCH_REQUEST = "get and cancel need http:// or redis:// (the UDP door has no such request)"
+# get, cancel and retry over udp://.
+_NO_SUCH_REQUEST = (
+    "get, cancel and retry need http:// or redis:// (the UDP door has no such request)"
+)
 FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
 # Longest single ?wait= the server allows; longer waits are several of them.
 MAX_WAIT = 60.0
@@ -68,14 +76,29 @@ def _payload(payload: bytes | str) -> bytes:
     raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
 
 
-def _body(payload: bytes, name: str | None, job_id: str | None) -> dict[str, Any]:
+def _body(
+    payload: bytes, name: str | None, job_id: str | None, options: dict[str, Any]
+) -> dict[str, Any]:
     body: dict[str, Any] = {}
     dg.put_bytes(body, "payload", payload)
     if name is not None:
         body["name"] = name
     if job_id is not None:
         body["id"] = job_id
+    body.update(options)
     return body
+
+
+def _retried(job_id: str, state: str) -> None:
+    """A Redis retry's answer (the state the job has afterwards) as the HTTP door's: a job
+    that was not failed or canceled is a conflict (409), one without a hash unknown."""
+    if state == "pending":
+        return
+    if not state:
+        raise KeyError(f"no job {job_id!r}")
+    if state == NO_LISTENER:
+        raise ControllerError("redis", "no controller listens for retries on this stream")
+    raise ControllerError(409, f"job {job_id} is {state}: only a failed or canceled job is retried")
 
 
 def _outcome(data: dict[str, Any]) -> bytes:
@@ -216,21 +239,56 @@ class Client:
             self._redis.close()
 
     def submit(
-        self, payload: bytes | str = b"", *, name: str | None = None, id: str | None = None
+        self,
+        payload: bytes | str = b"",
+        *,
+        name: str | None = None,
+        id: str | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        requires: Sequence[str] | None = None,
+        delay: float | None = None,
+        run_at: datetime | None = None,
+        max_retries: int | None = None,
+        retry_delay: float | None = None,
+        timeout: float | None = None,
+        placement_timeout: float | None = None,
+        owner: str | None = None,
     ) -> Job:
-        data = _payload(payload)
+        """Submit a job. The options left None are not sent (the controller's defaults
+        apply); a bad one raises ValueError with the controller's message, before sending.
+        `delay`, `retry_delay`, `timeout` and `placement_timeout` are seconds, `run_at` an
+        aware datetime, `requires` a list of labels."""
+        options = option_fields(
+            queue=queue,
+            priority=priority,
+            requires=requires,
+            delay=delay,
+            run_at=run_at,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            timeout=timeout,
+            placement_timeout=placement_timeout,
+            owner=owner,
+        )
+        return self._submit(_payload(payload), name, id, options)
+
+    def _submit(
+        self, data: bytes, name: str | None, id: str | None, options: dict[str, Any]
+    ) -> Job:
         if self._http is not None:
-            resp = self._http.request("POST", "/job/", json=_body(data, name, id))
+            resp = self._http.request("POST", "/job/", json=_body(data, name, id, options))
             return Job(self, _check(resp))
         if self._redis is not None:
+            state = initial_state(options)
             with _redis_errors():
-                job_id = self._redis.submit(data, name, id)
-            return Job(self, {"id": job_id, "state": "pending"})
+                job_id = self._redis.submit(data, name, id, as_text(options), state)
+            return Job(self, {"id": job_id, "state": state})
         if id is not None:
             raise ValueError("udp:// picks each job's task_id itself: id is not accepted")
         udp = self._udp()
         task_id = next(udp.task_ids)
-        params: dict[str, Any] = {"task_id": task_id, **_body(data, None, None)}
+        params: dict[str, Any] = {"task_id": task_id, **_body(data, None, None, options)}
         udp.request("add_task", params, time.monotonic() + self.timeout)
         return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
 
@@ -252,6 +310,16 @@ class Client:
         if resp.status == 409:  # it ended already: its final state is the answer
             return self.get(id)
         return Job(self, _check(resp))
+
+    def retry(self, id: str) -> Job:
+        """Put a failed or canceled job back to `pending` (a fresh `max_retries`); the job.
+        ControllerError with status 409 when it is in another state, KeyError if unknown."""
+        if self._redis is not None:
+            with _redis_errors():
+                state = self._redis.retry(id)
+            _retried(id, state)
+            return self.get(id)
+        return Job(self, _check(self._need_http().request("POST", _job_path(id) + "retry/")))
 
     # ------------------------------------------------------------ for Job
 
@@ -372,16 +440,44 @@ class AsyncClient:
             await anyio.to_thread.run_sync(self._sync.close)
 
     async def submit(
-        self, payload: bytes | str = b"", *, name: str | None = None, id: str | None = None
+        self,
+        payload: bytes | str = b"",
+        *,
+        name: str | None = None,
+        id: str | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        requires: Sequence[str] | None = None,
+        delay: float | None = None,
+        run_at: datetime | None = None,
+        max_retries: int | None = None,
+        retry_delay: float | None = None,
+        timeout: float | None = None,
+        placement_timeout: float | None = None,
+        owner: str | None = None,
     ) -> AsyncJob:
+        """As `Client.submit`."""
+        options = option_fields(
+            queue=queue,
+            priority=priority,
+            requires=requires,
+            delay=delay,
+            run_at=run_at,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            timeout=timeout,
+            placement_timeout=placement_timeout,
+            owner=owner,
+        )
+        data = _payload(payload)
         if self._sync is not None:
             sync_client = self._sync
             job = await anyio.to_thread.run_sync(
-                lambda: sync_client.submit(payload, name=name, id=id)
+                lambda: sync_client._submit(data, name, id, options)
             )
             return AsyncJob(self, {"id": job.id}, job)
         assert self._http is not None
-        resp = await self._http.request("POST", "/job/", json=_body(_payload(payload), name, id))
+        resp = await self._http.request("POST", "/job/", json=_body(data, name, id, options))
         return AsyncJob(self, _check(resp))
 
     async def get(self, id: str) -> AsyncJob:
@@ -398,6 +494,14 @@ class AsyncClient:
         resp = await http.request("PUT", _job_path(id), json={"state": "canceled"})
         if resp.status == 409:
             return await self.get(id)
+        return AsyncJob(self, _check(resp))
+
+    async def retry(self, id: str) -> AsyncJob:
+        """As `Client.retry`."""
+        if self._sync is not None and self.scheme == "redis":
+            job = await anyio.to_thread.run_sync(self._sync.retry, id)
+            return AsyncJob(self, {"id": job.id}, job)
+        resp = await self._need_http().request("POST", _job_path(id) + "retry/")
         return AsyncJob(self, _check(resp))
 
     def _need_http(self) -> AsyncHttpPool:

@@ -31,6 +31,7 @@ from controller.client.engine import (
     Outcome,
     UdpSession,
 )
+from controller.client.jobfields import add_cli_options, cli_fields
 from controller.client.output import Progress, format_status, outcome_json, summary
 
 
@@ -188,18 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(allowed clients only).",
     )
     status.add_argument("--json", action="store_true", help="print the raw report as JSON")
-    # The global options are accepted after the command too (`udp-client add 5 --server H:P`).
+    add_cli_options(add)
+    # The global options are accepted after the command too (`udp-client add 5 --server H:P`),
+    # but for add's own --timeout: the job's (before `add`, it is how long to wait).
     for command in (add, status):
         command.add_argument(
             "--server", type=parse_server, default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
-        command.add_argument(
-            "--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS
-        )
+    status.add_argument("--timeout", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
 def _payload(args: argparse.Namespace) -> dict[str, Any]:
+    """What every add_task carries besides its task_id: the payload and the job options."""
+    return {**_payload_only(args), **cli_fields(args)}
+
+
+def _payload_only(args: argparse.Namespace) -> dict[str, Any]:
     if args.payload is not None:
         return {"payload": args.payload}
     if args.payload_file is not None:

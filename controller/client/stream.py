@@ -1,12 +1,13 @@
 """The client's redis:// backend (blocking; `AsyncClient` runs it in threads).
 
-`submit` marks the job `pending` in `job:<id>` unless it has a state already,
-then adds the entry (XADD), in one round trip; `get` reads the hash;
-`cancel` runs the cancel script of controller/streams.py. Waiting for an
-outcome never polls: one thread per client reads `<stream>:results` with a
-blocking XREAD and wakes the waiters of the ids it sees; a waiter reads the
-hash after it has registered (and after that thread has fixed where it
-starts), so an outcome written before the wait began is found there.
+`submit` marks the job `pending` (or `scheduled`, when it waits for a time) in
+`job:<id>` unless it has a state already, then adds the entry (XADD) to its queue's
+stream, in one round trip; `get` reads the hash; `cancel` and `retry` run the cancel
+and retry scripts of controller/streams.py. Waiting for an outcome never polls: one
+thread per client reads `<stream>:results` with a blocking XREAD and wakes the
+waiters of the ids it sees; a waiter reads the hash after it has registered (and
+after that thread has fixed where it starts), so an outcome written before the wait
+began is found there.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import redis
 
 from controller import streams
 from controller.httpapi import ID_RULE, valid_id
-from controller.options import rfc3339
+from controller.options import DEFAULT_QUEUE, rfc3339
+from controller.streams import NO_LISTENER
+
+__all__ = ["NO_LISTENER", "RedisBackend", "parse_url"]
 
 # How long one blocking XREAD of the results waits (ms): also how soon close() is noticed.
 WATCH_BLOCK_MS = 1000
@@ -49,6 +53,7 @@ class RedisBackend:
         )
         self.results = streams.results_stream(self.stream)
         self._cancel = self.redis.register_script(streams.CANCEL_SCRIPT)
+        self._retry = self.redis.register_script(streams.RETRY_SCRIPT)
         self._lock = threading.Lock()
         self._waiters: dict[str, list[threading.Event]] = {}
         self._watcher: threading.Thread | None = None
@@ -58,7 +63,16 @@ class RedisBackend:
         self._closed.set()
         self.redis.close()
 
-    def submit(self, payload: bytes, name: str | None, job_id: str | None) -> str:
+    def submit(
+        self,
+        payload: bytes,
+        name: str | None,
+        job_id: str | None,
+        options: dict[str, str] | None = None,
+        state: str = "pending",
+    ) -> str:
+        """Add the entry; `options` are its option fields, as text (jobfields.as_text), and
+        `state` what `job:<id>` says until a controller has the job."""
         if job_id is None:
             job_id = str(uuid.uuid4()).upper()
         elif not valid_id(job_id):
@@ -66,11 +80,17 @@ class RedisBackend:
         fields: dict[Any, Any] = {"payload": payload, "id": job_id}
         if name is not None:
             fields["name"] = name
+        fields.update(options or {})
         pipe = self.redis.pipeline(transaction=False)  # one round trip; no MULTI needed
-        pipe.hsetnx(streams.job_key(job_id), "state", "pending")
-        pipe.xadd(self.stream, fields)
+        pipe.hsetnx(streams.job_key(job_id), "state", state)
+        pipe.xadd(self.queue_stream(fields.get("queue", DEFAULT_QUEUE)), fields)
         pipe.execute()
         return job_id
+
+    def queue_stream(self, queue: str) -> str:
+        """The stream of a queue's entries: the configured one for `default`, else
+        `<stream>.<queue>` (results of every queue go to `<stream>:results`)."""
+        return self.stream if queue == DEFAULT_QUEUE else f"{self.stream}.{queue}"
 
     def read(self, job_id: str) -> dict[str, Any] | None:
         """The job's hash as a job object (`result` as bytes), or None if it has none."""
@@ -119,6 +139,15 @@ class RedisBackend:
                 streams.cancel_channel(self.stream),
             ],
             args=[job_id, rfc3339(time.time()), streams.CANCEL_ERROR, RETENTION_MS],
+        )
+        return state.decode() if isinstance(state, bytes) else str(state)
+
+    def retry(self, job_id: str) -> str:
+        """Ask the controllers to run a failed or canceled job again; the state it has
+        afterwards (`pending` when asked; NO_LISTENER: nobody listens; "": no such job)."""
+        state = self._retry(
+            keys=[streams.job_key(job_id), streams.retry_channel(self.stream)],
+            args=[job_id, rfc3339(time.time())],
         )
         return state.decode() if isinstance(state, bytes) else str(state)
 

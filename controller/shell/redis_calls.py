@@ -217,14 +217,16 @@ class StreamCalls:
         return None, None
 
     @staticmethod
-    def heard(pubsub: Any) -> list[str]:
+    def heard(pubsub: Any) -> list[tuple[str, str]]:
+        """(channel, job id) of each announcement heard within a second."""
         message = pubsub.get_message(timeout=1.0)
-        ids = []
+        heard = []
         while message is not None:
             if message.get("type") == "message":
-                ids.append(message["data"].decode("utf-8", "replace"))
+                channel = message["channel"].decode("utf-8", "replace")
+                heard.append((channel, message["data"].decode("utf-8", "replace")))
             message = pubsub.get_message(timeout=0)
-        return ids
+        return heard
 
 
 def _state(answer: Any) -> str:

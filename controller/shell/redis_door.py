@@ -18,7 +18,7 @@ shared with a thread but the call's arguments and its answer. Four tasks:
   acknowledges the entry, in one script (controller/streams.py), batched;
 - the keeper re-claims held entries well within `claim_after`, claims those of
   stopped consumers (XAUTOCLAIM), checks for cancels and reads the group's lag;
-- the listener hears cancels on `<stream>:cancel` at once.
+- the listener hears cancels on `<stream>:cancel` and retries on `<stream>:retry` at once.
 
 While Redis is unreachable each task retries with backoff (capped at 5 s), a
 log line says so (at most one per interval), and the other doors go on.
@@ -115,6 +115,7 @@ class RedisDoor:
             "skipped": 0,
             "written": 0,
             "canceled": 0,
+            "retried": 0,
             "trimmed": 0,  # acknowledged entries deleted from the stream
         }
         desk.doors["redis"] = self
@@ -467,12 +468,17 @@ class RedisDoor:
 
     async def _listen_loop(self) -> None:
         pubsub = self.calls.pubsub()
+        cancels = streams.cancel_channel(self.settings.stream)
+        retries = streams.retry_channel(self.settings.stream)
         try:
-            await self._call(pubsub.subscribe, streams.cancel_channel(self.settings.stream))
+            await self._call(pubsub.subscribe, cancels, retries)
             while True:
-                ids = await self._call(self.calls.heard, pubsub, mostly_waits=True)
-                for job_id in ids:
-                    self._cancel(job_id)
+                heard = await self._call(self.calls.heard, pubsub, mostly_waits=True)
+                for channel, job_id in heard:
+                    if channel == retries:
+                        self._retry(job_id)
+                    else:
+                        self._cancel(job_id)
         finally:
             pubsub.close()
 
@@ -483,6 +489,22 @@ class RedisDoor:
             self.counters["canceled"] += 1
             log.info("redis: job %s canceled by a user", job_id)
             self.desk.cancel(job, trio.current_time())
+
+    def _retry(self, job_id: str) -> None:
+        """A user retried a failed or canceled Redis job (its hash says `pending` now): the
+        controller that holds it puts it back, and writes its outcome when it ends again.
+        Refused here, the job's outcome is written back over the hash."""
+        job = self.book.get(job_id)
+        if job is None or job.door != "redis" or not job.state.final:
+            return  # not ours (another controller ran it) or live already
+        # JobDesk.retry(job, now) -> bool: False when the job's state does not allow it.
+        if self.desk.retry(job, trio.current_time()):
+            self.counters["retried"] += 1
+            log.info("redis: job %s retried by a user", job_id)
+            self.entries.setdefault(job_id, [])  # held again: progress and outcome are written
+            self.reported.pop(job_id, None)
+        else:
+            self._queue_outcome(job_id, _outcome_of(job))
 
 
 def _outcome_of(job: Job) -> Outcome:
