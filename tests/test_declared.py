@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from typing import Any
 
 import pytest
 
 from controller import declared
 from controller.calclink import CalculatorLink, Heartbeat
+from controller.client.output import format_status
 from controller.core import Core, PulseReceived, Reply
-from controller.frontdoor import FrontDoor
+from controller.frontdoor import FrontDoor, fit_status
 from controller.httpapi import ApiError, parse_declared
 from controller.jobs import JobBook
+from controller.shell.statuspage import render_status_page
 from gen import worker_protocol_pb2 as pb
 from worker.core import WorkerSession
 from worker.main import build_parser, check_arguments
@@ -265,3 +268,26 @@ def test_good_worker_arguments_pass_the_check(capsys):
     assert check_arguments(["--queues", "a", "--labels", "", "--exec", "cat", "--x"]) is None
     assert check_arguments(["--help"]) is None
     assert "--queues" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- shown
+
+
+def test_status_report_page_and_udp_client_show_queues_and_labels():
+    core = Core()
+    register(
+        core,
+        pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=2, queues=["gpu.q"], labels=["cuda"]),
+    )
+    core.pollers.ping("p1", 0.0, declared.read([f"q{n:02d}" for n in range(32)], ""))
+    report: dict[str, Any] = core.status(1.0)
+    local, poller = report["workers"]
+    assert (local["queues"], local["labels"]) == ("gpu.q", "cuda")
+    assert poller["labels"] == "" and poller["queues"].endswith(",...")
+    assert len(poller["queues"]) <= 40
+    assert fit_status(report, 1100) is report and len(json.dumps(report)) < 1200
+    text = format_status(report)
+    assert "queues / labels" in text and "gpu.q / cuda" in text and "q00,q01" in text
+    page = render_status_page(core, JobBook(), 1.0, {}, 0)
+    assert "<th>queues</th><th>labels</th>" in page
+    assert "<td>gpu.q</td><td>cuda</td>" in page and "<td>q00,q01," in page
