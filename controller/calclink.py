@@ -1,6 +1,7 @@
 """The controller's half of the calculator protocol, on the UDP door's port. Pure.
 
-In: `heartbeat` (type 0, `params.status` ready or busy) and `completed_task`
+In: `heartbeat` (type 0, `params.status` ready or busy, `params.queues` and
+`params.labels` lists of names: what it serves and has) and `completed_task`
 (type 1, acknowledged by the door on every copy, acted on once by the core),
 from `allowed_calculators` only. Out: `perform_task` (type 1), sent again at
 doubling intervals until the calculator acknowledges it or `dial_timeout` has
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller import datagram as dg
+from controller import declared
 from controller.datagram import BadPacket
 from controller.deadlines import Deadlines
 
@@ -31,6 +33,7 @@ PERFORM_FIRST_REPEAT = 0.05
 class Heartbeat:
     address: Address
     ready: bool
+    serves: declared.Declared = declared.DEFAULT  # the queues it serves, its labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,12 @@ class CalculatorLink:
             status = params.get("status")
             if status not in ("ready", "busy"):
                 raise BadPacket("bad_status", "params.status must be ready or busy")
-            return [Heartbeat(address, status == "ready")]
+            try:
+                serves = declared.read(params.get("queues", ()), params.get("labels", ()))
+            except declared.BadDeclaration as exc:
+                code = "bad_queues" if exc.what == "queues" else "bad_labels"
+                raise BadPacket(code, str(exc)) from None
+            return [Heartbeat(address, status == "ready", serves)]
         task_id = dg.task_id_field(params.get("task_id"))
         status = params.get("status")
         if status == "success":

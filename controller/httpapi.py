@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from controller import datagram as dg
-from controller import options
+from controller import declared, options
 from controller.core.model import TaskState
 from controller.datagram import BadPacket
 from controller.jobs import Job, JobState
@@ -245,6 +245,15 @@ def parse_number(
     if not low <= number <= high:
         raise ApiError(400, f"{name} must be from {low:g} to {high:g}, got {value[:40]!r}")
     return number
+
+
+def parse_declared(query: Mapping[str, str]) -> declared.Declared:
+    """`?queues=A,B&labels=X,Y` of `/ping/`: what the poller serves and has (no queue:
+    `default`)."""
+    try:
+        return declared.read(query.get("queues", ""), query.get("labels", ""))
+    except declared.BadDeclaration as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 def dumps(body: Any) -> bytes:

@@ -29,7 +29,8 @@ from google.protobuf.message import DecodeError, Message
 
 from gen import worker_protocol_pb2 as pb
 
-# A delimited protobuf header is tiny (four scalar fields); 4 KiB is generous
+# A delimited protobuf header is small (a few scalar fields; a REGISTER's queues and
+# labels, which controller/declared.py keeps to 2 KiB of names); 4 KiB is generous
 # and bounds what a peer can make us buffer before we know what it wants.
 MAX_HEADER_SIZE: Final = 4096
 # A uint64 varint never needs more than 10 bytes; an 11th continuation byte is garbage.

@@ -180,12 +180,27 @@ def test_controller_busy_poll_default_is_adaptive():
         (["--udp", "h:99999"], "expected HOST:PORT"),
         (["--udp", "h:1", "--hub", "http://h:2"], "not allowed with argument"),
         (["--socket-dir", "/tmp", "--udp", "h:1"], "not allowed with argument"),
+        (["--udp", "h:1", "--queues", "Gpu"], "argument --queues: a name must match"),
+        (["--hub", "http://h:2", "--labels", "a b"], "argument --labels: a name must match"),
+        (["--queues", ""], "argument --queues: give at least one queue"),
     ],
 )
 def test_remote_worker_bad_flags_are_one_line_and_exit_2(args, said):
     proc = run("-m", "worker", *args)
     assert proc.returncode == 2
     assert said in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_controller_refuses_bad_worker_arguments_before_starting_workers(tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"socket_dir": str(tmp_path / "s"), "journal": None}))
+    proc = run("-m", "controller", "--config", str(config), "--workers", "1", "--", "--queues", "A")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        "controller: the workers' arguments (after --): argument --queues: "
+        "a name must match [a-z0-9_.-]{1,64}, got 'A'"
+    )
+    assert not (tmp_path / "s").exists()  # it stopped before making anything
 
 
 @pytest.mark.parametrize(

@@ -144,4 +144,8 @@ def test_remove_takes_a_task_out_from_anywhere_and_counts_follow():
     assert sorted(t.ref for t in pending) == [t.ref for t in tasks[1::2]]
     for task in tasks[1::2]:
         pending.remove(task)
-    assert len(pending) == 0 and list(pending) == [] and pending.pick(make_worker(1, frozenset(QUEUES), frozenset())) is None
+    assert (
+        len(pending) == 0
+        and list(pending) == []
+        and pending.pick(make_worker(1, frozenset(QUEUES), frozenset())) is None
+    )

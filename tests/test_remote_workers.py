@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -313,3 +314,54 @@ def test_a_result_too_large_for_a_datagram_is_reported_as_an_error(tmp_path: Pat
         finally:
             reap(calc)
     assert "too large for one datagram" in info.value.error
+
+
+def test_every_kind_declares_its_queues_and_labels_and_the_controller_shows_them(
+    tmp_path: Path,
+) -> None:
+    with live_controller(
+        tmp_path, "--workers", "1", "--", "--queues", "local.q,default", "--labels", "ssd"
+    ) as ctl:
+        calc = remote_worker(
+            "--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.2", "--queues", "calc-q",
+            "--labels", "gpu,x_1",
+        )  # fmt: skip
+        poll = remote_worker("--hub", ctl.url, "--name", "p1", "--queues", "poll.q,b")
+        plain = remote_worker("--hub", ctl.url, "--name", "p2")
+        seen: dict[str, Any] = {}
+
+        def all_declared() -> bool:
+            report = json.loads(run_udp_client(ctl.udp_port, "status", "--json").stdout)
+            seen.update(
+                {w["kind"] + w["name"]: (w["queues"], w["labels"]) for w in report["workers"]}
+            )
+            return len(seen) == 4
+
+        try:
+            wait_for_condition(all_declared, 30)
+            shown = run_udp_client(ctl.udp_port, "status").stdout.decode()
+            with urllib.request.urlopen(f"{ctl.url}/", timeout=5) as resp:
+                page = resp.read().decode()
+        finally:
+            reap(calc)
+            reap(poll)
+            reap(plain)
+    [local] = [key for key in seen if key.startswith("local")]
+    assert seen[local] == ("default,local.q", "ssd")
+    [calculator] = [key for key in seen if key.startswith("calculator")]
+    assert seen[calculator] == ("calc-q", "gpu,x_1")
+    assert seen["pollerp1"] == ("b,poll.q", "")
+    assert seen["pollerp2"] == ("default", "")
+    assert "default,local.q / ssd" in shown and "calc-q / gpu,x_1" in shown
+    assert "<td>calc-q</td><td>gpu,x_1</td>" in page and "<td>default,local.q</td>" in page
+
+
+def test_a_poller_with_a_bad_declaration_is_refused_with_the_error_object(tmp_path: Path) -> None:
+    with live_controller(tmp_path) as ctl:
+        url = f"{ctl.url}/ping/?worker=p&wait=0&queues=ok,Not-Ok"
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(url, timeout=5)
+        error = json.loads(caught.value.read())
+        assert caught.value.code == 400 and error["code"] == 400
+        assert "queues: a name must match" in error["message"]
+        assert health(ctl.url)["workers"] == 0

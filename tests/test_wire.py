@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 import socket
+from typing import Any
 
 import pytest
 import trio
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller import wire
+from controller import declared, wire
 from gen import worker_protocol_pb2 as pb
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -191,6 +193,66 @@ def test_eof_mid_frame(cut):
 def test_pulse_cannot_carry_extra():
     with pytest.raises(ValueError):
         wire.encode_frame(pb.WorkerPulse(), b"x")
+
+
+# A REGISTER as a worker built before `queues` and `labels` encodes it, byte by byte:
+# type (field 1) REGISTER is 0, the default, so it is not sent; next_pulse (field 4) = 2.
+OLD_REGISTER = b"\x02" + b"\x20\x02"
+
+
+def old_pulse_type() -> Any:
+    """WorkerPulse as it was before fields 5 and 6: what an older controller decodes with."""
+    proto = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(proto)
+    proto.name = "old_worker_protocol.proto"
+    proto.package = "old.protocol"
+    [message] = [m for m in proto.message_type if m.name == "WorkerPulse"]
+    kept = [f for f in message.field if f.number <= 4]
+    del message.field[:]
+    message.field.extend(kept)
+    for each in proto.message_type:
+        for field in each.field:
+            if field.HasField("type_name"):  # an enum's
+                field.type_name = field.type_name.replace(".controller.", ".old.")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("old.protocol.WorkerPulse"))
+
+
+def test_an_old_workers_register_parses_with_no_queues_nor_labels():
+    frame = wire.whole_frame(pb.WorkerPulse, OLD_REGISTER, wire.DEFAULT_MAX_EXTRA_SIZE)
+    assert frame is not None
+    msg, extra = frame
+    assert msg.type == pb.PULSE_REGISTER and msg.next_pulse == 2 and extra == b""
+    assert list(msg.queues) == [] and list(msg.labels) == []
+    old = old_pulse_type()
+    assert wire.encode_frame(old(type=0, next_pulse=2)) == OLD_REGISTER
+
+
+def test_a_new_register_is_read_by_an_older_controller_as_a_plain_register():
+    new = pb.WorkerPulse(
+        type=pb.PULSE_REGISTER, next_pulse=2, queues=["default", "gpu.q"], labels=["ssd"]
+    )
+    data = new.SerializeToString()
+    old = old_pulse_type().FromString(data)  # unknown fields 5 and 6 are skipped
+    assert old.type == pb.PULSE_REGISTER and old.next_pulse == 2
+    assert pb.WorkerPulse.FromString(data) == new  # and read back whole by this version
+
+
+def test_the_largest_declaration_allowed_fits_the_header_limit():
+    queues = [f"{n:02d}".ljust(63, "q") for n in range(32)]  # 64 names, 2048 characters
+    labels = list("abcdefghijklmnopqrstuvwxyz012345")
+    longest = pb.WorkerPulse(
+        type=pb.PULSE_REGISTER, next_pulse=2**64 - 1, worker_id=2**64 - 1, task_id=2**64 - 1,
+        queues=queues, labels=labels,
+    )  # fmt: skip
+    assert declared.read(list(longest.queues), list(longest.labels)).labels  # allowed
+    frame = wire.encode_frame(longest)
+    assert len(frame) < wire.MAX_HEADER_SIZE
+    assert wire.whole_frame(pb.WorkerPulse, frame, 0) is None  # a long header: the decoder
+    decoder = wire.FrameDecoder(pb.WorkerPulse)
+    decoder.feed(frame)
+    assert decoder.next_frame() == (longest, b"")
 
 
 def nonblocking_pair():

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from controller import wire
+from controller import declared, wire
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeController
 from tests.helpers import reap, send_raw, wait_until
@@ -60,6 +60,17 @@ async def test_registers_listens_and_pulses_on_time(sockdir, nursery, autojump_c
     times = [t for t, p in fake.pulses if p.type == pb.PULSE_OK]
     assert [round(b - a, 3) for a, b in itertools.pairwise(times)] == [1.0, 1.0, 1.0]
     assert all(p.worker_id == 1 and p.task_id == 0 for p in fake.of_type(pb.PULSE_OK))
+
+
+async def test_register_declares_queues_and_labels_again_after_unknown_id(
+    sockdir, nursery, autojump_clock
+):
+    fake, _shell = await start(nursery, sockdir, declared=declared.read("b,a", "gpu"))
+    fake.known.clear()  # the controller restarted and forgot everyone
+    await fake.wait_for(lambda: len(fake.of_type(pb.PULSE_REGISTER)) == 2)
+    for reg in fake.of_type(pb.PULSE_REGISTER):
+        assert list(reg.queues) == ["a", "b"] and list(reg.labels) == ["gpu"]
+    assert all(not p.queues and not p.labels for p in fake.of_type(pb.PULSE_OK))
 
 
 async def test_task_cycle_fetch_me_at_once(sockdir, nursery, autojump_clock):
@@ -509,6 +520,15 @@ async def test_real_worker_registers_again_keeping_its_task(sockdir, nursery, tm
         release.touch()
         resp, result = await finished_outcome(fake, 2, 9)
         assert (resp.error, resp.task_id, result) == (pb.WORKER_ERR_OK, 9, b"kept:p\n")
+
+
+async def test_real_worker_declares_its_queues_and_labels_in_every_register(sockdir, nursery):
+    async with real_worker(nursery, sockdir, "--queues", "q2,q1", "--labels", "ssd") as (fake, _):
+        fake.known.clear()  # the controller restarted and forgot everyone
+        # (its OK once answered: the next pulse is a period away, so the kill meets no exchange)
+        await fake.wait_for(lambda: any(p.worker_id == 2 for p in fake.of_type(pb.PULSE_OK)))
+        regs = fake.of_type(pb.PULSE_REGISTER)
+        assert [(list(r.queues), list(r.labels)) for r in regs] == [(["q1", "q2"], ["ssd"])] * 2
 
 
 async def test_real_worker_exec_job_ignoring_stdin_and_flooding_both_outputs(sockdir, nursery):

@@ -1,7 +1,8 @@
 """`worker --udp HOST:PORT`: a calculator, a worker that speaks the UDP door's datagrams.
 
 It sends `heartbeat` every `--pulse` seconds (`busy` while it runs a job,
-`ready` otherwise, and one `ready` at once when a job ends), takes
+`ready` otherwise, and one `ready` at once when a job ends; each names the
+queues it serves and the labels it has), takes
 `perform_task` (acknowledging every copy, running one job at a time), and
 reports with `completed_task`, repeated under the one resend rule of the
 datagram format (controller/datagram.py, `resend_after`) until the controller
@@ -25,6 +26,8 @@ from typing import Any
 import trio
 
 from controller import datagram as dg
+from controller.declared import DEFAULT as DECLARED_DEFAULT
+from controller.declared import Declared
 from worker.leaving import leave_on_signals
 from worker.runner import Runner, TaskFailed
 
@@ -42,6 +45,7 @@ class Calculator:
         *,
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
+        declared: Declared = DECLARED_DEFAULT,
     ) -> None:
         infos = socket.getaddrinfo(server[0], server[1], type=socket.SOCK_DGRAM)
         family, _, _, _, address = infos[0]
@@ -51,6 +55,11 @@ class Calculator:
         self.runner = runner
         self.pulse_period = pulse_period
         self.drain_timeout = drain_timeout
+        # Every heartbeat says what the calculator serves and has.
+        self._declared = {
+            "queues": sorted(declared.queues),
+            "labels": sorted(declared.labels),
+        }
         self._txid = itertools.count(int(time.time() * 1000))
         self._running: int | None = None  # task_id of the job being run
         self._report: tuple[int, bytes] | None = None  # (txid, datagram) not yet acknowledged
@@ -82,7 +91,7 @@ class Calculator:
     async def _heartbeats(self) -> None:
         while True:
             status = "busy" if self._running is not None or self._report else "ready"
-            self._send(dg.request("heartbeat", {"status": status}))
+            self._send(dg.request("heartbeat", {"status": status, **self._declared}))
             if self._report is not None and self._report_with_beats:
                 self._send(self._report[1])
             with trio.move_on_after(self.pulse_period):

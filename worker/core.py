@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from controller.declared import DEFAULT as DECLARED_DEFAULT
+from controller.declared import Declared
 from gen import worker_protocol_pb2 as pb
 
 
@@ -39,7 +41,8 @@ class Answer:
 class WorkerSession:
     """What the worker knows and promises; no I/O."""
 
-    def __init__(self) -> None:
+    def __init__(self, declared: Declared = DECLARED_DEFAULT) -> None:
+        self.declared = declared  # the queues it serves and the labels it has
         self.worker_id = 0
         self.phase = Phase.IDLE
         self.task_id = 0
@@ -50,6 +53,15 @@ class WorkerSession:
     @property
     def has_outcome(self) -> bool:
         return self.phase in (Phase.DONE, Phase.FAILED)
+
+    def register(self, next_pulse: int) -> pb.WorkerPulse:
+        """REGISTER, declaring the worker's queues and labels."""
+        return pb.WorkerPulse(
+            type=pb.PULSE_REGISTER,
+            next_pulse=next_pulse,
+            queues=sorted(self.declared.queues),
+            labels=sorted(self.declared.labels),
+        )
 
     def pulse(self, next_pulse: int) -> pb.WorkerPulse:
         """The periodic pulse: FETCH_ME while an outcome waits, else OK."""

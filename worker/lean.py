@@ -64,6 +64,8 @@ import trio
 from outcome import Value
 
 from controller import wire
+from controller.declared import DEFAULT as DECLARED_DEFAULT
+from controller.declared import Declared
 from controller.transport import accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
@@ -148,6 +150,7 @@ class LeanWorker:
         dial_timeout: float = 2.0,
         max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
         parent_pid: int | None = None,
+        declared: Declared = DECLARED_DEFAULT,
     ) -> None:
         self.socket_dir = socket_dir
         self.runner = runner
@@ -157,7 +160,7 @@ class LeanWorker:
         self.dial_timeout = dial_timeout
         self.max_extra_size = max_extra_size
         self.parent_pid = parent_pid
-        self.session = WorkerSession()
+        self.session = WorkerSession(declared)
         self.exit_code = 0
         self._main_socket = str(socket_dir / "main.sock")
         self._epoll = select.epoll()
@@ -408,9 +411,7 @@ class LeanWorker:
 
     def _register(self, now: float) -> None:
         self._registering = True
-        self._dial(
-            pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=self.next_pulse), self._registered
-        )
+        self._dial(self.session.register(self.next_pulse), self._registered)
 
     def _registered(self, resp: pb.PulseResponse | None, why: str) -> None:
         self._registering = False

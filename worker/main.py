@@ -6,13 +6,16 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import trio
 
 from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, setup_logging
 from controller.config import ConfigError, load_config
+from controller.declared import BadDeclaration, Declared, names, read
 from worker.calculator import Calculator
 from worker.lean import LeanWorker
 from worker.parent import parent_alive, tie_to_parent
@@ -39,8 +42,29 @@ def _address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _names(what: str) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        try:
+            return names(text, what)
+        except BadDeclaration as exc:
+            raise argparse.ArgumentTypeError(exc.why) from None
+
+    return parse
+
+
+class _Refused(Exception):
+    """What argparse would have printed before exiting 2."""
+
+
+class _CheckingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _Refused(message)
+
+
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
+    parser = parser_class(
         prog="worker",
         description=(
             "Run the controller's jobs, one at a time. A local worker registers on "
@@ -95,6 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="real period between pulses (default 1); promises next_pulse = max(1, ceil(2 x it))",
     )
     parser.add_argument(
+        "--queues",
+        metavar="A,B",
+        type=_names("queues"),
+        default=("default",),
+        help="the queues this worker takes jobs from, comma separated (default: default); "
+        "names are 1 to 64 of a-z 0-9 _ . -",
+    )
+    parser.add_argument(
+        "--labels",
+        metavar="X,Y",
+        type=_names("labels"),
+        default=(),
+        help="what this worker has, for jobs' `requires`, comma separated (default: none)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         metavar="SECONDS",
         type=_positive,
@@ -139,8 +178,33 @@ def _pid(text: str) -> int:
     return int(text)
 
 
+def _declared(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Declared:
+    if not args.queues:
+        parser.error("argument --queues: give at least one queue")
+    try:
+        return read(args.queues, args.labels)
+    except BadDeclaration as exc:
+        parser.error(f"arguments --queues and --labels: {exc.why}")
+
+
+def check_arguments(argv: list[str]) -> str | None:
+    """Why `worker` would refuse these arguments at once (exit 2), or None: lets
+    `controller --workers N -- ARGS` refuse a mistake before starting N workers that
+    would each exit with it."""
+    parser = build_parser(_CheckingParser)
+    try:
+        _declared(parser, parser.parse_args(argv))
+    except _Refused as exc:
+        return str(exc)
+    except SystemExit:  # --help or --version: nothing wrong
+        pass
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    declared = _declared(parser, args)
     setup_logging(args.log_level, "worker")
     parent = None
     if args.exit_with_parent is not None:
@@ -169,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.udp is not None:
         calculator = Calculator(
-            args.udp, runner, pulse_period=args.pulse, drain_timeout=args.drain_timeout
+            args.udp,
+            runner,
+            pulse_period=args.pulse,
+            drain_timeout=args.drain_timeout,
+            declared=declared,
         )
         log.info("calculator for %s:%d", *args.udp)
         return trio.run(calculator.run)
@@ -183,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                 ca_file=args.ca_file,
                 pulse_period=args.pulse,
                 drain_timeout=args.drain_timeout,
+                declared=declared,
             )
         except SetupError as exc:
             print(f"worker: {exc}", file=sys.stderr)
@@ -197,5 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         dial_timeout=config.dial_timeout,
         max_extra_size=config.max_extra_size,
         parent_pid=parent,
+        declared=declared,
     )
     return trio.run(worker.run)

@@ -1,7 +1,8 @@
 """`worker --hub http[s]://HOST:PORT[/PREFIX/]`: a poller, a worker that asks the HTTP job
 API for work.
 
-Loop: `GET /ping/?worker=NAME&wait=20`; with a job, `PUT state=working` to
+Loop: `GET /ping/?worker=NAME&wait=20&queues=A,B&labels=X,Y` (what it serves and
+has); with a job, `PUT state=working` to
 confirm it, run it, repeat that PUT every `--pulse` seconds while it runs (the
 lease), and end with `PUT state=finished` (result) or `state=failed` (error); each PUT
 shows the `lease` token the claim carried.
@@ -27,6 +28,8 @@ import trio
 
 from controller import datagram as dg
 from controller.client.http import AsyncHttpPool, Endpoint, endpoint, token_problem
+from controller.declared import DEFAULT as DECLARED_DEFAULT
+from controller.declared import Declared
 from worker.leaving import leave_on_signals
 from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
 
@@ -65,6 +68,7 @@ class Poller:
         ca_file: str | None = None,
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
+        declared: Declared = DECLARED_DEFAULT,
     ) -> None:
         try:
             self._where: Endpoint = endpoint(hub, ca_file=ca_file)
@@ -76,6 +80,10 @@ class Poller:
         self._token = read_token(token_file) if token_file else None
         self.pulse_period = pulse_period
         self.drain_timeout = drain_timeout
+        # Every /ping/ says what the poller serves and has (labels only when it has some).
+        self._declared = {"queues": ",".join(sorted(declared.queues))}
+        if declared.labels:
+            self._declared["labels"] = ",".join(sorted(declared.labels))
         self._draining = False
         self._reachable = True
         self._idle_scope = trio.CancelScope()  # the /ping/ in flight, if any
@@ -114,7 +122,7 @@ class Poller:
                 await self._work(http, job)
 
     async def _ping(self, http: AsyncHttpPool) -> dict[str, Any] | None:
-        query = {"worker": self.name, "wait": PING_WAIT}
+        query = {"worker": self.name, "wait": PING_WAIT, **self._declared}
         try:
             resp = await http.request("GET", "/ping/", query=query)
         except OSError as exc:  # refused, reset, timed out

@@ -29,6 +29,8 @@ from pathlib import Path
 import trio
 
 from controller import wire
+from controller.declared import DEFAULT as DECLARED_DEFAULT
+from controller.declared import Declared
 from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, Result, accept_unix, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
@@ -65,6 +67,7 @@ class WorkerShell:
         dial_timeout: float = 2.0,
         max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
         parent_pid: int | None = None,
+        declared: Declared = DECLARED_DEFAULT,
     ) -> None:
         self.socket_dir = socket_dir
         self.parent_pid = parent_pid
@@ -74,7 +77,7 @@ class WorkerShell:
         self.drain_timeout = drain_timeout
         self.dial_timeout = dial_timeout
         self.max_extra_size = max_extra_size
-        self.session = WorkerSession()
+        self.session = WorkerSession(declared)
         self.exit_code = 0
         self.registrations = 0
         self._pulse_now = trio.Event()
@@ -191,9 +194,7 @@ class WorkerShell:
     async def _register(self) -> int | None:
         delay = REGISTER_BACKOFF_START
         while not self.session.draining:
-            resp = await self._send_pulse(
-                pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=self.next_pulse)
-            )
+            resp = await self._send_pulse(self.session.register(self.next_pulse))
             if resp is not None and resp.error == pb.CTRL_ERR_OK and resp.HasField("worker_id"):
                 self.registrations += 1
                 log.info("registered as worker %d", resp.worker_id)

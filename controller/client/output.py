@@ -94,6 +94,14 @@ def summary(outcomes: list[Outcome], duplicates: int, elapsed: float) -> str:
     return "\n".join(lines)
 
 
+def _declared(worker: dict[str, Any]) -> str:
+    """`  queues / labels` of a worker (a controller older than these shows nothing)."""
+    queues, labels = worker.get("queues"), worker.get("labels")
+    if queues is None:
+        return ""
+    return f"  {queues} / {labels or '-'}"
+
+
 def format_status(report: dict[str, Any]) -> str:
     workers = report.get("workers", [])
     total = report.get("workers_total", len(workers))
@@ -110,13 +118,14 @@ def format_status(report: dict[str, Any]) -> str:
     if workers:
         lines.append(
             f"  {'worker':<22} {'kind':<10} {'pid':>8}  {'state':<9} {'task':>8}"
-            f" {'last pulse':>11} {'done':>8}"
+            f" {'last pulse':>11} {'done':>8}  queues / labels"
         )
         for w in workers:
             name = str(w.get("name", w["id"]))
             lines.append(
                 f"  {name:<22} {w.get('kind', 'local'):<10} {w['pid'] or '-':>8}  "
                 f"{w['state']:<9} {w['task']:>8} {w['last_pulse_s']:>9.1f} s {w['done']:>8}"
+                + _declared(w)
             )
         if isinstance(total, int) and total > len(workers):
             lines.append(f"  ... and {total - len(workers)} more (the answer has room for few)")

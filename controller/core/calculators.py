@@ -2,6 +2,8 @@
 
 A calculator registers (and stays alive) by `heartbeat`, keyed by its
 (host, port); `ready` makes it an idle worker, `busy` keeps it out of the way.
+Every heartbeat names the queues it serves and the labels it has; the latest
+one counts.
 A job placed on it goes out as `perform_task` (the `PerformTask` action; the
 UDP door sends and repeats it). Its acknowledgement means the calculator has
 the job (accepted); no acknowledgement within `dial_timeout` means it is
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 
+from controller import declared
 from controller.core.model import (
     Action,
     PerformTask,
@@ -80,12 +83,29 @@ class Calculators:
 
     # ------------------------------------------------------------ the UDP door's side
 
-    def heartbeat(self, address: Address, ready: bool, now: float) -> list[Action]:
+    def heartbeat(
+        self,
+        address: Address,
+        ready: bool,
+        now: float,
+        serves: declared.Declared = declared.DEFAULT,
+    ) -> list[Action]:
+        """A heartbeat: registers the calculator or refreshes it, with what it declares."""
         sched = self.scheduler
         worker = self._live(address)
         wid = self.roster.heard(address, now)
-        if worker is None:
-            worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+        if worker is not None:
+            sched.serves(worker, serves.queues, serves.labels)
+        else:
+            worker = Worker(
+                worker_id=wid,
+                kind=self,
+                pid=None,
+                uid=None,
+                deadline=0.0,
+                queues=serves.queues,
+                labels=serves.labels,
+            )
             worker.done = self.roster.done.get(wid, 0)
             self._by_addr[address] = worker
             sched.add_worker(worker)

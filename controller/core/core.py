@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+from controller import declared
 from controller.core.calculators import Calculators
 from controller.core.local import LocalWorkers
 from controller.core.model import (
@@ -26,6 +27,10 @@ from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
 from controller.core.scheduler import Counters, Scheduler
 from controller.options import JobOptions
+
+# Characters of a worker's queues, and of its labels, in the status report (which must fit
+# one datagram): past it the list ends with ",...".
+STATUS_NAMES = 40
 
 
 class Core:
@@ -166,6 +171,8 @@ class Core:
                 "task": w.task.task_id if w.task is not None else 0,
                 "last_pulse_s": round(now - w.last_pulse, 2),
                 "done": w.done,
+                "queues": declared.shown(w.queues, STATUS_NAMES),
+                "labels": declared.shown(w.labels, STATUS_NAMES),
             }
             for w in itertools.islice(self.workers.values(), max_workers)
         ]

@@ -7,7 +7,9 @@ finished / failed / lost, and what to say to the worker goes out as actions
 (`Reply` to the pulse, `Dial` its socket, `WatchPid`).
 
 Per-job path in the common case: Dial(SET_TASK) -> DialDone(OK) ->
-PulseReceived(FETCH_ME) -> Dial(FETCH) -> DialDone(OK). A FETCH_ME that
+PulseReceived(FETCH_ME) -> Dial(FETCH) -> DialDone(OK). REGISTER declares
+the queues the worker serves and the labels it has (controller/declared.py);
+a bad declaration is refused with CTRL_ERR_FAILED. A FETCH_ME that
 overtakes the SET_TASK answer is remembered and served when it lands. A
 pulse whose task_id disagrees with the record is checked with one
 GET_STATUS; only a confirmed mismatch gets RESTART. A pulse only moves the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+from controller import declared
 from controller.core.model import (
     Action,
     Dial,
@@ -122,6 +125,12 @@ class LocalWorkers:
         return actions
 
     def _register(self, ev: PulseReceived, now: float) -> list[Action]:
+        pulse = ev.pulse
+        try:
+            serves = declared.read(list(pulse.queues), list(pulse.labels))
+        except declared.BadDeclaration as exc:
+            log.warning("REGISTER from pid %s refused: %s", ev.pid, exc)
+            return [_REPLY_FAILED]
         wid = self.next_worker_id
         self.next_worker_id += 1
         worker = Worker(
@@ -129,12 +138,21 @@ class LocalWorkers:
             kind=self,
             pid=ev.pid,
             uid=ev.uid,
-            deadline=now + promised(ev.pulse),
+            deadline=now + promised(pulse),
+            queues=serves.queues,
+            labels=serves.labels,
         )
         worker.last_pulse = now
         self.scheduler.add_worker(worker)
         self._arm(worker)
-        log.info("worker %d registered (pid %s, uid %s)", wid, ev.pid, ev.uid)
+        log.info(
+            "worker %d registered (pid %s, uid %s; queues %s, labels %s)",
+            wid,
+            ev.pid,
+            ev.uid,
+            declared.shown(serves.queues),
+            declared.shown(serves.labels) or "none",
+        )
         actions: list[Action] = [Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=wid))]
         if ev.pid:
             actions.append(WatchPid(wid, ev.pid))

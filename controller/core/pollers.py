@@ -1,7 +1,8 @@
 """Pollers: workers that ask the HTTP door for work (`GET /ping/`). Pure.
 
 A poller exists for the scheduler while it waits in `/ping/` or holds a job.
-`ping` makes it an idle worker (its number is kept per name, so that "prefer a
+Each `/ping/` names the queues it serves and the labels it has (the latest
+counts). `ping` makes it an idle worker (its number is kept per name, so that "prefer a
 worker the job has not failed on" works for pollers too); when the scheduler
 places a job on it, the kind emits `HandOut` and the shell answers the waiting
 request with that job (now `requested`). The poller confirms with
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hmac
 import logging
 
+from controller import declared
 from controller.core.model import Action, HandOut, Task, Worker, WorkerEvent, WorkerState
 from controller.core.recovery import Recovery
 from controller.core.roster import Roster
@@ -67,14 +69,19 @@ class Pollers:
 
     # ------------------------------------------------------------ the HTTP door's side
 
-    def ping(self, name: str, now: float) -> list[Action]:
-        """Poller `name` asks for work: it is an idle worker until it gets a job or gives up.
-        (A poller already known stays as it is: idle, or holding its job.)"""
+    def ping(
+        self, name: str, now: float, serves: declared.Declared = declared.DEFAULT
+    ) -> list[Action]:
+        """Poller `name` asks for work, serving `serves`' queues with its labels: it is an
+        idle worker until it gets a job or gives up. (A poller already known stays as it
+        is: idle, or holding its job; what it declares is updated.)"""
         sched = self.scheduler
-        if self._live(name) is not None:
+        live = self._live(name)
+        if live is not None:
             self.roster.heard(name, now)
+            sched.serves(live, serves.queues, serves.labels)
             return []
-        worker = self._new(name, now)
+        worker = self._new(name, now, serves)
         sched.ready(worker)
         actions: list[Action] = []
         sched.dispatch(actions)
@@ -97,9 +104,17 @@ class Pollers:
         self.scheduler.lost(worker, now, actions, cause="shutdown")
         return False
 
-    def _new(self, name: str, now: float) -> Worker:
+    def _new(self, name: str, now: float, serves: declared.Declared = declared.DEFAULT) -> Worker:
         wid = self.roster.heard(name, now)
-        worker = Worker(worker_id=wid, kind=self, pid=None, uid=None, deadline=0.0)
+        worker = Worker(
+            worker_id=wid,
+            kind=self,
+            pid=None,
+            uid=None,
+            deadline=0.0,
+            queues=serves.queues,
+            labels=serves.labels,
+        )
         worker.done = self.roster.done.get(wid, 0)  # what it did in its earlier lives
         worker.last_pulse = now
         self._by_name[name] = worker

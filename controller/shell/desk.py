@@ -164,7 +164,7 @@ class JobDesk:
         """What a calculator said, for the calculator worker kind."""
         kind = self.scheduling.core.calculators
         if isinstance(action, Heartbeat):
-            return kind.heartbeat(action.address, action.ready, now)
+            return kind.heartbeat(action.address, action.ready, now, action.serves)
         if isinstance(action, Completed):
             return kind.completed(
                 action.address, action.task_id, action.ok, action.output, action.error, now

@@ -386,6 +386,7 @@ class HttpDoor:
             wait = httpapi.parse_number(
                 request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
             )
+            serves = httpapi.parse_declared(request.query_params)
         except ApiError as exc:
             return self._refuse(exc)
         waiter = PingWaiter()
@@ -393,7 +394,7 @@ class HttpDoor:
         if earlier is not None:
             earlier.event.set()  # one request per poller: the older one answers 204
         self._pings[worker] = waiter
-        self.execute(self.pollers.ping(worker, trio.current_time()))
+        self.execute(self.pollers.ping(worker, trio.current_time(), serves))
         try:
             if waiter.job is None:
                 with trio.move_on_after(wait):

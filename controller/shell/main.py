@@ -278,6 +278,13 @@ def warn_readable_secrets(config: Config, source: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     own, worker_args = split_worker_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(own)
+    if args.workers and worker_args:
+        from worker.main import check_arguments
+
+        problem = check_arguments(worker_args)
+        if problem:
+            print(f"controller: the workers' arguments (after --): {problem}", file=sys.stderr)
+            return 2
     setup_logging(args.log_level, "controller")
     try:
         config = load_config(args.config)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from controller import httpapi, options
+from controller.declared import MAX_NAME_CHARS, MAX_NAMES
 from controller.jobs import JobState
+from controller.options import NAME_RULE
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -45,6 +47,21 @@ _WAIT = {
     "schema": {"type": "number", "minimum": 0, "maximum": httpapi.MAX_WAIT},
 }
 _TEXT = {"type": "string"}
+# A poller's queues or labels: up to MAX_NAMES names, comma separated (the two lists
+# together at most MAX_NAME_CHARS characters of names: each half of it here).
+_NAMES = f"^({NAME_RULE}(,{NAME_RULE}){{0,{MAX_NAMES - 1}}})?$"
+
+
+def _declared(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "description": description,
+        "schema": {"type": "string", "pattern": _NAMES, "maxLength": MAX_NAME_CHARS // 2},
+    }
+
+
 _SHORT = {"type": "string", "maxLength": httpapi.MAX_TEXT}
 _NAME = {"type": "string", "pattern": "^" + options.NAME_RULE + "$"}
 _SECONDS = {"type": "number", "minimum": 0, "maximum": options.MAX_SECONDS}
@@ -219,6 +236,8 @@ OPENAPI: dict[str, Any] = {
                         },
                     },
                     _WAIT,
+                    _declared("queues", "the queues it takes jobs from (default: default)"),
+                    _declared("labels", "the labels it has (default: none)"),
                 ],
                 "responses": {
                     "200": _json(

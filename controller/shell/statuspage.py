@@ -1,6 +1,6 @@
 """`GET /`: the status page, server-rendered HTML that reads without JavaScript.
 
-Workers of every kind with their state, job and last pulse; queue depth;
+Workers of every kind with their state, job, last pulse, queues and labels; queue depth;
 counters; the latest jobs with state and age. It refreshes itself every
 2 seconds (a meta refresh). Every value from a peer or a user is escaped.
 """
@@ -11,11 +11,14 @@ import html
 import itertools
 from typing import Any
 
+from controller.declared import shown
 from controller.jobs import JobBook
 
 REFRESH_SECONDS = 2
 LATEST_JOBS = 25
 MAX_WORKERS_SHOWN = 200
+# Characters of a worker's queues, and of its labels, shown in its row.
+NAMES_SHOWN = 120
 
 _STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -83,12 +86,14 @@ def render_status_page(
             f"<td>{e(worker.kind.label)}</td>"
             f"<td>{e(worker.state.value)}</td><td>{held}</td>"
             f"<td class=num>{_age(now - worker.last_pulse)} ago</td>"
-            f"<td class=num>{worker.done}</td></tr>"
+            f"<td class=num>{worker.done}</td>"
+            f"<td>{e(shown(worker.queues, NAMES_SHOWN))}</td>"
+            f"<td>{e(shown(worker.labels, NAMES_SHOWN)) or '-'}</td></tr>"
         )
     more = len(workers) - len(rows)
     if more > 0:
-        rows.append(f"<tr><td colspan=6>and {more} more</td></tr>")
-    worker_rows = "\n".join(rows) or "<tr><td colspan=6>no worker registered</td></tr>"
+        rows.append(f"<tr><td colspan=8>and {more} more</td></tr>")
+    worker_rows = "\n".join(rows) or "<tr><td colspan=8>no worker registered</td></tr>"
     job_rows = []
     for job in book.latest(LATEST_JOBS):
         state = job.state.value
@@ -122,7 +127,7 @@ def render_status_page(
 <span>HTTP refused {refused}</span></p>
 {_redis_section(redis)}<h2>Workers</h2>
 <table><tr><th>id</th><th>kind</th><th>state</th><th>job</th><th>last pulse</th>
-<th>done</th></tr>
+<th>done</th><th>queues</th><th>labels</th></tr>
 {worker_rows}
 </table>
 <h2>Latest jobs</h2>
