@@ -119,6 +119,8 @@ class Calculators:
         if ready and worker.state in (WorkerState.STARTING, WorkerState.UNSURE):
             sched.ready(worker)
             sched.dispatch(actions)
+        elif worker.state is WorkerState.IDLE and worker.starved < 0:
+            sched.dispatch(actions)  # what it serves changed: it may take a job now
         return actions
 
     def acknowledged(self, address: Address, ref: int, now: float) -> list[Action]:

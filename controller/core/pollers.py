@@ -80,10 +80,12 @@ class Pollers:
         if live is not None:
             self.roster.heard(name, now)
             sched.serves(live, serves.queues, serves.labels)
-            return []
+            actions: list[Action] = []
+            sched.dispatch(actions)  # what it serves may have changed
+            return actions
         worker = self._new(name, now, serves)
         sched.ready(worker)
-        actions: list[Action] = []
+        actions = []
         sched.dispatch(actions)
         return actions
 
