@@ -365,3 +365,36 @@ def test_a_poller_with_a_bad_declaration_is_refused_with_the_error_object(tmp_pa
         assert caught.value.code == 400 and error["code"] == 400
         assert "queues: a name must match" in error["message"]
         assert health(ctl.url)["workers"] == 0
+
+
+def test_each_job_runs_only_on_a_worker_of_its_queue_with_its_labels(tmp_path: Path) -> None:
+    """Real workers of the three kinds, each serving its own queue or label: every job runs
+    on one that may take it, and a job nobody may take waits, pending."""
+    with live_controller(
+        tmp_path, "--workers", "1", "--", "--queues", "local", "--exec", "sh", "-c", "echo local"
+    ) as ctl:
+        calc = remote_worker(
+            "--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.2", "--queues", "calc",
+            "--exec", "sh", "-c", "echo calc",
+        )  # fmt: skip
+        poll = remote_worker(
+            "--hub", ctl.url, "--name", "gpu", "--labels", "gpu", "--exec", "sh", "-c", "echo gpu"
+        )
+        try:
+            with Client(ctl.url) as client:
+                jobs = {
+                    "local": [client.submit(b"", queue="local") for _ in range(5)],
+                    "calc": [client.submit(b"", queue="calc") for _ in range(5)],
+                    "gpu": [client.submit(b"", requires=["gpu"]) for _ in range(5)],
+                }
+                stuck = client.submit(b"", queue="nobody")
+                for where, batch in jobs.items():
+                    for job in batch:
+                        assert job.result(timeout=30).strip() == where.encode()
+                assert client.get(stuck.id).state == "pending"
+                with urllib.request.urlopen(f"{ctl.url}/queue/", timeout=5) as resp:
+                    queues = json.loads(resp.read())
+                assert queues["nobody"]["pending"] == 1 and queues["nobody"]["workers"] == 0
+        finally:
+            reap(calc)
+            reap(poll)
