@@ -139,7 +139,7 @@ class RedisDoor:
             "written": 0,
             "canceled": 0,
             "trimmed": 0,  # acknowledged entries deleted from the stream
-            "claimed_away": 0,  # entries of ours another controller claimed
+            "claimed_away": 0,  # parked entries of ours another controller claimed
         }
         desk.doors["redis"] = self
         shell.on_room = self._maybe_room
@@ -560,19 +560,21 @@ class RedisDoor:
             self._unpark(job_id, state)
 
     def _claimed_away(self, job_id: str, ref: EntryRef) -> None:
-        """Another controller claimed (or acknowledged) an entry of ours: it is not ours to
-        keep. A parked job is dropped, neither run nor failed; a job that runs here goes
-        on (its outcome is written and acknowledged as usual: the first outcome wins)."""
+        """An entry of ours is ours no more (another controller claimed it, or it was
+        acknowledged). A parked job is dropped, neither run nor failed. A job that runs here
+        goes on, its entry not taken back: its outcome is written as usual (the first
+        outcome wins), and acknowledging the entry then is right whoever holds it."""
         refs = self.entries.get(job_id)
-        if refs is None or ref not in refs or job_id in self.outbox:
+        if job_id not in self.lanes.parked or refs is None or ref not in refs:
             return
         refs.remove(ref)
+        if refs:  # the same id in another entry of ours: that one still holds it here
+            return
         self.counters["claimed_away"] += 1
-        if job_id in self.lanes.parked and not refs:
-            del self.lanes.parked[job_id]
-            del self.entries[job_id]
-            log.info("redis: job %s was claimed by another controller: dropped here", job_id[:200])
-            self._maybe_room()
+        del self.lanes.parked[job_id]
+        del self.entries[job_id]
+        log.info("redis: job %s was claimed by another controller: dropped here", job_id[:200])
+        self._maybe_room()
 
     def _unpark(self, job_id: str, state: str) -> None:
         """A parked job that a worker here can take, its entry still ours: it runs here (or,
