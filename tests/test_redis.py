@@ -261,6 +261,7 @@ def test_status_page_metrics_and_udp_status_show_the_stream(setup):
     wait_for_condition(lambda: shown()["pending"] == 0)  # read once a second
     assert shown()["connected"] is True and shown()["stream"] == "jobs"
     assert shown()["lag"] == 0
+    assert (shown()["streams"], shown()["parked"]) == (["jobs"], 0)  # default queue only
 
     def metrics() -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{setup.metrics_port}/metrics") as resp:
@@ -269,10 +270,11 @@ def test_status_page_metrics_and_udp_status_show_the_stream(setup):
     wait_for_condition(lambda: "controller_redis_pending 0.0" in metrics())  # once a second
     assert "controller_redis_up 1.0" in metrics() and "controller_redis_lag 0.0" in metrics()
     human = run_udp_client(setup.controller.udp_port, "status").stdout.decode()
-    assert "redis" in human and "lag 0" in human
+    assert "redis" in human and "lag 0" in human and "(parked 0)" in human
     with urllib.request.urlopen(f"{setup.controller.url}/") as resp:
         page = resp.read().decode()
     assert "Redis stream" in page and "lag (not yet read by any controller): <b>0</b>" in page
+    assert "streams read (the queues of this controller's workers):\njobs<" in page
 
 
 async def _async_round(url: str) -> list[bytes]:
