@@ -25,6 +25,7 @@ from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 from controller.shell.main import assemble
+from controller.shell.redis_calls import StreamCalls
 from controller.shell.redis_door import RedisDoor
 from tests.helpers import (
     REDIS_SERVER,
@@ -306,3 +307,28 @@ async def test_a_parked_entry_canceled_by_a_user_is_acknowledged(
         assert r.hget("job:parked-cancel", "state") == b"canceled"
         assert results_for(r, "parked-cancel") == [b"canceled"]
         assert not here.door.lanes.parked and "parked-cancel" not in here.door.entries
+
+
+def test_claiming_pages_over_other_consumers_entries_and_passes_over_its_own(
+    server: RedisServer, r: redis.Redis
+) -> None:
+    settings = RedisSettings(url=server.url)
+    calls = StreamCalls(settings, "me", retention_ms=60_000, claim_after_ms=1)
+    try:
+        calls.ensure_group("jobs")
+        ids = [r.xadd("jobs", {"id": f"c-{n}", "payload": "x"}).decode() for n in range(5)]
+        r.xreadgroup("controllers", "me", {"jobs": ">"}, count=2)  # ours: passed over
+        r.xreadgroup("controllers", "stopped", {"jobs": ">"}, count=3)
+        wait_for_condition(lambda: min(p["time_since_delivered"] for p in _pending(r)) > 1)
+        claimed = [entry.entry_id for entry in calls.claim("jobs", 2)]
+        assert claimed == ids[2:4]
+        claimed += [entry.entry_id for entry in calls.claim("jobs", 2)]
+        assert claimed == ids[2:5]  # the next page starts after the last one claimed
+        assert calls.claim("jobs", 2) == []  # none left of another consumer
+        assert {p["consumer"] for p in _pending(r)} == {b"me"}
+    finally:
+        calls.close()
+
+
+def _pending(r: redis.Redis) -> list[dict[str, Any]]:
+    return list(r.xpending_range("jobs", "controllers", "-", "+", 100))
