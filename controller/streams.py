@@ -1,7 +1,8 @@
 """The Redis stream door's names and atomic steps, shared by the controller and the client. Pure.
 
-Producers `XADD <stream> * payload <bytes> [id <id>] [name <name>]`;
-controllers read it through one consumer group; each outcome goes to the hash
+Producers `XADD <stream> * payload <bytes> [id <id>] [name <name>] [option <value>...]`
+(queue `default`; queue `q` is the stream `<stream>.q`, see `queue_stream`);
+controllers read each stream through one consumer group; each outcome goes to the hash
 `job:<id>` (state, result, error, updated_at) and to the stream
 `<stream>:results` (id, state) before the entry is acknowledged.
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import uuid
 from urllib.parse import urlsplit, urlunsplit
+
+from controller.options import DEFAULT_QUEUE
 
 # The states a job's hash may hold once it ended (finished, failed, canceled).
 FINAL_STATES = ("finished", "failed", "canceled", "deleted")
@@ -45,6 +48,8 @@ def shown_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+ACKED_SUFFIX = ":acked"
+
 # A job's hash is JOB_PREFIX + its id (job_key; READ_SCRIPT builds the same name in Lua).
 JOB_PREFIX = "job:"
 
@@ -53,14 +58,20 @@ def job_key(job_id: str) -> str:
     return f"{JOB_PREFIX}{job_id}"
 
 
+def queue_stream(stream: str, queue: str) -> str:
+    """The stream of a queue: `stream` itself for queue `default`, else `<stream>.<queue>`."""
+    return stream if queue == DEFAULT_QUEUE else f"{stream}.{queue}"
+
+
 def results_stream(stream: str) -> str:
     return f"{stream}:results"
 
 
 def acked_set(stream: str) -> str:
-    """The sorted set of the jobs stream's acknowledged entries, scored by when (ms): what
-    TRIM_SCRIPT removes from the stream once result_retention has passed."""
-    return f"{stream}:acked"
+    """The sorted set of a jobs stream's acknowledged entries, scored by when (ms): what
+    TRIM_SCRIPT removes from the stream once result_retention has passed (OUTCOMES_SCRIPT
+    builds the same name in Lua)."""
+    return f"{stream}{ACKED_SUFFIX}"
 
 
 def cancel_channel(stream: str) -> str:
@@ -86,14 +97,17 @@ _IS_FINAL = " or ".join(f"s == '{state}'" for state in FINAL_STATES)
 # Outcomes of several jobs, each written unless its hash is final already, then their
 # entries acknowledged (and noted, with the time, for TRIM_SCRIPT). A `job:<id>` that is
 # not a hash keeps no outcome (the results stream still says it), and a key of the wrong
-# type never fails the others: each call that touches one is a pcall.
-# KEYS: results stream, jobs stream, acknowledged set, then one job hash per job.
+# type never fails the others: each call that touches one is a pcall. An entry is named by
+# its stream (one per queue) and its id; the stream's acknowledged set is built from the
+# stream's name, as `acked_set` does (fine on one Redis, not on Redis Cluster).
+# KEYS: results stream, then one job hash per job.
 # ARGV: group, updated_at, retention (ms), the results stream's oldest id to keep, now (ms),
-# then per job: id, state, result, error, the number of its entries, and their ids.
+# then per job: id, state, result, error, the number of its entries, and each entry's stream
+# and id.
 OUTCOMES_SCRIPT = f"""
 local a = 6
 local written = 0
-for k = 4, #KEYS do
+for k = 2, #KEYS do
   local id, state, result, err = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   local acks = tonumber(ARGV[a + 4])
   a = a + 5
@@ -109,9 +123,9 @@ for k = 4, #KEYS do
     written = written + 1
   end
   for i = 1, acks do
-    redis.pcall('XACK', KEYS[2], ARGV[1], ARGV[a])
-    redis.pcall('ZADD', KEYS[3], ARGV[5], ARGV[a])
-    a = a + 1
+    redis.pcall('XACK', ARGV[a], ARGV[1], ARGV[a + 1])
+    redis.pcall('ZADD', ARGV[a] .. '{ACKED_SUFFIX}', ARGV[5], ARGV[a + 1])
+    a = a + 2
   end
 end
 return written
@@ -133,28 +147,53 @@ redis.pcall('XTRIM', KEYS[3], 'MINID', '~', ARGV[3])
 return #ids
 """
 
-# New entries for a consumer (XREADGROUP without blocking), each with the state of its
-# job's hash when the entry names its job (`id`): one round trip for both. It reads hashes
-# it is not given in KEYS (their names come from the entries): fine on one Redis, not on
-# Redis Cluster.
-# KEYS: jobs stream. ARGV: group, consumer, count. Returns {entry id, fields, state} each.
+# New entries for a consumer (XREADGROUP without blocking) from each of several streams,
+# each with the state of its job's hash when the entry names its job (`id`): one round trip
+# for all. It reads hashes it is not given in KEYS (their names come from the entries): fine
+# on one Redis, not on Redis Cluster.
+# KEYS: jobs streams. ARGV: group, consumer, then how many entries at most from each stream.
+# Returns {entry id, fields, state, the stream's place in KEYS} each.
 READ_SCRIPT = f"""
-local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3],
-                     'STREAMS', KEYS[1], '>')
-if not r then return {{}} end
 local out = {{}}
-for _, e in ipairs(r[1][2]) do
-  local fields = e[2]
-  local state = false
-  for j = 1, #fields, 2 do
-    if fields[j] == 'id' then
-      state = redis.pcall('HGET', '{JOB_PREFIX}' .. fields[j + 1], 'state')
-      if type(state) == 'table' then state = '{WRONG_TYPE}' end
+for k = 1, #KEYS do
+  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[2 + k],
+                       'STREAMS', KEYS[k], '>')
+  if r then
+    for _, e in ipairs(r[1][2]) do
+      local fields = e[2]
+      local state = false
+      for j = 1, #fields, 2 do
+        if fields[j] == 'id' then
+          state = redis.pcall('HGET', '{JOB_PREFIX}' .. fields[j + 1], 'state')
+          if type(state) == 'table' then state = '{WRONG_TYPE}' end
+        end
+      end
+      out[#out + 1] = {{e[1], fields, state or '', k}}
     end
   end
-  out[#out + 1] = {{e[1], fields, state or ''}}
 end
 return out
+"""
+
+# The entries a consumer holds, kept: each that is still pending on this consumer is
+# re-claimed for it (its idle time starts again) when asked, or only looked at; those that
+# are not (another consumer claimed it, or it was acknowledged) are returned. Checking and
+# claiming in one script, so that an entry claimed away is never taken back.
+# KEYS: jobs stream. ARGV: group, consumer, then per entry: 1 (claim) or 0 (look), its id.
+HOLD_SCRIPT = """
+local gone = {}
+for i = 3, #ARGV, 2 do
+  local id = ARGV[i + 1]
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    if ARGV[i] == '1' then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    end
+  else
+    gone[#gone + 1] = id
+  end
+end
+return gone
 """
 
 # KEYS: job hash. ARGV: state, updated_at. A live state is written only over a live one.

@@ -167,6 +167,32 @@ def test_bad_entries_fail_with_a_clear_error_and_nothing_is_lost(setup):
     wait_for_condition(lambda: group(setup.r)["pending"] == 0)
 
 
+BAD_OPTIONS: dict[str, tuple[dict[str, str | bytes], str]] = {
+    "opt-priority": ({"priority": "high"}, "priority must be an integer"),
+    "opt-range": ({"priority": "101"}, "from -100 to 100"),
+    "opt-delay": ({"delay": "-1"}, "delay must be a number of seconds from 0"),
+    "opt-date": ({"run_at": "2026-02-30T00:00:00Z"}, "run_at is not an RFC 3339 time"),
+    "opt-label": ({"requires": "GPU"}, "a label must match"),
+    "opt-queue": ({"queue": ""}, "queue must match"),
+    "opt-owner": ({"owner": b"\xff"}, "owner is not UTF-8 text"),
+    "opt-both": ({"delay": "1", "run_at": "2030-01-01T00:00:00Z"}, "delay or run_at"),
+    "opt-other-queue": ({"queue": "q"}, "its stream is 'jobs.q'"),
+}
+
+
+def test_bad_options_fail_their_entry_with_the_reason(setup):
+    for job_id, (fields, _) in BAD_OPTIONS.items():
+        setup.r.xadd("jobs", {"id": job_id, "payload": "x", **fields})
+    with Client(setup.url) as client:
+        assert client.submit("after them").result(timeout=20) == b"after them"
+        for job_id, (_, reason) in BAD_OPTIONS.items():
+            with pytest.raises(JobFailed) as info:
+                client.get(job_id).result(timeout=20)
+            assert reason in info.value.error, job_id
+            assert results_for(setup.r, job_id) == [b"failed"]
+    wait_for_condition(lambda: group(setup.r)["pending"] == 0)
+
+
 def test_keys_of_the_wrong_type_fail_their_entry_alone(setup):
     setup.r.rpush("job:listy", "mine")  # someone's list where a job's hash would go
     setup.r.xadd("jobs", {"payload": "x", "id": "listy"})
@@ -235,6 +261,7 @@ def test_status_page_metrics_and_udp_status_show_the_stream(setup):
     wait_for_condition(lambda: shown()["pending"] == 0)  # read once a second
     assert shown()["connected"] is True and shown()["stream"] == "jobs"
     assert shown()["lag"] == 0
+    assert (shown()["streams"], shown()["parked"]) == (["jobs"], 0)  # default queue only
 
     def metrics() -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{setup.metrics_port}/metrics") as resp:
@@ -243,10 +270,11 @@ def test_status_page_metrics_and_udp_status_show_the_stream(setup):
     wait_for_condition(lambda: "controller_redis_pending 0.0" in metrics())  # once a second
     assert "controller_redis_up 1.0" in metrics() and "controller_redis_lag 0.0" in metrics()
     human = run_udp_client(setup.controller.udp_port, "status").stdout.decode()
-    assert "redis" in human and "lag 0" in human
+    assert "redis" in human and "lag 0" in human and "(parked 0)" in human
     with urllib.request.urlopen(f"{setup.controller.url}/") as resp:
         page = resp.read().decode()
     assert "Redis stream" in page and "lag (not yet read by any controller): <b>0</b>" in page
+    assert "streams read (the queues of this controller's workers):\njobs<" in page
 
 
 async def _async_round(url: str) -> list[bytes]:

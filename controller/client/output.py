@@ -149,7 +149,7 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(
             f"redis stream {redis.get('stream')} (group {redis.get('group')}, consumer "
             f"{redis.get('consumer')}): {link}; lag {shown('lag')}, pending {shown('pending')}, "
-            f"held here {redis.get('held')}, read {redis.get('read')}, "
+            f"held here {redis.get('held')} (parked {shown('parked')}), read {redis.get('read')}, "
             f"claimed {redis.get('claimed')}, skipped {redis.get('skipped')}, "
             f"written {redis.get('written')}"
         )

@@ -97,6 +97,9 @@ class Scheduler:
         # claimed by a worker that held it before a restart (see recovery.py).
         self.on_settled: Callable[[Task], None] | None = None
         self.pending = Pending()
+        # Grows whenever a worker arrives, leaves or changes what it serves (a door that reads
+        # per queue looks at the workers again then).
+        self.serving_version = 0
         self._idle: dict[int, Worker] = {}
         self._rng = rng if rng is not None else random.Random()
 
@@ -227,6 +230,7 @@ class Scheduler:
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.worker_id] = worker
+        self.serving_version += 1
         self.counters.registered += 1
 
     def ready(self, worker: Worker) -> None:
@@ -240,6 +244,7 @@ class Scheduler:
             worker.queues = queues
             worker.labels = labels
             worker.starved = -1
+            self.serving_version += 1
 
     def accepted(self, worker: Worker, now: float, actions: list[Action]) -> None:
         task = worker.task
@@ -288,6 +293,7 @@ class Scheduler:
         """Forget the worker; re-place its task (`blame`: the task counts it as an attempt;
         `failed`: as a failure too, so its retry_delay applies)."""
         del self.workers[worker.worker_id]
+        self.serving_version += 1
         self._idle.pop(worker.worker_id, None)
         if cause != "shutdown":
             losses = self.counters.worker_losses

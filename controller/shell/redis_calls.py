@@ -6,8 +6,8 @@ this class builds their arguments and reads their answers. Its other calls
 (blocking reads, claims, group set-up, lag) are blocking redis-py calls that
 `controller/shell/redis_door.py` runs in a worker thread. It holds the
 connection pool and no state of the door's (what it holds, what waits to be
-written): arguments in, answers out. The one exception is the XAUTOCLAIM
-cursor, which only the door's keeper task moves.
+written): arguments in, answers out. The one exception is the claim cursors
+(one per stream), which only the door's keeper task moves.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ READ_BLOCK_MS = 1000
 WRITE_BATCH = 500
 # Acknowledged entries deleted per script call (each call holds Redis for its page).
 TRIM_PAGE = 1000
+# Pending entries looked over per claim (our own among them are passed over).
+CLAIM_PAGE = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,30 +44,34 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
+    stream: str  # the jobs stream it came from (one per queue)
     entry_id: str
     fields: dict[bytes, bytes]
     hash_state: str  # the state its job:<id> hash has ("" when none)
     job_id: str
 
 
+# An entry as this controller holds it: (its stream, its id).
+EntryRef = tuple[str, str]
+
+
 class StreamCalls:
-    """One consumer's blocking calls on one stream and group."""
+    """One consumer's blocking calls on the jobs streams (one per queue) of one group."""
 
     def __init__(
         self, settings: RedisSettings, consumer: str, retention_ms: int, claim_after_ms: int
     ) -> None:
         self.settings = settings
-        self.stream = settings.stream
         self.group = settings.group
         self.consumer = consumer
         self.retention_ms = retention_ms
-        self.acked = streams.acked_set(self.stream)
+        self.results = streams.results_stream(settings.stream)
         self.claim_after_ms = claim_after_ms
         # ValueError for a URL redis-py cannot use (the door turns it into a StartupError).
         self.redis = redis.Redis.from_url(
             settings.url, socket_connect_timeout=5, socket_timeout=READ_BLOCK_MS / 1000 + 10
         )
-        self._claim_cursor = "0-0"
+        self._claim_cursor: dict[str, str] = {}  # stream -> where the next claim looks from
 
     def close(self) -> None:
         self.redis.close()
@@ -73,19 +79,19 @@ class StreamCalls:
     def pubsub(self) -> Any:
         return self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
 
-    def ensure_group(self) -> None:
+    def ensure_group(self, stream: str) -> None:
         try:
-            self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-            log.info("redis: created group %r on stream %r", self.group, self.stream)
+            self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
+            log.info("redis: created group %r on stream %r", self.group, stream)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read_own(self, start: str) -> tuple[list[Entry], str]:
-        """A page of our pending entries after `start`, and the last id on it ("" at the end).
-        Entries deleted from the stream while pending are acknowledged here."""
+    def read_own(self, stream: str, start: str) -> tuple[list[Entry], str]:
+        """A page of our pending entries of `stream` after `start`, and the last id on it (""
+        at the end). Entries deleted from the stream while pending are acknowledged here."""
         answer: Any = self.redis.xreadgroup(
-            self.group, self.consumer, {self.stream: start}, count=WRITE_BATCH
+            self.group, self.consumer, {stream: start}, count=WRITE_BATCH
         )
         raw = answer[0][1] if answer else []
         if not raw:
@@ -93,38 +99,44 @@ class StreamCalls:
         # redis-py gives an entry deleted from the stream as no fields (an entry has >= 1).
         deleted = [entry_id for entry_id, fields in raw if not fields]
         if deleted:
-            self.redis.xack(self.stream, self.group, *deleted)
-        return self.with_states(raw), raw[-1][0].decode()
+            self.redis.xack(stream, self.group, *deleted)
+        return self.with_states(stream, raw), raw[-1][0].decode()
 
-    def read_request(self, count: int) -> tuple[list[Any], list[Any]]:
-        """Keys and arguments of `streams.READ_SCRIPT`: up to `count` new entries, no waiting."""
-        return [self.stream], [self.group, self.consumer, count]
+    def read_request(self, counts: dict[str, int]) -> tuple[list[Any], list[Any]]:
+        """Keys and arguments of `streams.READ_SCRIPT`: up to `counts[stream]` new entries of
+        each stream, no waiting."""
+        return list(counts), [self.group, self.consumer, *counts.values()]
 
-    def entries_of(self, waiting: Sequence[Any]) -> list[Entry]:
-        """The entries in an answer of `streams.READ_SCRIPT`."""
+    def entries_of(self, waiting: Sequence[Any], read: Sequence[str]) -> list[Entry]:
+        """The entries in an answer of `streams.READ_SCRIPT` over the streams `read`."""
         entries = []
-        for entry_id, flat, state in waiting:
+        for entry_id, flat, state, place in waiting:
+            stream = read[int(place) - 1]
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
             eid = entry_id.decode()
-            entries.append(Entry(eid, fields, state.decode(), self.job_id(eid, fields)))
+            job_id = self.job_id(stream, eid, fields)
+            entries.append(Entry(stream, eid, fields, state.decode(), job_id))
         return entries
 
-    def read_blocking(self, count: int) -> list[Entry]:
-        """New entries, waiting up to READ_BLOCK_MS for the first; then their hashes' states
-        (a second round trip)."""
+    def read_blocking(self, read: Sequence[str], count: int) -> list[Entry]:
+        """New entries of the streams `read`, up to `count` of each, waiting up to
+        READ_BLOCK_MS for the first; then their hashes' states (a second round trip)."""
         answer: Any = self.redis.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=READ_BLOCK_MS
+            self.group, self.consumer, dict.fromkeys(read, ">"), count=count, block=READ_BLOCK_MS
         )
-        return self.with_states(answer[0][1] if answer else [])
+        entries = []
+        for name, raw in answer or ():
+            entries += self.with_states(name.decode(), raw)
+        return entries
 
-    def with_states(self, raw: Sequence[tuple[Any, Any]]) -> list[Entry]:
-        """Entries with their job's id and the state of its hash (one round trip)."""
+    def with_states(self, stream: str, raw: Sequence[tuple[Any, Any]]) -> list[Entry]:
+        """Entries of `stream` with their job's id and the state of its hash (one round trip)."""
         entries = []
         for entry_id, fields in raw:
             if not fields:  # deleted from the stream while pending (redis-py: {} or None)
                 continue
             eid = entry_id.decode()
-            entries.append(Entry(eid, fields, "", self.job_id(eid, fields)))
+            entries.append(Entry(stream, eid, fields, "", self.job_id(stream, eid, fields)))
         if not entries:
             return []
         pipe = self.redis.pipeline(transaction=False)
@@ -133,21 +145,22 @@ class StreamCalls:
         # A `job:<id>` of another type fails its entry alone, not the read.
         states = pipe.execute(raise_on_error=False)
         return [
-            Entry(e.entry_id, e.fields, _state(s), e.job_id)
+            Entry(e.stream, e.entry_id, e.fields, _state(s), e.job_id)
             for e, s in zip(entries, states, strict=True)
         ]
 
-    def job_id(self, entry_id: str, fields: dict[bytes, bytes]) -> str:
+    @staticmethod
+    def job_id(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> str:
         given = fields.get(b"id")
         if given:
             return given.decode("utf-8", "replace")
-        return streams.entry_job_id(self.stream, entry_id)
+        return streams.entry_job_id(stream, entry_id)
 
     def outcomes_request(
-        self, outcomes: dict[str, Outcome], acks: dict[str, list[str]], stamp: str
+        self, outcomes: dict[str, Outcome], acks: dict[str, list[EntryRef]], stamp: str
     ) -> tuple[list[Any], list[Any]]:
         """Keys and arguments of `streams.OUTCOMES_SCRIPT` for these outcomes and entries."""
-        keys = [streams.results_stream(self.stream), self.stream, self.acked]
+        keys = [self.results]
         now_ms = int(time.time() * 1000)
         oldest = f"{max(0, now_ms - self.retention_ms)}-0"
         args: list[Any] = [self.group, stamp, self.retention_ms, oldest, now_ms]
@@ -156,30 +169,43 @@ class StreamCalls:
             acked = acks[job_id]
             # surrogatepass: an error text may hold a lone surrogate (legal in JSON, not UTF-8).
             error = outcome.error.encode("utf-8", "surrogatepass")
-            args += [job_id, outcome.state, outcome.result, error, len(acked), *acked]
+            args += [job_id, outcome.state, outcome.result, error, len(acked)]
+            for stream, entry_id in acked:
+                args += [stream, entry_id]
         return keys, args
 
-    def refresh(self, held: list[str], live: list[str]) -> list[str]:
-        """Re-claim our entries for ourselves (their idle time starts again), and read the
-        states of our live jobs' hashes (a cancel whose announcement we missed)."""
+    def refresh(
+        self, held: dict[str, list[tuple[str, bool]]], live: list[str]
+    ) -> tuple[set[EntryRef], list[str]]:
+        """Keep our entries (`held`: per stream, each id and whether to re-claim it, so that
+        its idle time starts again, or only look at it), and read the states of the hashes of
+        the jobs `live` (a cancel whose announcement we missed). Returns the entries that are
+        no longer ours (claimed by another consumer, or acknowledged), and the states."""
         pipe = self.redis.pipeline(transaction=False)
-        for start in range(0, len(held), WRITE_BATCH):
-            chunk: list[Any] = held[start : start + WRITE_BATCH]
-            pipe.xclaim(self.stream, self.group, self.consumer, 0, chunk, justid=True)
+        asked: list[str] = []
+        for stream, entries in held.items():
+            for start in range(0, len(entries), WRITE_BATCH):
+                args: list[Any] = [self.group, self.consumer]
+                for entry_id, claim in entries[start : start + WRITE_BATCH]:
+                    args += [1 if claim else 0, entry_id]
+                pipe.eval(streams.HOLD_SCRIPT, 1, stream, *args)
+                asked.append(stream)
         for job_id in live:
             pipe.hget(streams.job_key(job_id), "state")
         answers = pipe.execute(raise_on_error=False)
-        for answer in answers[: len(answers) - len(live)]:
-            if isinstance(answer, Exception):  # a claim failed (NOGROUP...): the caller retries
+        gone: set[EntryRef] = set()
+        for stream, answer in zip(asked, answers, strict=False):
+            if isinstance(answer, Exception):  # NOGROUP...: the caller retries
                 raise answer
-        return [_state(state) for state in answers[len(answers) - len(live) :]]
+            gone.update((stream, entry_id.decode()) for entry_id in answer)
+        return gone, [_state(state) for state in answers[len(asked) :]]
 
-    def trim(self) -> int:
+    def trim(self, stream: str) -> int:
         """Delete the jobs stream's entries acknowledged over `retention` ago and trim the
         results stream to about `retention`; how many entries were deleted."""
         now_ms = int(time.time() * 1000)
         cutoff = max(0, now_ms - self.retention_ms)
-        keys = [self.acked, self.stream, streams.results_stream(self.stream)]
+        keys = [streams.acked_set(stream), stream, self.results]
         deleted = 0
         while True:
             done: Any = self.redis.eval(
@@ -189,28 +215,41 @@ class StreamCalls:
             if int(done) < TRIM_PAGE:
                 return deleted
 
-    def claim(self, count: int) -> list[Entry]:
-        """Entries idle past `claim_after` on another consumer: a controller that stopped."""
-        cursor, raw, *_ = self.redis.xautoclaim(
-            self.stream,
-            self.group,
-            self.consumer,
-            self.claim_after_ms,
-            start_id=self._claim_cursor,
-            count=count,
+    def claim(self, stream: str, count: int) -> list[Entry]:
+        """Up to `count` entries of `stream` idle past `claim_after` on another consumer (a
+        controller that stopped, or one that cannot run them). Our own are never claimed
+        here: what this controller holds but does not keep fresh is left for the others."""
+        start = self._claim_cursor.get(stream, "-")
+        page: Any = self.redis.xpending_range(
+            stream, self.group, start, "+", CLAIM_PAGE, idle=self.claim_after_ms
         )
-        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        entries = self.with_states(raw)
+        mine = self.consumer.encode()
+        ids: list[Any] = []
+        last = ""
+        for pending in page:
+            last = pending["message_id"].decode()
+            if pending["consumer"] not in (mine, self.consumer):
+                ids.append(last)
+                if len(ids) == count:
+                    break
+        more = len(ids) == count or len(page) == CLAIM_PAGE
+        self._claim_cursor[stream] = f"({last}" if more and last else "-"
+        if not ids:
+            return []
+        # XCLAIM with the same minimum idle time: one claimed meanwhile is left where it is.
+        raw: Any = self.redis.xclaim(stream, self.group, self.consumer, self.claim_after_ms, ids)
+        entries = self.with_states(stream, raw)
         if entries:
             log.info(
-                "redis: claimed %d entries idle for over %g s (a controller stopped?)",
+                "redis: claimed %d entries of %r idle for over %g s (a controller stopped?)",
                 len(entries),
+                stream,
                 self.settings.claim_after,
             )
         return entries
 
-    def group_info(self) -> tuple[int | None, int | None]:
-        for group in self.redis.xinfo_groups(self.stream):
+    def group_info(self, stream: str) -> tuple[int | None, int | None]:
+        for group in self.redis.xinfo_groups(stream):
             name = group.get("name")
             if name in (self.group, self.group.encode()):
                 return group.get("lag"), group.get("pending")

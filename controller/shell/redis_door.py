@@ -7,17 +7,23 @@ the door's Redis calls (controller/shell/redis_calls.py) run in a worker thread
 (controller/shell/redis_link.py; a thread call costs several times more while
 the loop is busy). The state (which entries this controller holds, which
 outcomes wait to be written) lives in the trio loop alone, so nothing is
-shared with a thread but the call's arguments and its answer. Four tasks:
+shared with a thread but the call's arguments and its answer. Each queue has
+its own stream, read only while a worker here serves that queue
+(controller/shell/redis_lanes.py). Four tasks:
 
-- the reader takes only as many entries as it can start soon (idle workers
-  plus a prefetch), checks each against its `job:<id>` hash (an entry whose
-  job already ended elsewhere is acknowledged without running) and hands the
-  rest to the job desk, which journals each before it runs; after a start or a
-  lost connection it first reads its own pending entries again;
+- the reader takes from each stream only as many entries as it can start soon
+  (the queue's idle workers plus a prefetch), reads each entry's options,
+  checks it against its `job:<id>` hash (an entry whose job already ended
+  elsewhere is acknowledged without running) and hands the rest to the job
+  desk, which journals each before it runs; an entry no worker here can take
+  (its `requires`) is parked instead; after a start or a lost connection it
+  first reads its own pending entries again;
 - the writer puts each outcome in `job:<id>` and `<stream>:results` and
   acknowledges the entry, in one script (controller/streams.py), batched;
-- the keeper re-claims held entries well within `claim_after`, claims those of
-  stopped consumers (XAUTOCLAIM), checks for cancels and reads the group's lag;
+- the keeper re-claims held entries well within `claim_after` (parked ones
+  are left to go stale, so that a controller with a suitable worker claims
+  them; one claimed away is dropped here, never taken back), claims those of
+  stopped consumers, checks for cancels and reads the groups' lag;
 - the listener hears cancels on `<stream>:cancel` and retries on `<stream>:retry` at once.
 
 While Redis is unreachable each task retries with backoff (capped at 5 s), a
@@ -43,18 +49,24 @@ from controller.containment import INTERNAL_MESSAGE, contained
 from controller.frontdoor import DoorAction, Send
 from controller.httpapi import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, valid_id
 from controller.jobs import Job, JobState
-from controller.options import rfc3339
+from controller.options import BadOption, JobOptions, rfc3339
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
-from controller.shell.redis_calls import WRITE_BATCH, Entry, Outcome, StreamCalls
+from controller.shell.redis_calls import WRITE_BATCH, Entry, EntryRef, Outcome, StreamCalls
+from controller.shell.redis_lanes import (
+    PREFETCH,
+    Lane,
+    Lanes,
+    Parked,
+    can_take,
+    entry_options,
+)
 from controller.shell.redis_link import link_for
 
 log = logging.getLogger("controller.redis")
 
 T = TypeVar("T")
 
-# Entries read beyond the idle workers, so that a worker never waits for a round trip.
-PREFETCH = 10
 # While jobs are queued, entries are read when there is room for at least this many.
 READ_AT_LEAST = PREFETCH // 2
 # Backoff while Redis is unreachable: first wait, cap.
@@ -97,7 +109,11 @@ class RedisDoor:
         self.book = desk.book
         self.core = shell.core
         self.in_thread = shell.reactor.in_thread  # no polling while a Redis call runs
-        self.entries: dict[str, list[str]] = {}  # job id -> its entries not yet acknowledged
+        self.defaults = config.job_options("redis")
+        self.lanes = Lanes(settings.stream, self.defaults)
+        self._served: list[Lane] = []  # the lanes of the queues our workers serve
+        self._served_of = -1  # the scheduler's serving_version when _served was made
+        self.entries: dict[str, list[EntryRef]] = {}  # job id -> its entries not yet acknowledged
         self.outbox: dict[str, Outcome] = {}  # job id -> outcome to write
         self.progress: dict[str, str] = {}  # job id -> live state to write
         self.reported: dict[str, str] = {}  # job id -> the live state its hash has (by us)
@@ -117,6 +133,7 @@ class RedisDoor:
             "canceled": 0,
             "retried": 0,
             "trimmed": 0,  # acknowledged entries deleted from the stream
+            "claimed_away": 0,  # parked entries of ours another controller claimed
         }
         desk.doors["redis"] = self
         shell.on_room = self._maybe_room
@@ -176,8 +193,11 @@ class RedisDoor:
             except redis.RedisError as exc:
                 self._failed(exc)
                 if "NOGROUP" in str(exc):
-                    with contextlib.suppress(redis.RedisError):
-                        await self.in_thread(self.calls.ensure_group, abandon_on_cancel=True)
+                    for stream in list(self.lanes.by_stream):
+                        with contextlib.suppress(redis.RedisError):
+                            await self.in_thread(
+                                self.calls.ensure_group, stream, abandon_on_cancel=True
+                            )
             else:
                 if self.down_since is not None:
                     log.warning(
@@ -212,59 +232,88 @@ class RedisDoor:
         return {
             "connected": self.down_since is None,
             "stream": self.settings.stream,
+            "streams": [lane.stream for lane in self._served],
             "group": self.settings.group,
             "consumer": self.consumer,
             "lag": self.lag,
             "pending": self.pending,
             "held": len(self.entries),
+            "parked": len(self.lanes.parked),  # held, but no worker here can take them
             "last_error": self.last_error,
             **self.counters,
         }
 
     # ------------------------------------------------------------ reading
 
-    def room(self) -> int:
-        """How many more entries this controller can start soon."""
-        core = self.core
-        if not core.workers:
-            return 0
-        return core.idle_workers + PREFETCH - core.queued
+    def served(self) -> list[Lane]:
+        """The lanes of the queues our workers serve (looked at again when a worker came,
+        left or changed what it serves)."""
+        if self.core.scheduler.serving_version != self._served_of:
+            self._look_at_workers()
+        return self._served
+
+    def _look_at_workers(self) -> None:
+        workers = self.core.workers
+        self._served = self.lanes.served(workers.values()) if workers else []
+        self._served_of = self.core.scheduler.serving_version
+
+    def rooms(self) -> dict[Lane, tuple[int, int]]:
+        """Per lane read: how many more entries this controller can start soon, and how many
+        of that queue wait here (not started, or parked)."""
+        served = self.served()
+        if len(served) < 2:  # none, or one queue (most controllers): the scheduler's counts
+            return self.lanes.rooms(served, self.core, ())
+        held = (self.book.get(job_id) for job_id in self.entries)
+        return self.lanes.rooms(served, self.core, held)
+
+    def _wanted(self) -> dict[Lane, int]:
+        """The lanes worth a read now, and how many entries each may bring. While jobs of a
+        queue wait here, its stream is read in batches of a few (a read costs a thread hop
+        and a round trip, whatever it brings); with none waiting, at once."""
+        return {
+            lane: room
+            for lane, (room, waiting) in self.rooms().items()
+            if room >= (READ_AT_LEAST if waiting else 1)
+        }
 
     def _maybe_room(self) -> None:
-        if not self._room.is_set():
-            room = self.room()
-            if room >= READ_AT_LEAST or (room > 0 and not self.core.queued):
-                self._room.set()
+        if not self._room.is_set() and self._wanted():
+            self._room.set()
 
     async def _read_loop(self) -> None:
         while True:
-            want = self.room()
-            # While jobs wait in the queue, read in batches of a few (a read costs a thread
-            # hop and a round trip, whatever it brings); with none waiting, read at once.
-            enough = READ_AT_LEAST if self.core.queued else 1
-            if want < enough or self.desk.refusal():
+            wanted = self._wanted()
+            if not wanted or self.desk.refusal():
                 self._room = trio.Event()
                 with trio.move_on_after(1.0):  # the journal's refusal clears without an event
                     await self._room.wait()
+                self._look_at_workers()
                 continue
             if self._reread:
-                await self._call(self.calls.ensure_group)
                 self._reread = False
-                await self._take_own()
+                self.lanes.unready()
+            fresh = [lane for lane in wanted if not lane.ready]
+            if fresh:  # a queue served for the first time here, or again after a failure
+                for lane in fresh:
+                    await self._call(self.calls.ensure_group, lane.stream)
+                    await self._take_own(lane)
+                    lane.ready = True
                 continue
-            keys, args = self.calls.read_request(want)
+            counts = {lane.stream: room for lane, room in wanted.items()}
+            keys, args = self.calls.read_request(counts)
             waiting = await self._script(streams.READ_SCRIPT, keys, args)
             if waiting:
-                batch = self.calls.entries_of(waiting)
+                batch = self.calls.entries_of(waiting, keys)
             else:  # none: wait for the next in a blocking read
-                batch = await self._call(self.calls.read_blocking, want)
+                batch = await self._call(self.calls.read_blocking, keys, min(counts.values()))
             self._take(batch, claimed=False)
 
-    async def _take_own(self) -> None:
-        """Our own pending entries (read before a restart or a lost answer): take each once."""
+    async def _take_own(self, lane: Lane) -> None:
+        """Our own pending entries of a lane (read before a restart or a lost answer): take
+        each once."""
         start = "0"
         while True:
-            batch, last = await self._call(self.calls.read_own, start)
+            batch, last = await self._call(self.calls.read_own, lane.stream, start)
             if not last:
                 return
             self._take(batch, claimed=False)
@@ -277,22 +326,24 @@ class RedisDoor:
                 self._take_one(entry, claimed, now)
             except Exception as exc:  # a bug this entry reached: it alone fails
                 contained("a Redis entry", exc, now, entry.entry_id)
-                self.entries.setdefault(entry.job_id, [])
-                if entry.entry_id not in self.entries[entry.job_id]:
-                    self.entries[entry.job_id].append(entry.entry_id)
+                self.lanes.parked.pop(entry.job_id, None)
+                held = self.entries.setdefault(entry.job_id, [])
+                if (entry.stream, entry.entry_id) not in held:
+                    held.append((entry.stream, entry.entry_id))
                 job = self.book.get(entry.job_id)
                 if job is None or job.door != "redis":
                     self._queue_outcome(entry.job_id, Outcome("failed", b"", INTERNAL_MESSAGE))
 
     def _take_one(self, entry: Entry, claimed: bool, now: float) -> None:
         job_id = entry.job_id
+        ref = (entry.stream, entry.entry_id)
         held = self.entries.get(job_id)
         if held is not None:  # ours already (read again, or the same id added twice)
-            if entry.entry_id not in held:
-                held.append(entry.entry_id)
+            if ref not in held:
+                held.append(ref)
                 self._settle_if_ended(job_id)
             return
-        self.entries[job_id] = [entry.entry_id]
+        self.entries[job_id] = [ref]
         job = self.book.get(job_id)
         if job is not None and job.door != "redis":  # another door's: changes nothing
             self.counters["claimed" if claimed else "read"] += 1
@@ -310,16 +361,36 @@ class RedisDoor:
             self._settle_if_ended(job_id)
             return
         self.counters["claimed" if claimed else "read"] += 1
+        lane = self.lanes.by_stream[entry.stream]
         bad = self._check(entry, job_id)
+        options = lane.defaults
+        if not bad:
+            try:
+                options = entry_options(entry.fields, lane, self.settings.stream, time.time())
+            except BadOption as exc:
+                bad = str(exc)
         if bad:
             log.warning("redis: entry %s refused: %s", entry.entry_id, bad)
             self._queue_outcome(job_id, Outcome("failed", b"", bad))
             return
+        if not can_take(self.core.workers.values(), options):
+            # Not refused and not run: left to go stale here, for a controller that can.
+            self.lanes.parked[job_id] = Parked(entry, options, lane)
+            log.info(
+                "redis: job %s waits for a controller with a worker for queue %r and labels %s",
+                job_id[:200],
+                options.queue,
+                ",".join(sorted(options.requires)) or "(none)",
+            )
+            return
+        self._submit(entry, options, now)
+
+    def _submit(self, entry: Entry, options: JobOptions, now: float) -> None:
         fields = entry.fields
         # surrogateescape: bytes that are not UTF-8 come back as they were sent.
         name = fields.get(b"name", b"").decode("utf-8", "surrogateescape")
         self.desk.submit(
-            job_id,
+            entry.job_id,
             "redis",
             entry.entry_id,
             self.desk.pick_task_id(),
@@ -327,6 +398,7 @@ class RedisDoor:
             now,
             journal_first=True,
             name=name,
+            options=options,
         )
 
     def _check(self, entry: Entry, job_id: str) -> str:
@@ -397,7 +469,7 @@ class RedisDoor:
                     await self._script(streams.OUTCOMES_SCRIPT, keys, args)
                 self._written(outcomes, acks)
 
-    def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[str]]) -> None:
+    def _written(self, outcomes: dict[str, Outcome], acks: dict[str, list[EntryRef]]) -> None:
         now = trio.current_time()
         self.counters["written"] += len(outcomes)
         for job_id, acked in acks.items():
@@ -423,26 +495,95 @@ class RedisDoor:
         refreshed = trimmed = trio.current_time()
         while True:
             await trio.sleep(min(KEEP_INTERVAL, refresh_every))
-            if self._reread:  # the reader sets the group up first
+            if self._reread:  # the reader sets the groups up first
                 continue
+            self._look_at_workers()
             self._look_over_held()
+            lanes = [lane for lane in self._served if lane.ready]
             now = trio.current_time()
             if now - trimmed >= trim_every:
                 trimmed = now
-                self.counters["trimmed"] += await self._call(self.calls.trim)
+                for lane in lanes:
+                    self.counters["trimmed"] += await self._call(self.calls.trim, lane.stream)
             if now - refreshed >= refresh_every:
                 refreshed = now
-                held = [entry for entries in self.entries.values() for entry in entries]
-                live = [job_id for job_id in self.entries if job_id not in self.outbox]
-                states = await self._call(self.calls.refresh, held, live)
-                for job_id, state in zip(live, states, strict=True):
-                    if state == "canceled":
-                        self._cancel(job_id)
-            want = self.room()
-            if want > 0:
-                batch = await self._call(self.calls.claim, want)
-                self._take(batch, claimed=True)
-            self.lag, self.pending = await self._call(self.calls.group_info)
+                await self._keep_held()
+            for lane, (room, _) in self.rooms().items():
+                if room > 0 and lane.ready:
+                    batch = await self._call(self.calls.claim, lane.stream, room)
+                    self._take(batch, claimed=True)
+            lag = pending = None
+            for lane in lanes:
+                info = await self._call(self.calls.group_info, lane.stream)
+                lag = _plus(lag, info[0])
+                pending = _plus(pending, info[1])
+            self.lag, self.pending = lag, pending
+
+    async def _keep_held(self) -> None:
+        """Re-claim the entries we hold (their idle time starts again), but not the parked
+        ones: those are only looked at, and go stale for a controller that can run them. A
+        parked one that a worker here can take now is re-claimed and runs here. Whatever
+        another controller claimed meanwhile is never taken back: a parked job is dropped."""
+        workers = self.core.workers.values()
+        parked = self.lanes.parked
+        held: dict[str, list[tuple[str, bool]]] = {}
+        owners: dict[EntryRef, str] = {}
+        live: list[str] = []
+        takeable: list[str] = []  # parked jobs a worker here can take now
+        for job_id, refs in self.entries.items():
+            claim = True
+            waiting = parked.get(job_id)
+            if waiting is not None:
+                claim = can_take(workers, waiting.options)
+                if claim:
+                    takeable.append(job_id)
+            elif job_id not in self.outbox:
+                live.append(job_id)
+            for ref in refs:
+                held.setdefault(ref[0], []).append((ref[1], claim))
+                owners[ref] = job_id
+        if not held:
+            return
+        gone, states = await self._call(self.calls.refresh, held, live + takeable)
+        for job_id, state in zip(live, states, strict=False):
+            if state == "canceled":
+                self._cancel(job_id)
+        for ref in gone:
+            self._claimed_away(owners[ref], ref)
+        for job_id, state in zip(takeable, states[len(live) :], strict=True):
+            self._unpark(job_id, state)
+
+    def _claimed_away(self, job_id: str, ref: EntryRef) -> None:
+        """An entry of ours is ours no more (another controller claimed it, or it was
+        acknowledged). A parked job is dropped, neither run nor failed. A job that runs here
+        goes on, its entry not taken back: its outcome is written as usual (the first
+        outcome wins), and acknowledging the entry then is right whoever holds it."""
+        refs = self.entries.get(job_id)
+        if job_id not in self.lanes.parked or refs is None or ref not in refs:
+            return
+        refs.remove(ref)
+        if refs:  # the same id in another entry of ours: that one still holds it here
+            return
+        self.counters["claimed_away"] += 1
+        del self.lanes.parked[job_id]
+        del self.entries[job_id]
+        log.info("redis: job %s was claimed by another controller: dropped here", job_id[:200])
+        self._maybe_room()
+
+    def _unpark(self, job_id: str, state: str) -> None:
+        """A parked job that a worker here can take, its entry still ours: it runs here (or,
+        ended meanwhile, is acknowledged)."""
+        parked = self.lanes.parked.pop(job_id, None)
+        if parked is None:
+            return
+        if not self.entries.get(job_id):  # claimed away meanwhile
+            self.entries.pop(job_id, None)
+            return
+        if state in streams.FINAL_STATES:
+            self.counters["skipped"] += 1
+            self._queue_outcome(job_id, Outcome(state, b"", ""))
+            return
+        self._submit(parked.entry, parked.options, trio.current_time())
 
     def _look_over_held(self) -> None:
         """Once a second: a held job that ended without telling this door (another door's job
@@ -484,6 +625,10 @@ class RedisDoor:
 
     def _cancel(self, job_id: str) -> None:
         """A user canceled a job through Redis: only this door's jobs are canceled so."""
+        if self.lanes.parked.pop(job_id, None) is not None:  # its hash says so already
+            self.counters["canceled"] += 1
+            self._queue_outcome(job_id, Outcome("canceled", b"", streams.CANCEL_ERROR))
+            return
         job = self.book.get(job_id)
         if job is not None and job.door == "redis" and not job.state.final:
             self.counters["canceled"] += 1
@@ -505,6 +650,13 @@ class RedisDoor:
             self.reported.pop(job_id, None)
         else:
             self._queue_outcome(job_id, _outcome_of(job))
+
+
+def _plus(total: int | None, more: int | None) -> int | None:
+    """A sum of counts that Redis may not give (None: unknown)."""
+    if more is None:
+        return total
+    return more if total is None else total + more
 
 
 def _outcome_of(job: Job) -> Outcome:

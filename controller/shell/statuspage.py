@@ -58,9 +58,12 @@ def _redis_section(redis: dict[str, Any] | None) -> str:
 <p class="summary"><span>{link}</span>
 <span>stream <b>{e(redis["stream"])}</b>, group {e(redis["group"])},
 consumer {e(redis["consumer"])}</span>
+<span>streams read (the queues of this controller's workers):
+{e(", ".join(redis.get("streams", ())) or "none")}</span>
 <span>lag (not yet read by any controller): <b>{shown(redis["lag"])}</b></span>
 <span>pending (read, not yet acknowledged): <b>{shown(redis["pending"])}</b></span>
 <span>held here {redis["held"]}</span><span>read {redis["read"]}</span>
+<span>parked (no worker here can take them) {redis.get("parked", 0)}</span>
 <span>claimed {redis["claimed"]}</span><span>skipped (ended elsewhere) {redis["skipped"]}</span>
 <span>outcomes written {redis["written"]}</span></p>
 """
