@@ -15,13 +15,14 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from controller.config import Config, RedisSettings, parse_config
-from tests.helpers import REDIS_SERVER, live_controller, redis_server
+from tests.helpers import REDIS_SERVER, live_controller, redis_server, wait_for_condition
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -251,8 +252,12 @@ NOT_RUN = {
 RUN = {
     ".venv/bin/udp-client add 5",
     "curl -si -XPOST",
-    "redis-cli XADD",
+    "redis-cli XADD jobs '*' id demo-2",
     "from controller.client import",
+    ".venv/bin/udp-client add 7",
+    "curl -s -XPOST",
+    "redis-cli XADD jobs '*' id demo-3",
+    "from datetime import",
 }
 
 
@@ -333,8 +338,57 @@ def test_readme_redis_example(tmp_path: Path, workdir: Path) -> None:
         live_controller(tmp_path, "--workers", "1", redis={"url": server.url}) as ctl,
     ):
         http = int(ctl.url.rsplit(":", 1)[1])
-        code = localize(block("redis-cli XADD"), ctl.udp_port, http, server.port)
+        code = localize(block("redis-cli XADD jobs '*' id demo-2"), ctl.udp_port, http, server.port)
         out = run_shell(code, workdir).split()
     assert out[out.index("demo-2") - 1] == "id"
     assert "finished" in out
     assert out[out.index("result") + 1] == "hi"
+
+
+# ---------------------------------------------------------------- the queues section's examples
+
+
+@pytest.mark.slow
+def test_readme_queue_examples_over_udp_http_and_python(
+    controller: tuple[int, int], workdir: Path
+) -> None:
+    out = run_shell(localize(block(".venv/bin/udp-client add 7"), *controller), workdir)
+    assert out.startswith("hi")
+    if shutil.which("curl") is not None:
+        out = run_shell(localize(block("curl -s -XPOST"), *controller), workdir)
+        assert re.search(r'"state": ?"scheduled"', out), out
+        assert re.search(r'"paused": ?true', out), out
+        assert re.search(r'"state": ?"finished"', out), out
+        assert re.search(r'"priority": ?0', out), out
+    code = localize(block("from datetime import"), *controller)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "scheduled\nb'hi'\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli is not installed")
+def test_readme_queue_example_over_redis(tmp_path: Path, workdir: Path) -> None:
+    with (
+        redis_server(tmp_path) as server,
+        live_controller(tmp_path, "--workers", "1", redis={"url": server.url}) as ctl,
+    ):
+        http = int(ctl.url.rsplit(":", 1)[1])
+        code = localize(block("redis-cli XADD jobs '*' id demo-3"), ctl.udp_port, http, server.port)
+        run_shell(code, workdir)
+        shown: dict[str, object] = {}
+
+        def finished() -> bool:
+            try:
+                with urllib.request.urlopen(f"{ctl.url}/job/demo-3/", timeout=5) as resp:
+                    shown.update(json.loads(resp.read()))
+            except OSError:  # 404 until a controller has read the entry
+                return False
+            return shown["state"] == "finished"
+
+        wait_for_condition(finished, 30)
+        assert (shown["priority"], shown["owner"], shown["max_retries"]) == (5, "alice", 2)
+        assert shown["result"] == "hi"
