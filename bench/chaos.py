@@ -4,7 +4,8 @@ Seeded and bounded. Jobs come in through all three doors of controller A: UDP
 (through a lossy link: 20% of datagrams dropped, 5% duplicated, some
 reordered), HTTP (`AsyncClient("http://...")`) and a Redis stream
 (`AsyncClient("redis://...")`) that controller B consumes too. They run on
-every kind of worker: local ones (A's and B's), a calculator and a poller.
+every kind of worker: local ones (A's and B's), a calculator and a poller, in three
+queues, some needing a label only some workers have, with priorities and four owners.
 Meanwhile this kills workers, calculators and pollers with SIGKILL, SIGSTOPs
 local workers for a while, kills either controller with SIGKILL and starts it
 again on its journal, restarts redis-server, holds slow and silent HTTP
@@ -53,6 +54,30 @@ from tests.helpers import (
 )
 
 NOT_ACKED = "add_task was not acknowledged"
+# What each kind of worker serves: jobs come in three queues, some needing the label `gpu`,
+# with priorities and several owners, and every job has some worker that may take it.
+WORKER_SERVES = (
+    ("--queues", "default,bulk", "--labels", "gpu"),
+    ("--queues", "default"),
+    ("--queues", "default,urgent"),
+)
+CALCULATOR_SERVES = ("--queues", "bulk,urgent")
+POLLER_SERVES = ("--queues", "default,bulk", "--labels", "gpu")
+QUEUES = ("default", "bulk", "urgent")
+
+
+def job_options(rng: random.Random) -> dict[str, Any]:
+    """Random options for one job: a queue, a priority, an owner, sometimes a label."""
+    options: dict[str, Any] = {
+        "queue": rng.choice(QUEUES),
+        "priority": rng.randint(-5, 5),
+        "owner": f"owner{rng.randrange(4)}",
+    }
+    if options["queue"] != "urgent" and rng.random() < 0.2:
+        options["requires"] = ["gpu"]
+    return options
+
+
 # Seconds a hostile HTTP request may take (the door may be down: a SIGKILL, a restart).
 HOSTILE_HTTP_TIMEOUT = 5.0
 
@@ -183,12 +208,15 @@ async def run(
     )
     commands = {"controller": controller_argv(config, log_level="WARNING")}
     for slot in range(workers):
-        commands[f"worker{slot}"] = worker_argv(sockdir, "--pulse", "0.3", *job)
+        serves = WORKER_SERVES[slot % len(WORKER_SERVES)]
+        commands[f"worker{slot}"] = worker_argv(sockdir, "--pulse", "0.3", *serves, *job)
     calc = [sys.executable, "-m", "worker", "--log-level", "ERROR", "--pulse", "0.3"]
-    commands["calculator"] = [*calc, "--udp", f"127.0.0.1:{port}", *job]
+    commands["calculator"] = [*calc, "--udp", f"127.0.0.1:{port}", *CALCULATOR_SERVES, *job]
     if "http" in doors:
         hub = f"http://127.0.0.1:{http_port}"
-        commands["poller"] = [*calc, "--hub", hub, "--name", "chaos-poller", *job]
+        commands["poller"] = [
+            *calc, "--hub", hub, "--name", "chaos-poller", *POLLER_SERVES, *job
+        ]  # fmt: skip
     if server is not None:  # controller B: the same stream, one local worker
         b_dir = workdir / "b"
         b_sockets = b_dir / "s"
@@ -261,7 +289,7 @@ async def run(
                     await conn.send_all(head.encode("latin-1") + body)
                     while len(answer) < 12 and (chunk := await conn.receive_some(4096)):
                         answer += chunk
-            except OSError:
+            except (OSError, trio.BrokenResourceError):  # refused, or reset before the answer
                 return 0
         parts = answer.split(b" ", 2)
         return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
@@ -373,11 +401,14 @@ async def run(
         limit = trio.Semaphore(window)
 
         async def one(job_id: str) -> None:
+            # A Redis job of queue q goes to the stream jobs.q, which only a controller whose
+            # workers serve q reads: B's worker serves only `default`.
+            options = job_options(rng)
             try:
                 async with AsyncClient(url, timeout=5) as client:
                     while trio.current_time() < deadline + 30:
                         try:
-                            await client.submit(job_id, id=job_id)
+                            await client.submit(job_id, id=job_id, **options)
                             break
                         except Exception:  # the door is down (SIGKILL, restart): again
                             await trio.sleep(0.2)
@@ -441,7 +472,8 @@ async def run(
 
                 async def one(task_id: int) -> None:
                     assert client is not None
-                    outcome = await client.run_task(task_id, {"payload": f"p{task_id}"})
+                    params = {"payload": f"p{task_id}", **job_options(rng)}
+                    outcome = await client.run_task(task_id, params)
                     tally.outcomes[task_id] = outcome
 
                 task_id = 0
