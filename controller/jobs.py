@@ -17,6 +17,7 @@ into wall-clock seconds for the timestamps a person reads.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -101,6 +102,19 @@ def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobN
 
 
 @dataclass(eq=False, slots=True)
+class Attempt:
+    """One time a worker had the job: who, from when to when (trio clock; 0: unknown, or
+    not ended), how it ended (`finished`, `failed`, `canceled`, or "" while it runs) and the
+    error it gave."""
+
+    worker: int
+    started: float
+    ended: float = 0.0
+    outcome: str = ""
+    error: str = ""
+
+
+@dataclass(eq=False, slots=True)
 class Job:
     id: str
     ref: int  # the scheduler's and the journal's handle
@@ -121,6 +135,37 @@ class Job:
     expires_at: float = 0.0  # 0: kept until its outcome is delivered
     delivered: bool = False  # the submitter has the outcome (or repeats ran out)
     options: JobOptions = DEFAULT_OPTIONS  # queue, priority, labels, time, retry rules
+    started_at: float = 0.0  # when its latest attempt started (0: none, or unknown)
+    # Its attempts that ended without ending the job (None for most jobs: kept only then).
+    history: list[Attempt] | None = None
+
+    def attempts_made(self) -> list[Attempt]:
+        """Every attempt, oldest first: the ended ones, then the latest (running, or the one
+        that ended the job)."""
+        made = list(self.history or ())
+        if self.started_at or (self.final is not None and self.ran_on):
+            if self.final is None:
+                made.append(Attempt(self.worker, self.started_at))
+            elif self.final is not JobState.DELETED or self.ran_on:
+                outcome = self.final.value
+                made.append(
+                    Attempt(self.ran_on, self.started_at, self.updated_at, outcome, self.error)
+                )
+        return made
+
+    def attempt_started(self, worker: int, now: float) -> None:
+        self.ran_on = worker
+        self.started_at = now
+
+    def attempt_ended(self, error: str, now: float) -> None:
+        """Its running attempt ended without ending the job (it failed, or its worker was
+        lost): kept in `history`."""
+        if not self.started_at and not self.ran_on:
+            return
+        if self.history is None:
+            self.history = []
+        self.history.append(Attempt(self.ran_on, self.started_at, now, "failed", error))
+        self.started_at = 0.0
 
     @property
     def name(self) -> str:
@@ -312,3 +357,37 @@ class JobBook:
             del self._by_id[job.id]
             gone.append(job)
         return gone
+
+
+def history_to_json(history: list[Attempt], wall_offset: float) -> str:
+    """Ended attempts as the journal keeps them (wall-clock times)."""
+    return json.dumps(
+        [
+            [
+                a.worker,
+                a.started + wall_offset if a.started else 0,
+                a.ended + wall_offset,
+                a.outcome,
+                a.error,
+            ]
+            for a in history
+        ],
+        separators=(",", ":"),
+    )
+
+
+def history_from_json(text: str, wall_offset: float) -> list[Attempt] | None:
+    """The journal's ended attempts back on the trio clock (None: there are none)."""
+    if not text:
+        return None
+    rows = json.loads(text)
+    return [
+        Attempt(
+            int(worker),
+            float(started) - wall_offset if started else 0.0,
+            float(ended) - wall_offset,
+            str(outcome),
+            str(error),
+        )
+        for worker, started, ended, outcome, error in rows
+    ] or None

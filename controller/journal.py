@@ -46,7 +46,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 -- The last columns have no comments, so that SQLite's DROP COLUMN can take them out in a
 -- test: log (its log lines, a JSON list), options (its options as JSON: queue, priority,
 -- times, retries, or empty for the configuration's) and base (its attempts when a user last
--- retried it, from which max_retries counts).
+-- retried it, from which max_retries counts), history (its attempts that ended without
+-- ending it, a JSON list of [worker, started, ended, outcome, error]) and ran_on (the
+-- worker of its latest attempt).
 CREATE TABLE IF NOT EXISTS jobs (
     ref INTEGER PRIMARY KEY,
     id TEXT NOT NULL,                 -- the job's id (udp-<host>-<port>-<task_id> for UDP jobs)
@@ -71,7 +73,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     download_url TEXT NOT NULL DEFAULT '',
     log TEXT NOT NULL DEFAULT '[]',
     options TEXT NOT NULL DEFAULT '',
-    base INTEGER NOT NULL DEFAULT 0
+    base INTEGER NOT NULL DEFAULT 0,
+    history TEXT NOT NULL DEFAULT '',
+    ran_on INTEGER NOT NULL DEFAULT 0
 );
 -- Queues whose jobs are not handed out until resumed.
 CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
@@ -103,30 +107,33 @@ ALTER TABLE jobs ADD COLUMN log TEXT NOT NULL DEFAULT '[]'
 # Version 3 kept no job options (every job took the configuration's).
 _MIGRATE_3_TO_4 = """
 ALTER TABLE jobs ADD COLUMN options TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN base INTEGER NOT NULL DEFAULT 0
+ALTER TABLE jobs ADD COLUMN base INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE jobs ADD COLUMN history TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN ran_on INTEGER NOT NULL DEFAULT 0
 """
 
 _INSERT = (
     "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
     " attempts, failed_on, queued_at, added_at, result, error, failed_post, info_url,"
-    " download_url, log, options, base) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-    " ?, ?, ?, ?, ?)"
+    " download_url, log, options, base, ran_on) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+    " ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 _FINISH = (
-    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
+    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?, ran_on = ?,"
     " payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
 # A failed or canceled job keeps its payload: a user may retry it.
 _FINISH_KEEP = (
-    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?,"
+    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?, ran_on = ?,"
     " notified = 0, expires_at = NULL WHERE ref = ?"
 )
 # Where _PROGRESS's and _FINISH's values (their parameters before the ref) sit among
 # _INSERT's, so that a change to a job added in the same batch rewrites its insert; and
 # the payload, which _FINISH empties.
 _PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
-_FINISH_IN_INSERT = (8, 9, 13, 14, 15)  # state, attempts, result, error, failed_post
+# state, attempts, result, error, failed_post, ran_on
+_FINISH_IN_INSERT = (8, 9, 13, 14, 15, 21)
 _PAYLOAD_IN_INSERT = 7
 _LOG_IN_INSERT = 18
 # state, base, result, error, failed_post: a retry of a job whose insert is in the batch.
@@ -135,16 +142,18 @@ _RETRIED_IN_INSERT = (8, 20, 13, 14, 15)
 # carrying both, written where the start's was.
 _PROGRESS_FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
-    " error = ?, failed_post = ?, payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
+    " error = ?, failed_post = ?, ran_on = ?, payload = x'', notified = 0, expires_at = NULL"
+    " WHERE ref = ?"
 )
 _PROGRESS_FINISH_KEEP = (
     "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
-    " error = ?, failed_post = ?, notified = 0, expires_at = NULL WHERE ref = ?"
+    " error = ?, failed_post = ?, ran_on = ?, notified = 0, expires_at = NULL WHERE ref = ?"
 )
 _RETRIED = (
     "UPDATE jobs SET state = 'pending', base = ?, queued_at = ?, result = NULL, error = NULL,"
     " failed_post = 0, notified = 0, expires_at = NULL WHERE ref = ?"
 )
+_HISTORY = "UPDATE jobs SET history = ? WHERE ref = ?"
 _PAUSED = "INSERT OR REPLACE INTO paused (queue) VALUES (?)"
 _RESUMED = "DELETE FROM paused WHERE queue = ?"
 _NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
@@ -191,6 +200,8 @@ class JobRow:
     log: list[str] = field(default_factory=list)
     options: str = ""  # JSON (controller.options.to_json); "": the configuration's
     base: int = 0
+    history: str = ""  # JSON: its attempts that ended without ending it
+    ran_on: int = 0
 
 
 @dataclass
@@ -383,7 +394,8 @@ class Journal:
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
-                " expires_at, info_url, download_url, log, options, base FROM jobs ORDER BY ref"
+                " expires_at, info_url, download_url, log, options, base, history, ran_on"
+                " FROM jobs ORDER BY ref"
             ):
                 out.jobs.append(
                     JobRow(
@@ -411,6 +423,8 @@ class Journal:
                         log=[str(line) for line in json.loads(r[20])],
                         options=str(r[21]),
                         base=int(r[22]),
+                        history=str(r[23]),
+                        ran_on=int(r[24]),
                     )
                 )
             out.paused = [str(row[0]) for row in db.execute("SELECT queue FROM paused")]
@@ -468,7 +482,7 @@ class Journal:
         kept = to_json(options)
         self._inserted[job.ref] = len(self._staged)
         self._stage(
-            (_INSERT, (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0))
+            (_INSERT, (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0, 0))
         )
 
     def job_progress(
@@ -495,7 +509,7 @@ class Journal:
     def job_finished(self, job: Job) -> None:
         ref = job.ref
         error = stored_text(job.error)
-        values = (job.state.value, job.attempts, job.result, error, job.failed_post)
+        values = (job.state.value, job.attempts, job.result, error, job.failed_post, job.ran_on)
         keep = job.state.value != "finished"  # failed or canceled: it may be retried
         if keep:
             if self._fold(ref, _FINISH_IN_INSERT, values):
@@ -542,6 +556,11 @@ class Journal:
     def job_unleased(self, ref: int) -> None:
         """The job a poller held ended: its lease is of no more use."""
         self._stage((_UNLEASED, (ref,)))
+
+    def job_history(self, ref: int, history: str) -> None:
+        """An attempt of the job ended without ending it: its ended attempts are now
+        `history` (JSON). (The worker of its latest attempt is written when it ends.)"""
+        self._stage((_HISTORY, (history, ref)))
 
     def job_logged(self, ref: int, lines: list[str]) -> None:
         """The job's log is now `lines` (one was added, or old ones dropped)."""

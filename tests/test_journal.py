@@ -604,7 +604,7 @@ def test_version_2_journal_gains_links_and_log(tmp_path):
     commit(journal)
     journal.close()
     with sqlite3.connect(path) as db:
-        for column in ("base", "options", "log", "download_url", "info_url"):
+        for column in ("ran_on", "history", "base", "options", "log", "download_url", "info_url"):
             db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
         db.execute("PRAGMA user_version = 2")
     (row,) = Journal.open(path).load().jobs
@@ -620,7 +620,7 @@ def test_version_3_journal_gains_options_and_its_jobs_take_the_configured_ones(t
     commit(journal)
     journal.close()
     with sqlite3.connect(path) as db:
-        for column in ("base", "options"):
+        for column in ("ran_on", "history", "base", "options"):
             db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
         db.execute("DROP TABLE paused")
         db.execute("PRAGMA user_version = 3")

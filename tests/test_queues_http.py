@@ -254,3 +254,37 @@ def test_a_scheduled_job_and_a_pause_survive_a_sigkill_with_the_same_time(tmp_pa
             again = http.get("/job/s/").json()
             assert again["state"] == "scheduled" and again["run_at"] == job["run_at"]
             assert http.get("/queue/").json()["q"]["paused"] is True
+
+
+async def test_each_attempt_is_kept_with_its_worker_times_outcome_and_error(sockdir, tmp_path):
+    tries: list[bytes] = []
+
+    async def fails_once(payload: bytes) -> bytes:
+        tries.append(payload)
+        if len(tries) == 1:
+            raise RuntimeError("first time unlucky")
+        return payload
+
+    journal = tmp_path / "journal.sqlite3"
+    async with (
+        http_controller(sockdir, handler=fails_once, journal=journal, max_retries=1) as ctl,
+        client(ctl.url) as http,
+    ):
+        await http.post("/job/", json={"id": "twice", "payload": "x"})
+        done = (await http.get("/job/twice/", params={"wait": 10})).json()
+        assert done["state"] == "finished" and done["attempts"] == 2
+        job = ctl.desk.book.get("twice")
+        assert job is not None
+        first, second = job.attempts_made()
+        assert first.outcome == "failed" and "first time unlucky" in first.error
+        assert second.outcome == "finished" and second.error == ""
+        assert 0 < first.started <= first.ended <= second.started <= second.ended
+        assert {first.worker, second.worker} <= set(ctl.shell.core.workers)
+        workers = (first.worker, second.worker)
+    async with http_controller(sockdir, journal=journal) as again:
+        job = again.desk.book.get("twice")
+        assert job is not None
+        first, second = job.attempts_made()
+        assert (first.outcome, second.outcome) == ("failed", "finished")
+        assert (first.worker, second.worker) == workers
+        assert "first time unlucky" in first.error

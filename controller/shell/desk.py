@@ -23,7 +23,15 @@ import trio
 from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
-from controller.jobs import DEFAULT_MAX_LOG_SIZE, Job, JobBook, JobState, notes_of
+from controller.jobs import (
+    DEFAULT_MAX_LOG_SIZE,
+    Job,
+    JobBook,
+    JobState,
+    history_from_json,
+    history_to_json,
+    notes_of,
+)
 from controller.journal import Journal, Recovered, Rejected
 from controller.options import JobOptions, from_json
 from controller.shell.durability import WriteAhead
@@ -304,6 +312,16 @@ class JobDesk:
 
     def progress(self, action: TaskProgress) -> None:
         """A job started running, went back to the queue, or waits for its time."""
+        task = self.scheduling.core.tasks.get(action.ref)
+        job = self.book.get(str(task.owner)) if task is not None else None
+        if job is not None and task is not None:
+            if action.state is TaskState.RUNNING:
+                job.attempt_started(task.worker_id, trio.current_time())
+            elif job.started_at:
+                job.attempt_ended(task.last_error, trio.current_time())
+                if self.journal is not None:
+                    text = history_to_json(job.history or [], self.book.wall_offset)
+                    self.journal.job_history(job.ref, text)
         if self.journal is None:
             return
         if action.state is TaskState.SCHEDULED:
@@ -452,6 +470,8 @@ class JobDesk:
                 attempts=row.attempts,
                 options=options,
             )
+            job.ran_on = row.ran_on
+            job.history = history_from_json(row.history, self.book.wall_offset)
             for line in row.log:
                 job.add_log(line, self.max_log_size)
             if row.state in ("scheduled", "pending", "working"):
