@@ -7,11 +7,12 @@ take turns (round robin), and one owner's tasks go in submission order.
 How it is indexed: priority level -> owner -> bucket -> deque of tasks, where a bucket is
 one (queue, requires) pair. The levels are kept in a list sorted high to low (there are
 few); each level's owners are a dict in round-robin order (the owner served last moves to
-the end); each owner's buckets a dict. A worker looks at the highest level first, and in
-it at owners in turn until one has a bucket the worker can take; of that owner's buckets
-it takes the head that was submitted first (the smallest ref). With one queue, one owner
-and no labels (the common case) that is a few dict lookups; with W owners and B buckets a
-pick looks at no more than W x B heads, and usually at one owner's B.
+the end); each owner keeps its buckets and their heads as (ref, bucket) pairs sorted by ref.
+A worker looks at the highest level first, and in it at owners in turn until one has a
+bucket the worker can take; of that owner's heads it takes the first it may take, which is
+the oldest (usually the very first: a pick is a few dict lookups and one sorted insert into
+a list as long as the owner has buckets). With W owners and B buckets a pick looks at no
+more than W x B heads, and a worker that serves everything at one.
 
 `version` grows whenever a task arrives or a queue resumes: a worker that found nothing at
 version v finds nothing until it changes, so the scheduler does not ask again.
@@ -28,9 +29,21 @@ from controller.core.model import Task, Worker
 Bucket = tuple[str, frozenset[str]]  # (queue, requires)
 
 
+class _Owner:
+    """One owner's pending tasks at one priority: a deque per bucket, and the buckets'
+    heads as (ref, bucket) pairs sorted by ref, so that the oldest head a worker may take is
+    the first one it may take."""
+
+    __slots__ = ("buckets", "heads")
+
+    def __init__(self) -> None:
+        self.buckets: dict[Bucket, deque[Task]] = {}
+        self.heads: list[tuple[int, Bucket]] = []
+
+
 class Pending:
     def __init__(self) -> None:
-        self._levels: dict[int, dict[str, dict[Bucket, deque[Task]]]] = {}
+        self._levels: dict[int, dict[str, _Owner]] = {}
         self._order: list[int] = []  # the levels' priorities, negated (ascending = high first)
         self.count = 0
         self.paused: set[str] = set()
@@ -41,8 +54,8 @@ class Pending:
 
     def __iter__(self) -> Iterator[Task]:
         for level in self._levels.values():
-            for buckets in level.values():
-                for tasks in buckets.values():
+            for owner in level.values():
+                for tasks in owner.buckets.values():
                     yield from tasks
 
     def add(self, task: Task, front: bool = False) -> None:
@@ -53,15 +66,18 @@ class Pending:
         if level is None:
             level = self._levels[opts.priority] = {}
             bisect.insort(self._order, -opts.priority)
-        buckets = level.get(opts.owner)
-        if buckets is None:
-            buckets = level[opts.owner] = {}
+        owner = level.get(opts.owner)
+        if owner is None:
+            owner = level[opts.owner] = _Owner()
         key = (opts.queue, opts.requires)
-        tasks = buckets.get(key)
+        tasks = owner.buckets.get(key)
         if tasks is None:
-            tasks = buckets[key] = deque()
-        if front:
+            owner.buckets[key] = deque((task,))
+            bisect.insort(owner.heads, (task.ref, key))
+        elif front:
+            owner.heads.remove((tasks[0].ref, key))
             tasks.appendleft(task)
+            bisect.insort(owner.heads, (task.ref, key))
         else:
             tasks.append(task)
         self.count += 1
@@ -72,17 +88,20 @@ class Pending:
         claimed by a worker after a restart)."""
         opts = task.opts
         level = self._levels[opts.priority]
-        buckets = level[opts.owner]
+        owner = level[opts.owner]
         key = (opts.queue, opts.requires)
-        tasks = buckets[key]
+        tasks = owner.buckets[key]
         if tasks[0] is task:  # the usual case: the oldest goes first
+            owner.heads.remove((task.ref, key))
             tasks.popleft()
+            if tasks:
+                bisect.insort(owner.heads, (tasks[0].ref, key))
         else:
             tasks.remove(task)
         self.count -= 1
         if not tasks:
-            del buckets[key]
-            if not buckets:
+            del owner.buckets[key]
+            if not owner.buckets:
                 del level[opts.owner]
                 if not level:
                     del self._levels[opts.priority]
@@ -94,34 +113,47 @@ class Pending:
         levels = self._levels
         for negated in self._order:
             level = levels[-negated]
-            for owner, buckets in level.items():
-                best: deque[Task] | None = None
-                first = 0
-                for key, tasks in buckets.items():
-                    queue = key[0]
-                    if queue not in serves or (paused and queue in paused):
-                        continue
-                    if key[1] and not key[1] <= labels:
-                        continue
-                    ref = tasks[0].ref
-                    if best is None or ref < first:
-                        best, first, chosen = tasks, ref, key
-                if best is None:
-                    continue
-                task = best.popleft()
+            for name, owner in level.items():
+                heads = owner.heads
+                key = heads[0][1]  # most often the one: its oldest job, of a queue served
+                if (
+                    key[0] in serves
+                    and not (paused and key[0] in paused)
+                    and (not key[1] or key[1] <= labels)
+                ):
+                    index = 0
+                else:
+                    for index in range(1, len(heads)):
+                        key = heads[index][1]
+                        queue = key[0]
+                        if queue not in serves or (paused and queue in paused):
+                            continue
+                        if key[1] and not key[1] <= labels:
+                            continue
+                        break
+                    else:
+                        continue  # nothing of this owner's for this worker
+                tasks = owner.buckets[key]
+                task = tasks.popleft()
                 self.count -= 1
-                if best:
+                if tasks:
+                    if len(heads) == 1:
+                        heads[0] = (tasks[0].ref, key)
+                    else:
+                        del heads[index]
+                        bisect.insort(heads, (tasks[0].ref, key))
                     if len(level) > 1:  # the owner had its turn: to the end of the round
-                        del level[owner]
-                        level[owner] = buckets
+                        del level[name]
+                        level[name] = owner
                     return task
-                del buckets[chosen]
-                if buckets:
+                del heads[index]
+                del owner.buckets[key]
+                if heads:
                     if len(level) > 1:
-                        del level[owner]
-                        level[owner] = buckets
+                        del level[name]
+                        level[name] = owner
                     return task
-                del level[owner]
+                del level[name]
                 if not level:
                     del levels[-negated]
                     self._order.remove(negated)
