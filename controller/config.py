@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from controller.schedules import Schedule, parse_entries
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -95,6 +96,8 @@ class Config:
     udp_memory: int = 67108864
     # The HTTP door over TLS with this certificate and key; None: plain HTTP.
     http_tls: HttpTls | None = None
+    # Periodic jobs (controller/schedules.py); names unique.
+    schedules: tuple[Schedule, ...] = ()
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (flags override the file)."""
@@ -267,6 +270,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_log_size": _size,
     "udp_memory": _size,
     "http_tls": _http_tls,
+    "schedules": parse_entries,
 }
 
 

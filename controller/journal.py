@@ -67,6 +67,8 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 -- The lease of each job a poller holds: it must show it to keep the job after a restart.
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
+-- The latest due time each periodic job was made for (or, new, started after).
+CREATE TABLE IF NOT EXISTS schedules (name TEXT PRIMARY KEY, last_due REAL);
 """
 
 # Version 1 kept UDP tasks only, in the words of the UDP door.
@@ -124,6 +126,7 @@ _STALE_LEASES = (
     "DELETE FROM leases WHERE ref NOT IN"
     " (SELECT ref FROM jobs WHERE state IN ('pending', 'working'))"
 )
+_SCHEDULED = "INSERT OR REPLACE INTO schedules (name, last_due) VALUES (?, ?)"
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
@@ -163,6 +166,7 @@ class Recovered:
     first_worker_id: int = 1
     next_ref: int = 1
     pruned: int = 0
+    schedules: dict[str, float] = field(default_factory=dict)  # name -> last due time
 
 
 Op = tuple[str, tuple[Any, ...]]
@@ -339,6 +343,9 @@ class Journal:
             db.execute(_CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
             db.execute(_STALE_LEASES)
             leases = dict(db.execute("SELECT ref, lease FROM leases").fetchall())
+            for name, last_due in db.execute("SELECT name, last_due FROM schedules"):
+                if last_due is not None:
+                    out.schedules[str(name)] = float(last_due)
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
@@ -466,6 +473,10 @@ class Journal:
     def job_unleased(self, ref: int) -> None:
         """The job a poller held ended: its lease is of no more use."""
         self._stage((_UNLEASED, (ref,)))
+
+    def schedule_due(self, name: str, due: float) -> None:
+        """Periodic job `name` is done with due time `due` (wall-clock seconds)."""
+        self._stage((_SCHEDULED, (name, due)))
 
     def job_logged(self, ref: int, lines: list[str]) -> None:
         """The job's log is now `lines` (one was added, or old ones dropped)."""
