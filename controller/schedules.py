@@ -10,7 +10,7 @@ and makes the jobs.
 
 Cron expressions are read by cronsim: a small pure-Python library without
 dependencies that takes standard five-field expressions (names of months and
-days, ranges, steps, L, W and #) and walks both forwards and backwards. A
+days, ranges, steps, L, LW and #) and walks both forwards and backwards. A
 six-field expression (seconds first), which cronsim also reads, is refused
 here: job ids name a second, and due times stay on whole minutes.
 """
