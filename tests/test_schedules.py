@@ -5,6 +5,7 @@ that follows it."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from controller.shell.committer import Committer
 from controller.shell.main import assemble
 from controller.shell.redis_claims import RedisClaims
 from controller.shell.schedules import PeriodicJobs
+from tests.helpers import controller_argv, write_config
 
 
 def at(text: str) -> float:
@@ -180,6 +182,13 @@ def test_a_bad_entry_is_a_start_up_error_naming_the_key(entries: Any, says: str)
     assert says in message
 
 
+def test_the_controller_refuses_a_bad_schedule_with_exit_status_2(tmp_path: Path) -> None:
+    config = write_config(tmp_path, schedules=[{"name": "x", "cron": "0 3 * *"}])
+    done = subprocess.run(controller_argv(config), capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.decode().startswith(f"controller: {config}: key 'schedules' entry 0")
+
+
 def test_the_error_names_the_entry_by_index_and_name() -> None:
     with pytest.raises(ValueError, match=r"^entry 1 \('late'\): every must be"):
         parse_entries([{"name": "ok", "every": 1}, {"name": "late", "every": 0}])
@@ -333,6 +342,29 @@ async def test_a_refusing_journal_makes_nothing_and_says_so(
         caplog.text
     )
     assert "disk full" in caplog.text
+
+
+async def test_a_failure_while_making_one_job_costs_that_due_time_alone(
+    sockdir: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = config_with(sockdir, Schedule("tick", every=10))
+    async with controller(config) as (desk, nursery):
+        real = desk.submit
+        calls = []
+
+        def broken_once(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args[0])
+            if len(calls) == 1:
+                raise RuntimeError("a bug")
+            return real(*args, **kwargs)
+
+        desk.submit = broken_once
+        periodic = PeriodicJobs(config, desk, wall=fake_wall)
+        await nursery.start(periodic.run)
+        await trio.sleep(16)
+        assert made(desk) == [tick_id(BASE + 15)]
+    assert calls == [tick_id(BASE + 5), tick_id(BASE + 15)]
+    assert "making a periodic job" in caplog.text and "RuntimeError" in caplog.text
 
 
 async def test_the_due_time_is_journaled_with_its_job(

@@ -20,7 +20,8 @@ the configured retries and timeout.
   job per due time in all. While Redis cannot be reached the claim is retried
   until the next due time; then that due time is given up, and logged.
 - Whatever is not made is logged: a journal that refuses new jobs, a job the
-  journal could not record.
+  journal could not record, a failure while making it (contained: the next due
+  time comes all the same).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Protocol
 import trio
 
 from controller.config import Config
+from controller.containment import contained
 from controller.journal import Journal
 from controller.options import JobOptions, rfc3339
 from controller.schedules import Schedule
@@ -115,7 +117,7 @@ class PeriodicJobs:
                 schedule.name,
                 rfc3339(latest),
             )
-            await self._make(schedule, latest)
+            await self._contained(schedule, latest)
         else:
             task_status.started()
         due = schedule.next_due(now)
@@ -123,7 +125,7 @@ class PeriodicJobs:
             await self._sleep_until(due)
             # The latest due time, should the clock have jumped over several.
             due = schedule.latest_due(self.wall())
-            await self._make(schedule, due)
+            await self._contained(schedule, due)
             due = schedule.next_due(due)
 
     async def _sleep_until(self, due: float) -> None:
@@ -139,6 +141,13 @@ class PeriodicJobs:
         self.last_due[schedule.name] = due
         if self.journal is not None:
             self.journal.schedule_due(schedule.name, due)
+
+    async def _contained(self, schedule: Schedule, due: float) -> None:
+        """`_make`, where a failure (a bug) costs that due time alone."""
+        try:
+            await self._make(schedule, due)
+        except Exception as exc:
+            contained("making a periodic job", exc, trio.current_time(), schedule.job_id(due))
 
     async def _make(self, schedule: Schedule, due: float) -> None:
         name = schedule.name
