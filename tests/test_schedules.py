@@ -344,6 +344,29 @@ async def test_a_refusing_journal_makes_nothing_and_says_so(
     assert "disk full" in caplog.text
 
 
+async def test_due_times_passed_at_once_are_made_in_order_up_to_a_limit(
+    sockdir: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = config_with(sockdir, Schedule("tick", every=10))
+    ahead = [0.0]  # the wall clock set forward by this much
+
+    def wall() -> float:
+        return fake_wall() + ahead[0]
+
+    async with controller(config) as (desk, nursery):
+        periodic = PeriodicJobs(config, desk, wall=wall)
+        await nursery.start(periodic.run)
+        await trio.sleep(6)
+        assert made(desk) == [tick_id(BASE + 5)]
+        ahead[0] = 30.0  # over three due times: each is made at the next wake-up
+        await trio.sleep(10)
+        assert made(desk) == [tick_id(BASE + s) for s in (5, 15, 25, 35, 45)]
+        ahead[0] = 30.0 + 3600  # an hour: only the latest
+        await trio.sleep(10)
+        assert made(desk)[5:] == [tick_id(BASE + 3600 + 55)]
+    assert "making only the latest" in caplog.text
+
+
 async def test_a_failure_while_making_one_job_costs_that_due_time_alone(
     sockdir: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,6 +15,9 @@ the configured retries and timeout.
   controller ran). A schedule without one starts from its next due time and
   journals the latest past one as its start, so that it too is caught up after
   a crash.
+- A running controller that finds it fell behind (a stalled loop, a clock set
+  forward) makes the due times it passed, in order, up to CATCH_UP of them;
+  past that only the latest, as after a stop.
 - With Redis, the job's id is claimed there first (`Claims`): only the
   controller whose claim succeeds makes it, so several controllers make one
   job per due time in all. While Redis cannot be reached the claim is retried
@@ -41,6 +44,10 @@ from controller.schedules import Schedule
 from controller.shell.desk import JobDesk
 
 log = logging.getLogger("controller.schedules")
+
+# Due times a running controller makes when it finds it fell behind by several; past that it
+# makes only the latest, as after a stop (a clock set a day forward is not 86,400 jobs).
+CATCH_UP = 10
 
 
 class Claims(Protocol):
@@ -123,10 +130,28 @@ class PeriodicJobs:
         due = schedule.next_due(now)
         while True:
             await self._sleep_until(due)
-            # The latest due time, should the clock have jumped over several.
-            due = schedule.latest_due(self.wall())
-            await self._contained(schedule, due)
-            due = schedule.next_due(due)
+            for passed in self._passed(schedule, due):
+                await self._contained(schedule, passed)
+                due = schedule.next_due(passed)
+
+    def _passed(self, schedule: Schedule, due: float) -> list[float]:
+        """The due times from `due` to now, in order: more than one when the controller fell
+        behind (a stalled loop, a clock set forward); past CATCH_UP of them, only the latest,
+        as after a stop."""
+        latest = schedule.latest_due(self.wall())
+        passed = [due]
+        while passed[-1] < latest:
+            if len(passed) == CATCH_UP:
+                log.warning(
+                    "schedule %r: over %d due times passed at once (the clock was set forward?):"
+                    " making only the latest, at %s",
+                    schedule.name,
+                    CATCH_UP,
+                    rfc3339(latest),
+                )
+                return [latest]
+            passed.append(schedule.next_due(passed[-1]))
+        return passed
 
     async def _sleep_until(self, due: float) -> None:
         """Sleep on trio's clock until the wall clock reads `due` (again, if woken early:
