@@ -16,10 +16,14 @@ from typing import Any
 
 import pytest
 import redis
+import trio
 
 from controller.schedules import Schedule
+from controller.shell.redis_claims import RedisClaims
 from tests.helpers import (
     REDIS_SERVER,
+    RedisServer,
+    free_tcp_port,
     live_controller,
     recording_exec,
     redis_server,
@@ -134,3 +138,33 @@ def test_two_controllers_on_one_redis_make_each_due_time_once(tmp_path: Path) ->
     for jobs, directory in ((first, tmp_path / "a"), (second, tmp_path / "b")):
         consumer = f"{socket.gethostname()}:{directory / 's'}".encode()
         assert {holders[job_id] for job_id in jobs} <= {consumer}
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+async def test_a_claim_waits_for_an_unreachable_redis_and_never_goes_without(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer(tmp_path / "redis", port=free_tcp_port())  # not started yet
+    client = redis.Redis.from_url(server.url, socket_connect_timeout=1)
+    claims = RedisClaims(client, "here", 60)
+    try:
+        # Down until the next due time: given up, not made without a claim.
+        with trio.fail_after(10):
+            assert await claims.claim("cron-x-1", time.time() + 1) is None
+        # Down at the due time, back before the next: claimed then.
+        async with trio.open_nursery() as nursery:
+
+            async def start_soon() -> None:
+                await trio.sleep(0.5)
+                await trio.to_thread.run_sync(server.start)
+
+            nursery.start_soon(start_soon)
+            with trio.fail_after(20):
+                assert await claims.claim("cron-x-2", time.time() + 15) is True
+        assert client.get("cron:cron-x-2") == b"here"
+        assert client.ttl("cron:cron-x-2") > 86400
+        assert await claims.claim("cron-x-2", time.time() + 15) is True  # ours already
+        assert await RedisClaims(client, "there", 60).claim("cron-x-2", time.time()) is False
+    finally:
+        client.close()
+        server.stop()
