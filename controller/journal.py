@@ -67,7 +67,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 -- The lease of each job a poller holds: it must show it to keep the job after a restart.
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
--- The latest due time each periodic job was made for (or, new, started after).
+-- Each periodic job's latest due time made (for a new one: the last before it started).
 CREATE TABLE IF NOT EXISTS schedules (name TEXT PRIMARY KEY, last_due REAL);
 """
 
