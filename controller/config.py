@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from controller.options import MAX_RETRY_DELAY, JobOptions
+from controller.schedules import Schedule, parse_entries
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -110,6 +111,9 @@ class Config:
             placement_timeout=self.timeout_task_placement if door == "udp" else 0.0,
             owner=door,
         )
+
+    # Periodic jobs (controller/schedules.py); names unique.
+    schedules: tuple[Schedule, ...] = ()
 
     def replace(self, **changes: Any) -> Config:
         """A copy with `changes` applied (flags override the file)."""
@@ -290,6 +294,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "udp_memory": _size,
     "http_tls": _http_tls,
     "retry_delay": _retry_delay,
+    "schedules": parse_entries,
 }
 
 

@@ -81,6 +81,8 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
 -- The lease of each job a poller holds: it must show it to keep the job after a restart.
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
+-- Each periodic job's latest due time made (for a new one: the last before it started).
+CREATE TABLE IF NOT EXISTS schedules (name TEXT PRIMARY KEY, last_due REAL);
 """
 
 # Version 1 kept UDP tasks only, in the words of the UDP door.
@@ -167,6 +169,7 @@ _STALE_LEASES = (
     "DELETE FROM leases WHERE ref NOT IN"
     " (SELECT ref FROM jobs WHERE state IN ('pending', 'working'))"
 )
+_SCHEDULED = "INSERT OR REPLACE INTO schedules (name, last_due) VALUES (?, ?)"
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
@@ -211,6 +214,7 @@ class Recovered:
     next_ref: int = 1
     pruned: int = 0
     paused: list[str] = field(default_factory=list)
+    schedules: dict[str, float] = field(default_factory=dict)  # name -> last due time
 
 
 Op = tuple[str, tuple[Any, ...]]
@@ -391,6 +395,9 @@ class Journal:
             db.execute(_CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
             db.execute(_STALE_LEASES)
             leases = dict(db.execute("SELECT ref, lease FROM leases").fetchall())
+            for name, last_due in db.execute("SELECT name, last_due FROM schedules"):
+                if last_due is not None:
+                    out.schedules[str(name)] = float(last_due)
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
@@ -561,6 +568,10 @@ class Journal:
         """An attempt of the job ended without ending it: its ended attempts are now
         `history` (JSON). (The worker of its latest attempt is written when it ends.)"""
         self._stage((_HISTORY, (history, ref)))
+
+    def schedule_due(self, name: str, due: float) -> None:
+        """Periodic job `name` is done with due time `due` (wall-clock seconds)."""
+        self._stage((_SCHEDULED, (name, due)))
 
     def job_logged(self, ref: int, lines: list[str]) -> None:
         """The job's log is now `lines` (one was added, or old ones dropped)."""

@@ -25,6 +25,7 @@ from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.descriptors import raise_nofile_limit
 from controller.shell.desk import JobDesk
 from controller.shell.metrics import Metrics
+from controller.shell.schedules import Claims, PeriodicJobs
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.shell.udp import UdpDoor
@@ -188,6 +189,20 @@ async def run_controller(
         from controller.shell.redis_door import RedisDoor
 
         stream = RedisDoor(config, desk, shell)
+    claims: Claims | None = None
+    if stream is not None and config.schedules:
+        from controller.shell.redis_claims import RedisClaims
+
+        claims = RedisClaims(
+            stream.calls.redis, stream.consumer, config.result_retention, stream.in_thread
+        )
+    periodic = PeriodicJobs(
+        config,
+        desk,
+        journal,
+        recovered.schedules if recovered is not None else None,
+        claims,
+    )
     notifier = Notifier()
     web = None
     if config.http_address is not None:
@@ -225,6 +240,8 @@ async def run_controller(
                 await nursery.start(web.serve)
             if stream is not None:
                 await nursery.start(stream.run)
+            if config.schedules:  # after recovery: a job made before a crash is in the book
+                await nursery.start(periodic.run)
             if metrics is not None:
                 nursery.start_soon(metrics.run, shell.core)
             notifier.notify("READY=1")
