@@ -5,7 +5,8 @@ Seeded and bounded. Jobs come in through all three doors of controller A: UDP
 reordered), HTTP (`AsyncClient("http://...")`) and a Redis stream
 (`AsyncClient("redis://...")`) that controller B consumes too. They run on
 every kind of worker: local ones (A's and B's), a calculator and a poller, in three
-queues, some needing a label only some workers have, with priorities and four owners.
+queues, some needing a label only some workers have, with priorities and four owners; both
+controllers keep a periodic job every 2 s, and no due time may be made twice.
 Meanwhile this kills workers, calculators and pollers with SIGKILL, SIGSTOPs
 local workers for a while, kills either controller with SIGKILL and starts it
 again on its journal, restarts redis-server, holds slow and silent HTTP
@@ -29,6 +30,7 @@ import os
 import random
 import signal
 import socket as stdsocket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -64,6 +66,8 @@ WORKER_SERVES = (
 CALCULATOR_SERVES = ("--queues", "bulk,urgent")
 POLLER_SERVES = ("--queues", "default,bulk", "--labels", "gpu")
 QUEUES = ("default", "bulk", "urgent")
+# A periodic job every 2 s in both controllers: with Redis, each due time is made once in all.
+SCHEDULE = {"name": "tick", "every": 2, "payload": "tick", "queue": "bulk"}
 
 
 def job_options(rng: random.Random) -> dict[str, Any]:
@@ -205,6 +209,7 @@ async def run(
         claim_timeout=3.0,
         lease_timeout=3.0,
         redis=stream,
+        schedules=[SCHEDULE],
     )
     commands = {"controller": controller_argv(config, log_level="WARNING")}
     for slot in range(workers):
@@ -230,6 +235,7 @@ async def run(
             max_retries=10,
             dial_timeout=1.0,
             redis=stream,
+            schedules=[SCHEDULE],
         )
         commands["controller_b"] = controller_argv(b_config, log_level="WARNING")
         commands["worker_b"] = worker_argv(b_sockets, "--pulse", "0.3", *job)
@@ -528,6 +534,19 @@ def check_redis(server: RedisServer, tally: Tally) -> dict[str, int]:
     }
 
 
+def periodic_jobs(workdir: Path) -> tuple[int, int]:
+    """How many due times of the periodic job the controllers' journals hold, and how many
+    of them are there more than once (in both journals: two controllers made one due time)."""
+    seen: collections.Counter[str] = collections.Counter()
+    for path in (workdir / "journal.sqlite3", workdir / "b" / "journal.sqlite3"):
+        if not path.exists():
+            continue
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            rows = db.execute("SELECT id FROM jobs WHERE id LIKE 'cron-%'").fetchall()
+        seen.update(str(row[0]) for row in rows)
+    return len(seen), sum(1 for n in seen.values() if n > 1)
+
+
 def report(
     tally: Tally,
     execlog: Path,
@@ -548,6 +567,7 @@ def report(
         if o.status not in ("success", "timeout")
     )
     runs = collections.Counter(execlog.read_text().split())
+    runs.pop(str(SCHEDULE["payload"]), None)  # the periodic jobs all carry the same payload
     extra_runs = sum(n - 1 for n in runs.values() if n > 1)
     longest = max((o.latency for o in acked.values() if o.status == "success"), default=0.0)
     print("chaos verdict")
@@ -602,9 +622,20 @@ def report(
         f"{tally.hostile_internal}"
     )
     print(f"  tracebacks in the controllers' logs: {tracebacks}")
+    made, twice = periodic_jobs(workdir)
+    print(
+        f"  periodic jobs (every {SCHEDULE['every']} s, in both controllers): {made} due times "
+        f"made, {twice} made more than once"
+    )
     print(f"  acknowledged jobs lost: {len(lost) + unfinished_in_time + other_lost}")
     print(f"  logs and journals in {workdir}")
-    verdict = not lost and unfinished_in_time == 0 and other_lost == 0 and by_status["success"] > 0
+    verdict = (
+        not lost
+        and unfinished_in_time == 0
+        and other_lost == 0
+        and by_status["success"] > 0
+        and twice == 0
+    )
     print("PASS: nothing acknowledged was lost" if verdict else "FAIL: acknowledged jobs were lost")
     return 0 if verdict else 1
 
