@@ -164,3 +164,15 @@ def test_a_scheduled_job_can_be_canceled():
     [ended] = finished(actions)
     assert ended.state is TaskState.CANCELED
     assert finished(core.expire(100.0)) == []
+
+
+def test_scheduled_tasks_are_counted_apart_from_pending_and_running():
+    core = Core()
+    later, _ = core.submit(1, b"", None, 0.0, JobOptions(), wait=10.0)
+    core.submit(2, b"", None, 0.0, JobOptions(), wait=20.0)
+    assert (core.scheduled, core.queued) == (2, 0)
+    actions: list[object] = []
+    core.scheduler.cancel(later.ref, 1.0, actions)  # type: ignore[arg-type]
+    assert core.scheduled == 1
+    core.expire(20.0)
+    assert (core.scheduled, core.queued) == (0, 1)

@@ -91,6 +91,11 @@ class Core:
         return self.scheduler.queued
 
     @property
+    def scheduled(self) -> int:
+        """Tasks waiting for their time (a delay, run_at, or a retry's delay)."""
+        return self.scheduler.scheduled
+
+    @property
     def idle_workers(self) -> int:
         return self.scheduler.idle_workers
 

@@ -97,6 +97,7 @@ class Scheduler:
         # claimed by a worker that held it before a restart (see recovery.py).
         self.on_settled: Callable[[Task], None] | None = None
         self.pending = Pending()
+        self.scheduled = 0  # tasks waiting for their time
         # Grows whenever a worker arrives, leaves or changes what it serves (a door that reads
         # per queue looks at the workers again then).
         self.serving_version = 0
@@ -170,6 +171,7 @@ class Scheduler:
         """The task waits in state SCHEDULED until `when`, then is pending."""
         if task.state is not TaskState.SCHEDULED:
             task.advance(TaskEvent.WAIT)
+            self.scheduled += 1
         task.deadline = when
         self.at(when, self._scheduled_due, task)
 
@@ -326,6 +328,8 @@ class Scheduler:
             return False
         if task.state is TaskState.QUEUED:
             self.unqueue(task)
+        elif task.state is TaskState.SCHEDULED:
+            self.scheduled -= 1
         worker = self.workers.get(task.worker_id) if task.worker_id else None
         task.advance(TaskEvent.CANCEL)
         task.worker_id = 0
@@ -357,6 +361,7 @@ class Scheduler:
         timeout, after a restart)."""
         if task.state is not TaskState.QUEUED:
             task.advance(TaskEvent.DUE)
+            self.scheduled -= 1
         task.queued_at = now
         limit = task.opts.placement_timeout
         if limit > 0:

@@ -138,15 +138,14 @@ def assemble(
     desk = JobDesk(book, shell, journal, max_log_size=config.max_log_size)
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
-    if journal is not None:  # the one use of progress besides the metrics
-        shell.on_progress = desk.progress
+    shell.on_progress = desk.progress  # each job's attempts, and the journal
     return shell, desk, UdpDoor(config, shell, desk)
 
 
 def status_line(shell: CoreShell, journal: Journal | None) -> str:
     """One line for `systemctl status`."""
     core = shell.core
-    running = len(core.tasks) - core.queued
+    running = len(core.tasks) - core.queued - core.scheduled
     line = (
         f"{len(core.workers)} workers ({core.idle_workers} idle), "
         f"{core.queued} queued, {running} running, {core.counters.succeeded} done"

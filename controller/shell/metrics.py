@@ -96,7 +96,7 @@ class Metrics:
 
     def refresh(self, core: Core) -> None:
         self.queued.set(core.queued)
-        self.running.set(len(core.tasks) - core.queued)
+        self.running.set(len(core.tasks) - core.queued - core.scheduled)
         self.workers.set(len(core.workers))
         self.idle.set(core.idle_workers)
         kinds = {"local": 0, "calculator": 0, "poller": 0}

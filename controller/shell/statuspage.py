@@ -107,7 +107,7 @@ def render_status_page(
             f"<td>{e(job.error[:120])}</td></tr>"
         )
     latest = "\n".join(job_rows) or "<tr><td colspan=7>no job yet</td></tr>"
-    running = len(core.tasks) - core.queued
+    running = len(core.tasks) - core.queued - core.scheduled
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="refresh" content="{REFRESH_SECONDS}">
