@@ -36,6 +36,9 @@ class Metrics:
         )
         self.queued = Gauge("controller_queue_depth", "Tasks waiting for a worker", registry=r)
         self.running = Gauge("controller_tasks_running", "Tasks on a worker", registry=r)
+        self.scheduled = Gauge(
+            "controller_tasks_scheduled", "Tasks waiting for their time (delay, retry)", registry=r
+        )
         self.workers = Gauge("controller_workers", "Live workers", registry=r)
         self.idle = Gauge("controller_workers_idle", "Idle workers", registry=r)
         self.by_kind = Gauge(
@@ -97,6 +100,7 @@ class Metrics:
     def refresh(self, core: Core) -> None:
         self.queued.set(core.queued)
         self.running.set(len(core.tasks) - core.queued - core.scheduled)
+        self.scheduled.set(core.scheduled)
         self.workers.set(len(core.workers))
         self.idle.set(core.idle_workers)
         kinds = {"local": 0, "calculator": 0, "poller": 0}
