@@ -346,7 +346,9 @@ def test_metrics_scrape_parses(tmp_path, sockdir):
         metrics_address={"host": "127.0.0.1", "port": http},
     )
     proc = subprocess.Popen(
-        controller_argv(config, "--workers", "1"),
+        controller_argv(
+            config, "--workers", "1", "--", "--queues", "default,q2", "--labels", "gpu"
+        ),
         stderr=subprocess.DEVNULL,
     )
     try:
@@ -374,6 +376,10 @@ def test_metrics_scrape_parses(tmp_path, sockdir):
         assert samples[("controller_queue_depth", ())] == 0.0
         assert samples[("controller_workers_by_kind", (("kind", "local"),))] == 1.0
         assert samples[("controller_workers_by_kind", (("kind", "calculator"),))] == 0.0
+        assert samples[("controller_queue_workers", (("queue", "q2"),))] == 1.0
+        assert samples[("controller_queue_paused", (("queue", "q2"),))] == 0.0
+        assert samples[("controller_label_workers", (("label", "gpu"),))] == 1.0
+        assert samples[("controller_tasks_scheduled", ())] == 0.0
     finally:
         proc.terminate()
         proc.wait(timeout=15)

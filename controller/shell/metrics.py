@@ -24,6 +24,10 @@ REFRESH_INTERVAL = 1.0
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+# Queues (and labels) with a series of their own at most: names come from workers.
+MAX_NAMED = 200
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # Imported here: a controller without metrics_address does not load it (3 MB of RSS).
@@ -46,6 +50,15 @@ class Metrics:
             "Live workers of each kind (local, calculator, poller)",
             ["kind"],
             registry=r,
+        )
+        self.by_queue = Gauge(
+            "controller_queue_workers", "Live workers serving each queue", ["queue"], registry=r
+        )
+        self.by_label = Gauge(
+            "controller_label_workers", "Live workers with each label", ["label"], registry=r
+        )
+        self.paused = Gauge(
+            "controller_queue_paused", "1 while a queue is paused", ["queue"], registry=r
         )
         self.retries = Counter(
             "controller_retries", "Tasks placed again after a failure", registry=r
@@ -81,6 +94,10 @@ class Metrics:
         # The Redis door's status(), when there is one.
         self.redis_status: Callable[[], dict[str, Any]] | None = None
         self._seen: dict[str, float] = {}
+        # Queue and label names given series so far (at most MAX_NAMED each: workers name
+        # them, and a series is never dropped).
+        self._queues_seen: set[str] = set()
+        self._labels_seen: set[str] = set()
 
     def serve(self, address: ClientAddress) -> Any:
         """Start the HTTP endpoint in prometheus_client's own daemon thread."""
@@ -108,6 +125,26 @@ class Metrics:
             kinds[worker.kind.label] = kinds.get(worker.kind.label, 0) + 1
         for kind, count in kinds.items():
             self.by_kind.labels(kind).set(count)
+        queues: dict[str, int] = dict.fromkeys(self._queues_seen, 0)
+        labels: dict[str, int] = dict.fromkeys(self._labels_seen, 0)
+        for worker in core.workers.values():
+            for name in worker.queues:
+                if name in queues or len(queues) < MAX_NAMED:
+                    queues[name] = queues.get(name, 0) + 1
+            for name in worker.labels:
+                if name in labels or len(labels) < MAX_NAMED:
+                    labels[name] = labels.get(name, 0) + 1
+        paused = core.scheduler.pending.paused
+        for name in paused:
+            if len(queues) < MAX_NAMED:
+                queues.setdefault(name, 0)
+        for name, count in queues.items():  # a queue seen once stays, at 0 workers
+            self.by_queue.labels(name).set(count)
+            self.paused.labels(name).set(1 if name in paused else 0)
+        for name, count in labels.items():
+            self.by_label.labels(name).set(count)
+        self._queues_seen.update(queues)
+        self._labels_seen.update(labels)
         self._advance(self.retries, "retries", core.counters.retries)
         for cause, total in core.counters.worker_losses.items():
             self._advance(self.losses.labels(cause), f"loss:{cause}", total)
