@@ -3,6 +3,7 @@ shell script), its table and its --json, exit codes, bearer tokens and bad usage
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from controller.client import Client
+from controller.client.jobctl import cut, table, when
 from tests.helpers import LiveController, free_tcp_port, live_controller, wait_for_condition
 
 # The worker's script: "fail..." fails (its stderr says why); "wait FILE" writes "started"
@@ -83,6 +85,31 @@ def one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> Non
     assert len(lines) == 1 and lines[0].startswith("jobctl"), result.stderr
     for word in words:
         assert word in lines[0], result.stderr
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def test_times_are_local_and_shortened() -> None:
+    zone = dt.timezone(dt.timedelta(hours=2))
+    now = dt.datetime(2026, 11, 27, 12, 0, tzinfo=zone)
+    local = {"today": "2026-11-27T08:30:05Z", "year": "2026-03-01T23:10:00Z"}
+    with_zone = {key: dt.datetime.fromisoformat(value).astimezone() for key, value in local.items()}
+    assert when(local["today"], with_zone["today"]) == with_zone["today"].strftime("%H:%M:%S")
+    assert when(local["year"], with_zone["today"]) == with_zone["year"].strftime("%b %d %H:%M")
+    assert when("2024-01-02T03:04:05Z", now) == "2024-01-02"
+    assert when(None, now) == "-" and when("not a time", now) == "not a time"
+
+
+def test_cells_are_one_line_and_cut() -> None:
+    assert cut("a" * 40) == "a" * 35 + "…"
+    assert cut("two\nlines\tand tabs") == "two lines and tabs"
+    assert cut(None) == "-" and cut("") == "-" and cut(0) == "0"
+    assert table(["A", "BB"], [["xyz", "1"], ["p", ""]]).splitlines() == [
+        "A    BB",
+        "xyz  1",
+        "p",
+    ]
 
 
 # ---------------------------------------------------------------- help and usage

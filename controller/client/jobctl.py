@@ -245,9 +245,7 @@ class Api:
     ) -> Any:
         try:
             answer = self.pool.request(method, path, json=body, query=query)
-        except TimeoutError as exc:
-            raise Failed(EXIT_TIMEOUT, f"{what}: {exc}") from None
-        except OSError as exc:
+        except OSError as exc:  # TimeoutError, ConnectionError: no answer
             raise Failed(EXIT_TIMEOUT, f"{what}: {exc}") from None
         if answer.status >= 400:
             raise _refusal(answer.status, _message(answer), what)
