@@ -344,7 +344,7 @@ def job_details(job: dict[str, Any]) -> str:
             continue
         elif isinstance(value, list):
             shown = ",".join(str(v) for v in value) or "-"
-        elif isinstance(value, bool) or value is None:
+        elif isinstance(value, bool):
             shown = json.dumps(value)
         else:
             shown = cut(value, SHOWN)
