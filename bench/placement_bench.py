@@ -72,10 +72,10 @@ def placing(layout: str, seed: int = 1) -> float:
         worker = Worker(wid, kind, None, None, 0.0, queues=queues, labels=frozenset({"gpu"}))
         scheduler.add_worker(worker)
         workers.append(worker)
-    made = {}  # the options objects, made before timing (a door makes them on arrival)
-    for n in range(JOBS):
-        options = _options(layout, n, rng)
-        made[n] = made.get(options, options)
+    # The options objects, made before timing (a door makes them as jobs arrive), equal ones
+    # shared as a door shares its defaults.
+    shared: dict[JobOptions, JobOptions] = {}
+    made = [shared.setdefault(o, o) for o in (_options(layout, n, rng) for n in range(JOBS))]
     for n in range(JOBS):
         scheduler.submit(n + 1, b"", None, 0.0, made[n])
     actions: list[Action] = []

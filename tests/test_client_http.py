@@ -27,7 +27,7 @@ from controller.client.http import (
     http_address,
     token_problem,
 )
-from controller.client.httpwire import MAX_HEAD, Exchange
+from controller.client.httpwire import MAX_HEAD, Exchange, StreamedAnswer
 from tests.helpers import free_tcp_port, wait_until
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
@@ -571,3 +571,16 @@ def test_the_codec_gives_h11s_answer_or_both_refuse(data, method, splits):
 )
 def test_the_codec_gives_h11s_answer_or_both_refuse_for_any_bytes(prefix, data):
     assert _codec_answer(prefix + data, "GET", []) == _h11_answer(prefix + data, "GET")
+
+
+@pytest.mark.parametrize("cut_at", range(1, 69, 5))
+def test_streamed_answer_reads_chunks_cut_anywhere(cut_at: int) -> None:
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n"
+    assert 0 < cut_at < len(raw)
+    answer = StreamedAnswer("GET")  # b"" would be the end of the stream: both pieces hold bytes
+    body = answer.feed(raw[:cut_at]) + answer.feed(raw[cut_at:])
+    assert (answer.status, body, answer.ended) == (200, b"abcdefg", True)
+    cut_short = StreamedAnswer("GET")
+    cut_short.feed(raw[:60])
+    with pytest.raises(ConnectionError, match="mid-answer"):
+        cut_short.feed(b"")

@@ -119,6 +119,28 @@ def test_the_status_page_over_https(tls_live: LiveController, pki: Pki) -> None:
         assert b"<html" in resp.read().lower()
 
 
+def test_jobctl_over_https_trusts_its_ca_file(tls_live: LiveController, pki: Pki) -> None:
+    with Client(tls_live.url, ca_file=str(pki.ca)) as client:
+        job = client.submit("over tls", id="jobctl-tls")
+        assert job.result(timeout=20) == b"over tls"
+    jobctl = [sys.executable, "-m", "controller.client.jobctl", "--url", tls_live.url]
+    shown = subprocess.run(
+        [*jobctl, "--ca-file", str(pki.ca), "show", "jobctl-tls", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["result"] == "over tls"
+    for trust in ([], ["--ca-file", str(pki.other_ca)]):
+        refused = subprocess.run(
+            [*jobctl, *trust, "show", "jobctl-tls"], capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 3 and refused.stdout == ""
+        assert "TLS certificate is not trusted" in refused.stderr
+        assert len(refused.stderr.splitlines()) == 1
+
+
 def test_an_untrusted_certificate_is_refused_with_a_clear_error(
     tls_live: LiveController, pki: Pki
 ) -> None:

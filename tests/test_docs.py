@@ -101,6 +101,10 @@ HELP_COMMANDS = {
     "udp-client": ["-m", "controller.client"],
     "udp-client add": ["-m", "controller.client", "add"],
     "udp-client status": ["-m", "controller.client", "status"],
+    "jobctl": ["-m", "controller.client.jobctl"],
+    "jobctl list": ["-m", "controller.client.jobctl", "list"],
+    "jobctl retry": ["-m", "controller.client.jobctl", "retry"],
+    "jobctl output": ["-m", "controller.client.jobctl", "output"],
 }
 REPO_PATH = re.compile(r"(?<![\w/.])((?:docs|packaging|bench|proto|controller|worker)/[\w./@-]*\w)")
 

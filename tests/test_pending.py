@@ -32,7 +32,7 @@ def make_task(ref: int, owner: int, queue: str, priority: int, requires: frozens
 
 
 def make_worker(worker_id: int, queues: frozenset[str], labels: frozenset[str]) -> Worker:
-    return Worker(worker_id, None, None, None, 0.0, queues=queues, labels=labels)  # type: ignore[arg-type]
+    return Worker(worker_id, None, None, None, 0.0, queues=queues, labels=labels)
 
 
 def fits(w: Worker, task: Task) -> bool:
@@ -47,9 +47,9 @@ def test_a_worker_takes_the_right_task_or_none(jobs, turns):
     pending = Pending()
     waiting: dict[int, Task] = {}
     for ref, (owner, queue, priority, requires) in enumerate(jobs, start=1):
-        task = make_task(ref, owner, queue, priority, requires)
-        pending.add(task)
-        waiting[ref] = task
+        made = make_task(ref, owner, queue, priority, requires)
+        pending.add(made)
+        waiting[ref] = made
     for n, ((queues, labels), picks) in enumerate(turns):
         w = make_worker(n, queues, labels)
         for _ in range(picks):
@@ -85,8 +85,8 @@ def test_owners_take_turns_so_none_waits_behind_another_owners_batch(batches):
     owners = {f"o{owner}" for owner, _ in batches}
     waited = dict.fromkeys(owners, 0)
     left = {name: 0 for name in owners}
-    for task in pending:
-        left[task.opts.owner] += 1
+    for queued in pending:
+        left[queued.opts.owner] += 1
     while (task := pending.pick(w)) is not None:
         left[task.opts.owner] -= 1
         for name in owners:

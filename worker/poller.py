@@ -20,14 +20,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import trio
 
 from controller import datagram as dg
-from controller.client.http import AsyncHttpPool, Endpoint, endpoint, token_problem
+from controller.client import http
+from controller.client.http import AsyncHttpPool, Endpoint, endpoint
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
@@ -46,15 +46,9 @@ RETRY_MAX = 5.0
 
 def read_token(path: str) -> str:
     try:
-        lines = Path(path).read_text(encoding="utf-8").split()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SetupError(f"--token-file {path}: {exc}") from None
-    if not lines:
-        raise SetupError(f"--token-file {path}: it holds no token")
-    why = token_problem(lines[0])
-    if why:
-        raise SetupError(f"--token-file {path}: {why}")
-    return lines[0]
+        return http.read_token(path)
+    except ValueError as exc:
+        raise SetupError(f"--token-file {exc}") from None
 
 
 class Poller:

@@ -28,6 +28,7 @@ proxy's refusal, a certificate not trusted), `TimeoutError` (no answer within
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import select
 import socket
@@ -36,8 +37,9 @@ import struct
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
@@ -50,13 +52,14 @@ from controller.client.httpwire import (
     Exchange,
     Headers,
     Stale,
+    StreamedAnswer,
     Tunnel,
     encode_json,
     head_lines,
     target,
 )
 
-__all__ = ["Answer", "AsyncHttpPool", "HttpPool"]
+__all__ = ["Answer", "AsyncHttpPool", "HttpPool", "Streamed"]
 
 # What one recv asks for.
 READ_SIZE = 64 * 1024
@@ -83,6 +86,24 @@ def token_problem(token: str) -> str:
     if not (token.isascii() and token.isprintable()) or " " in token:
         return "a token is printable ASCII without spaces"
     return ""
+
+
+def read_token(path: str) -> str:
+    """The bearer token in a token file: its first word (a line of its own in the
+    controller's http_token_file, where #-comment lines are skipped here too). ValueError
+    naming the file when it cannot be read or holds no usable token."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"{path}: {why}") from None
+    words = [line.split()[0] for line in lines if line.split() and line.split()[0][0] != "#"]
+    if not words:
+        raise ValueError(f"{path}: it holds no token")
+    why = token_problem(words[0])
+    if why:
+        raise ValueError(f"{path}: {why}")
+    return words[0]
 
 
 def url_port(parts: SplitResult, default: int | None = None) -> int | None:
@@ -335,6 +356,40 @@ class HttpPool(_Base):
             self._give_back(kept, exchange)
             return answer
 
+    @contextlib.contextmanager
+    def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[Streamed]:
+        """A request whose answer's body is read as it comes (a followed job output), on a
+        connection of its own, closed at the end: `timeout` bounds the connection and the
+        answer's head; the body then takes as long as the server keeps it open."""
+        target, headers, body, limit = self._prepare(path, None, query, timeout)
+        try:
+            sock = self._connect(limit)
+        except TimeoutError:
+            raise TimeoutError(f"{self.where}: no connection within {limit:g} s") from None
+        except OSError as exc:
+            raise _reason(exc, self.where) from None
+        with sock:
+            answer = StreamedAnswer(method)
+            first = bytearray()
+            try:
+                sock.settimeout(limit)
+                sock.sendall(Exchange().request(method, target, headers, body))
+                while not answer.status:
+                    first += answer.feed(sock.recv(READ_SIZE))
+                sock.settimeout(None)
+            except TimeoutError:
+                raise TimeoutError(f"{self.where}: no answer within {limit:g} s") from None
+            except OSError as exc:
+                raise _reason(exc, self.where) from None
+            yield Streamed(sock, answer, bytes(first), self.where)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -400,6 +455,38 @@ class HttpPool(_Base):
                     self._idle.append(kept)
                     return
         kept.sock.close()
+
+
+class Streamed:
+    """An answer whose body is read as it comes (`HttpPool.stream`): `status`, then its
+    body's bytes by iterating; a connection that fails midway raises ConnectionError."""
+
+    def __init__(self, sock: socket.socket, answer: StreamedAnswer, first: bytes, where: str):
+        self._sock = sock
+        self._answer = answer
+        self._first = first
+        self._where = where
+        self.status = answer.status
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._first:
+            yield self._first
+        while not self._answer.ended:
+            try:
+                piece = self._answer.feed(self._sock.recv(READ_SIZE))
+            except OSError as exc:
+                raise _reason(exc, self._where) from None
+            if piece:
+                yield piece
+
+    def read(self, limit: int = 1024 * 1024) -> bytes:
+        """The rest of the body, up to `limit` bytes (an error's, say)."""
+        body = bytearray()
+        for piece in self:
+            body += piece
+            if len(body) >= limit:
+                break
+        return bytes(body[:limit])
 
 
 class _AsyncKept:

@@ -229,6 +229,47 @@ class _H11Answer:
             raise ConnectionError(f"a malformed HTTP answer: {exc}") from None
 
 
+class StreamedAnswer:
+    """An answer read as it comes (sans-IO), for a body that may last as long as a job runs
+    (`GET /job/{id}/output?follow=1`, chunked): `feed` takes what came back and gives the
+    body's new bytes; `status` is set once the head is read, `ended` once the body is whole.
+    The request is `Exchange.request`'s bytes; the answer is h11's alone (no fast path: one
+    exchange a command, not one a job). Anything malformed, or the end of the stream before
+    the end of the body, raises ConnectionError."""
+
+    __slots__ = ("_conn", "ended", "status")
+
+    def __init__(self, method: str) -> None:
+        self._conn = conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        # The request as h11 needs to know it: the answer's framing depends on its method.
+        conn.send(h11.Request(method=method, target="/", headers=[(b"Host", b"-")]))
+        conn.send(h11.EndOfMessage())
+        self.status = 0
+        self.ended = False
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes read (b"" at the end of the stream); the body's bytes among them."""
+        body = bytearray()
+        try:
+            for event in _events(self._conn, data):
+                if isinstance(event, h11.Response):
+                    self.status = event.status_code
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, h11.EndOfMessage):
+                    self.ended = True
+                    break
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise ConnectionError("the server closed the connection mid-answer")
+        except h11.RemoteProtocolError as exc:
+            if not data:
+                raise ConnectionError(
+                    f"the server closed the connection mid-answer ({exc})"
+                ) from None
+            raise ConnectionError(f"a malformed HTTP answer: {exc}") from None
+        return bytes(body)
+
+
 class Tunnel:
     """A proxy's CONNECT (sans-IO): `request` gives its bytes, `feed` takes the proxy's
     answer until it is whole: True once the tunnel is open; ConnectionError when the proxy
