@@ -1,7 +1,9 @@
 """The worker alone: tasks/s through one real worker process driven by a fake controller.
 
 Printed beside a bare `subprocess.run(["true"])` loop measured in the same run, so the
-`--exec true` figure shows what the worker adds on top of starting a process.
+`--exec true` figure shows what the worker adds on top of starting a process. Job output is
+measured the same way: the same jobs with a controller that takes output and with one that
+does not (an older one), and a job that writes a line to stderr beside one that writes nothing.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class MiniController:
     answered, SET_TASK and FETCH dialled. Plain sockets and no event loop, so that what is
     measured is the worker (the real controller's cost is in e2e_bench)."""
 
-    def __init__(self, sockdir: Path) -> None:
+    def __init__(self, sockdir: Path, takes_output: bool = True) -> None:
         self.sockdir = sockdir
+        self.takes_output = takes_output  # False: answer REGISTER as a controller before output
+        self.output_pulses = 0
         self.listener = socket.socket(socket.AF_UNIX)
         self.listener.bind(str(sockdir / "main.sock"))
         self.listener.listen(64)
@@ -44,6 +48,9 @@ class MiniController:
             resp = pb.PulseResponse(error=pb.CTRL_ERR_OK)
             if pulse.type == pb.PULSE_REGISTER:
                 resp.worker_id = 1
+                resp.takes_output = self.takes_output
+            elif pulse.type == pb.PULSE_OUTPUT:
+                self.output_pulses += 1
             conn.sendall(wire.encode_frame(resp))
             return pulse
 
@@ -65,10 +72,13 @@ class MiniController:
             return answer
 
 
-def drive(args: list[str], tasks: int, floor_worker: bool = False) -> float:
-    """Tasks/s through one worker given `args`: ours, or bench/floor.py's blocking worker."""
+def drive(
+    args: list[str], tasks: int, floor_worker: bool = False, takes_output: bool = True
+) -> float:
+    """Tasks/s through one worker given `args`: ours, or bench/floor.py's blocking worker;
+    `takes_output`: the controller says in its REGISTER answer that it keeps job output."""
     with socket_dir() as sockdir:
-        ctl = MiniController(sockdir)
+        ctl = MiniController(sockdir, takes_output)
         if floor_worker:
             argv = [sys.executable, "-m", "bench.floor", "worker", str(sockdir), *args]
         else:
@@ -116,6 +126,9 @@ def main(rounds: int = 3) -> dict[str, Any]:
         "bare_true": [],
         "piped_true": [],
         "floor_exec_true": [],
+        "async_noop_old_controller": [],
+        "async_stderr_line": [],
+        "exec_true_old_controller": [],
     }
     for _ in range(rounds):
         runs["async_noop"].append(drive(["--handler", "worker.runner:anoop"], 3000))
@@ -124,6 +137,10 @@ def main(rounds: int = 3) -> dict[str, Any]:
         runs["bare_true"].append(bare_true(300))
         runs["piped_true"].append(piped_true(300))
         runs["floor_exec_true"].append(drive(["true"], 300, floor_worker=True))
+        anoop = ["--handler", "worker.runner:anoop"]
+        runs["async_noop_old_controller"].append(drive(anoop, 3000, takes_output=False))
+        runs["async_stderr_line"].append(drive(["--handler", "worker.runner:anoop_line"], 3000))
+        runs["exec_true_old_controller"].append(drive(["--exec", "true"], 300, takes_output=False))
     r = {name: round(median(values)) for name, values in runs.items()}
     print(
         f"one worker, fake controller: async no-op handler {r['async_noop']:,} tasks/s "
@@ -145,6 +162,21 @@ def main(rounds: int = 3) -> dict[str, Any]:
         f"protocol's three exchanges; bench/floor.py's blocking worker doing the same, no checks: "
         f"{r['floor_exec_true']:,} tasks/s ({1e6 / r['floor_exec_true']:.0f} us/task), ratio "
         f"{r['floor_exec_true'] / r['bare_true']:.2f}x"
+    )
+    us = {name: 1e6 / value for name, value in r.items()}
+    print(
+        "job output, a job that writes nothing: async no-op handler "
+        f"{us['async_noop']:.1f} us/task with a controller that takes output, "
+        f"{us['async_noop_old_controller']:.1f} us/task with one that does not "
+        f"({us['async_noop'] - us['async_noop_old_controller']:+.1f} us); --exec true "
+        f"{us['exec_true']:.0f} us/task beside {us['exec_true_old_controller']:.0f} us/task "
+        f"({us['exec_true'] - us['exec_true_old_controller']:+.0f} us)"
+    )
+    print(
+        "job output, a job that writes one line to stderr: async handler "
+        f"{us['async_stderr_line']:.1f} us/task, "
+        f"{us['async_stderr_line'] - us['async_noop']:+.1f} us beside one that writes nothing "
+        "(one PULSE_OUTPUT exchange before its FETCH_ME)"
     )
     return r
 
