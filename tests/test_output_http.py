@@ -10,6 +10,7 @@ import trio
 
 from controller import wire
 from controller.journal import Journal
+from controller.shell import http as http_module
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import exchange, send_raw, wait_until
 from tests.test_http import Running, client, http_controller
@@ -141,3 +142,22 @@ async def test_hostile_output_pulses_change_nothing(sockdir: Path) -> None:
         assert resp.error == pb.CTRL_ERR_UNKNOWN_ID
         assert (await http.get("/job/j/output")).text == ""
         assert (await http.get("/health/")).status_code == 200
+
+
+async def test_a_follow_outlasts_the_idle_timeout(sockdir: Path, monkeypatch) -> None:
+    """A follower's connection is busy answering, not idle: it stays open past the keep-alive
+    and mid-request silences."""
+    monkeypatch.setattr(http_module, "IDLE_TIMEOUT", 0.5)
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "j"})
+        job = ctl.desk.book.get("j")
+        assert job is not None
+        seen: list[str] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_follow, http, "j", seen)
+            await wait_until(lambda: _waiting(ctl, "j") == 1)
+            await trio.sleep(2)  # the time under test: past every idle timeout (0.5 s + 1 s)
+            ctl.desk.output(job, b"late\n")
+            await wait_until(lambda: "".join(seen) == "late\n")
+            await http.delete("/job/j/")
+        assert seen == ["late\n", "<end>"]
