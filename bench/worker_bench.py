@@ -130,17 +130,18 @@ def main(rounds: int = 3) -> dict[str, Any]:
         "async_stderr_line": [],
         "exec_true_old_controller": [],
     }
+    anoop = ["--handler", "worker.runner:anoop"]
     for _ in range(rounds):
-        runs["async_noop"].append(drive(["--handler", "worker.runner:anoop"], 3000))
+        # Each figure beside its baseline: measured one right after the other.
+        runs["async_noop"].append(drive(anoop, 3000))
+        runs["async_noop_old_controller"].append(drive(anoop, 3000, takes_output=False))
+        runs["async_stderr_line"].append(drive(["--handler", "worker.runner:anoop_line"], 3000))
         runs["sync_noop"].append(drive(["--handler", "worker.runner:noop"], 3000))
         runs["exec_true"].append(drive(["--exec", "true"], 300))
+        runs["exec_true_old_controller"].append(drive(["--exec", "true"], 300, takes_output=False))
         runs["bare_true"].append(bare_true(300))
         runs["piped_true"].append(piped_true(300))
         runs["floor_exec_true"].append(drive(["true"], 300, floor_worker=True))
-        anoop = ["--handler", "worker.runner:anoop"]
-        runs["async_noop_old_controller"].append(drive(anoop, 3000, takes_output=False))
-        runs["async_stderr_line"].append(drive(["--handler", "worker.runner:anoop_line"], 3000))
-        runs["exec_true_old_controller"].append(drive(["--exec", "true"], 300, takes_output=False))
     r = {name: round(median(values)) for name, values in runs.items()}
     print(
         f"one worker, fake controller: async no-op handler {r['async_noop']:,} tasks/s "
