@@ -136,3 +136,19 @@ async def test_a_flood_of_output_goes_in_chunks_and_the_worker_holds_a_bounded_a
         # What could not be sent as fast as it came is dropped, and the worker says so.
         assert xs == size or b"bytes of output dropped]" in got
         assert len(got) < size + BUFFER_LIMIT
+
+
+@pytest.mark.parametrize("kind", ["shell", "lean"])
+async def test_output_leaves_while_the_job_runs(sockdir: Path, kind: str) -> None:
+    flag = sockdir / "go"
+    script = f"echo one >&2; while [ ! -e {flag} ]; do sleep 0.01; done; echo two >&2; cat"
+    async with worker_and_fake(sockdir, kind, script, takes_output=True) as fake:
+        resp, _ = await fake.control(1, pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=7), b"p")
+        assert resp.error == pb.WORKER_ERR_OK
+        await fake.wait_for(lambda: bool(fake.outputs))
+        assert fake.outputs == [(7, b"one\n")]  # the job is still running: it waits for `go`
+        flag.touch()
+        await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_FETCH_ME)))
+        assert fake.outputs == [(7, b"one\n"), (7, b"two\n")]
+        resp, extra = await fake.control(1, FETCH)
+        assert (resp.error, extra) == (pb.WORKER_ERR_OK, b"p")

@@ -187,6 +187,7 @@ class Calculator:
             params["status"] = "error"
             params["error"] = str(exc)[-4000:]
         except Exception as exc:  # a bug in a runner must not kill the calculator
+            SINK.set(None)  # the calculator's own line, not the job's
             log.exception("job %d: runner crashed", task_id)
             params = {"task_id": task_id, "status": "error", "error": f"worker error: {exc}"}
         SINK.set(None)

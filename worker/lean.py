@@ -770,6 +770,7 @@ class LeanWorker:
             except TaskFailed as exc:
                 outcome = (False, str(exc).encode())
             except Exception as exc:  # a bug in a runner must not kill the worker
+                SINK.set(None)  # the worker's own line, not the job's
                 log.exception("task %d: runner crashed", task_id)
                 outcome = (False, f"worker error: {type(exc).__name__}: {exc}".encode())
             self._async_busy = False

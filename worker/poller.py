@@ -170,9 +170,11 @@ class Poller:
         payload = dg.read_bytes(job, "payload") or b""
         outcome: dict[str, Any] = {}
         stderr = Lines(OutputSink(limit=MAX_LOG))
-        SINK.set(stderr.sink)  # this task's context: the job's stderr and logging go there
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._lease, http, path, lease, stderr, nursery.cancel_scope)
+            # Set after the lease task started (it copied this task's context): the job's
+            # stderr and logging go to the sink, the poller's own lines do not.
+            token = SINK.set(stderr.sink)
             try:
                 result = await self.runner(task_id, payload)
                 outcome = {"state": "finished"}
@@ -180,10 +182,12 @@ class Poller:
             except TaskFailed as exc:
                 outcome = {"state": "failed", "error": str(exc)[-4000:]}
             except Exception as exc:  # a bug in a runner must not kill the poller
+                SINK.reset(token)  # the poller's own line, not the job's
                 log.exception("job %s: runner crashed", job_id)
                 outcome = {"state": "failed", "error": f"worker error: {exc}"}
+            finally:
+                SINK.set(None)
             nursery.cancel_scope.cancel()
-        SINK.set(None)
         if outcome:
             rest = stderr.take(final=True)
             if rest:

@@ -352,9 +352,12 @@ class WorkerShell:
         while True:
             await self._output_wake.wait()
             self._output_wake = trio.Event()
-            if len(self._sink) < CHUNK:
-                await trio.sleep(BATCH_SECONDS)
-            await self._send_output(everything=False)
+            # The sink wakes this loop only when bytes come where there were none (or a chunk
+            # fills): whatever is left after a send goes after the next batch's wait.
+            while len(self._sink):
+                if len(self._sink) < CHUNK:
+                    await trio.sleep(BATCH_SECONDS)
+                await self._send_output(everything=False)
 
     async def _send_output(self, *, everything: bool) -> None:
         """Send what waits in PULSE_OUTPUTs of at most CHUNK bytes (`everything`: until none
@@ -400,8 +403,10 @@ class WorkerShell:
                 ok = True
             except TaskFailed as exc:
                 result, ok = str(exc).encode(), False
+                SINK.set(None)  # the worker's own line, not the job's
                 log.info("task %d failed: %s", task_id, exc)
             except Exception as exc:  # a bug in a runner must not kill the worker
+                SINK.set(None)
                 log.exception("task %d: runner crashed", task_id)
                 result, ok = f"worker error: {type(exc).__name__}: {exc}".encode(), False
             SINK.set(None)
