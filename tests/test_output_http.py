@@ -161,3 +161,14 @@ async def test_a_follow_outlasts_the_idle_timeout(sockdir: Path, monkeypatch) ->
             await wait_until(lambda: "".join(seen) == "late\n")
             await http.delete("/job/j/")
         assert seen == ["late\n", "<end>"]
+
+
+async def test_head_of_a_follow_answers_at_once(sockdir: Path) -> None:
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        await http.post("/job/", json={"id": "j"})
+        job = ctl.desk.book.get("j")
+        assert job is not None
+        ctl.desk.output(job, b"abc")
+        with trio.fail_after(5):
+            resp = await http.head("/job/j/output", params={"follow": 1})
+        assert resp.status_code == 200 and resp.headers["content-length"] == "3"

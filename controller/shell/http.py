@@ -385,7 +385,7 @@ class HttpDoor:
             follow = httpapi.parse_flag(request.query_params.get("follow"), "follow")
         except ApiError as exc:
             return self._refuse(exc)
-        if not follow or job.state.final:
+        if not follow or job.state.final or request.scope["method"] == "HEAD":
             return Response(job.output.decode("utf-8", "replace").encode(), 200, TEXT)
         return StreamingResponse(self._follow(job), 200, TEXT)
 
