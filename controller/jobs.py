@@ -171,12 +171,12 @@ class Job:
     def add_output(self, data: bytes, limit: int = DEFAULT_OUTPUT_RETENTION) -> bytes:
         """Append to its output, keeping the newest `limit` bytes; what was appended (the
         newest `limit` bytes of `data`)."""
-        if len(data) > limit:
-            data = data[len(data) - limit :]
         if self.notes is None:
             self.notes = JobNotes()
         notes = self.notes
         notes.output_total += len(data)
+        if len(data) > limit:
+            data = data[len(data) - limit :]
         if notes.output is None:
             notes.output = bytearray(data)
         else:
