@@ -43,6 +43,7 @@ class Completed:
     ok: bool
     output: bytes
     error: str
+    job_output: bytes = b""  # what the job wrote to stderr (params.output: its tail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +103,18 @@ class CalculatorLink:
             return [Heartbeat(address, status == "ready", serves)]
         task_id = dg.task_id_field(params.get("task_id"))
         status = params.get("status")
+        printed = params.get("output", "")
+        if not isinstance(printed, str):
+            raise BadPacket("bad_output", "params.output must be text")
+        job_output = printed.encode("utf-8", "surrogatepass")
         if status == "success":
             output = dg.bytes_param(params, "result", self.max_result) or b""
-            return [Completed(address, task_id, True, output, "")]
+            return [Completed(address, task_id, True, output, "", job_output)]
         if status == "error":
             error = params.get("error", "")
             if not isinstance(error, str):
                 raise BadPacket("bad_error", "params.error must be text")
-            return [Completed(address, task_id, False, b"", error)]
+            return [Completed(address, task_id, False, b"", error, job_output)]
         raise BadPacket("bad_status", "params.status must be success or error")
 
     def acked(self, txid: int, address: Address, refused: bool) -> PerformAcked | None:

@@ -99,6 +99,8 @@ class Config:
     http_tls: HttpTls | None = None
     # Seconds before a failed job's first retry (doubled at each further one, with jitter).
     retry_delay: float = 0.0
+    # Bytes of output (what a job wrote to stderr) kept per job: the newest.
+    output_retention: int = 1048576
 
     def job_options(self, door: str) -> JobOptions:
         """The options of a job from `door` that gives none: UDP jobs wait at most
@@ -295,6 +297,7 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "http_tls": _http_tls,
     "retry_delay": _retry_delay,
     "schedules": parse_entries,
+    "output_retention": _size,
 }
 
 

@@ -223,6 +223,18 @@ def parse_state(value: str | None) -> JobState | None:
         raise ApiError(400, f"unknown state {value!r} (one of: {known})") from None
 
 
+def parse_flag(value: str | None, name: str) -> bool:
+    """A yes-or-no query parameter: 1, true or yes; 0, false, no or empty (absent: no)."""
+    if value is None:
+        return False
+    word = value.lower()
+    if word in ("1", "true", "yes"):
+        return True
+    if word in ("", "0", "false", "no"):
+        return False
+    raise ApiError(400, f"{name} must be 1 or 0")
+
+
 def parse_number(
     value: str | None,
     name: str,

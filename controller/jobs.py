@@ -80,6 +80,8 @@ def udp_job_id(host: str, port: int, task_id: int) -> str:
 
 # Bytes of log text a job keeps by default (config: max_log_size).
 DEFAULT_MAX_LOG_SIZE = 65536
+# Bytes of output a job keeps by default (config: output_retention).
+DEFAULT_OUTPUT_RETENTION = 1048576
 
 
 @dataclass(eq=False, slots=True)
@@ -92,6 +94,8 @@ class JobNotes:
     download_url: str = ""
     log: deque[str] = field(default_factory=deque)
     log_size: int = 0  # bytes of `log` (UTF-8)
+    output: bytearray | None = None  # what it wrote to stderr: the newest output_retention bytes
+    output_total: int = 0  # bytes of output ever appended (what a follower has seen is counted so)
 
 
 def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobNotes | None:
@@ -202,6 +206,44 @@ class Job:
             notes.log_size -= len(notes.log.popleft().encode("utf-8", "surrogatepass"))
         notes.log.append(line)
         notes.log_size += len(raw)
+
+    @property
+    def output(self) -> bytes:
+        """What it wrote to stderr (the newest bytes kept)."""
+        notes = self.notes
+        return bytes(notes.output) if notes is not None and notes.output is not None else b""
+
+    def add_output(self, data: bytes, limit: int = DEFAULT_OUTPUT_RETENTION) -> bytes:
+        """Append to its output, keeping the newest `limit` bytes; what was appended (the
+        newest `limit` bytes of `data`)."""
+        if self.notes is None:
+            self.notes = JobNotes()
+        notes = self.notes
+        notes.output_total += len(data)
+        if len(data) > limit:
+            data = data[len(data) - limit :]
+        if notes.output is None:
+            notes.output = bytearray(data)
+        else:
+            notes.output += data
+            over = len(notes.output) - limit
+            if over > 0:
+                del notes.output[:over]
+        return data
+
+    def output_since(self, seen: int) -> tuple[int, bytes]:
+        """(bytes of output ever appended, those after the first `seen` that are still kept)."""
+        notes = self.notes
+        if notes is None or notes.output is None:
+            return seen, b""
+        total = notes.output_total
+        if total <= seen:
+            return total, b""
+        return total, bytes(notes.output[-(total - seen) :])
+
+    def drop_output(self) -> None:
+        if self.notes is not None:
+            self.notes.output = None
 
     @property
     def state(self) -> JobState:

@@ -83,6 +83,9 @@ CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
 -- Each periodic job's latest due time made (for a new one: the last before it started).
 CREATE TABLE IF NOT EXISTS schedules (name TEXT PRIMARY KEY, last_due REAL);
+-- What each job wrote to stderr: the newest output_retention bytes (a table of its own, so
+-- that an append rewrites this row only, and a journal of an older version gains it as is).
+CREATE TABLE IF NOT EXISTS output (ref INTEGER PRIMARY KEY, data BLOB NOT NULL);
 """
 
 # Version 1 kept UDP tasks only, in the words of the UDP door.
@@ -170,6 +173,16 @@ _STALE_LEASES = (
     " (SELECT ref FROM jobs WHERE state IN ('pending', 'working'))"
 )
 _SCHEDULED = "INSERT OR REPLACE INTO schedules (name, last_due) VALUES (?, ?)"
+# Output appended to a job: ?1 the bytes kept at most, ?2 the new bytes, ?3 the ref (last, as
+# in every change: `_rejected` reads it there). SQLite's || on two blobs joins their bytes;
+# substr with a negative start keeps the newest.
+_OUTPUT = (
+    "INSERT INTO output (ref, data) VALUES (?3, ?2) ON CONFLICT(ref) DO UPDATE"
+    " SET data = substr(CAST(data || excluded.data AS BLOB), -?1)"
+)
+_DROP_OUTPUT = "DELETE FROM output WHERE ref = ?"
+# Output of jobs no longer in the journal (pruned at start).
+_STALE_OUTPUT = "DELETE FROM output WHERE ref NOT IN (SELECT ref FROM jobs)"
 _CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
@@ -205,6 +218,7 @@ class JobRow:
     base: int = 0
     history: str = ""  # JSON: its attempts that ended without ending it
     ran_on: int = 0
+    output: bytes = b""  # what it wrote to stderr (the newest output_retention bytes)
 
 
 @dataclass
@@ -289,6 +303,9 @@ class Journal:
         # Jobs whose last change in the batch is a _PROGRESS, by ref: its index, which a later
         # progress or finish rewrites.
         self._progressed: dict[int, int] = {}
+        # Jobs whose output grew in the batch being staged, by ref: the index of its _OUTPUT,
+        # which a later append in the same batch extends.
+        self._outputs: dict[int, int] = {}
         self.generation = 1  # generation of the batch being staged
         self.committed = 0  # highest generation known to be on disk
         self.failing = ""  # why the last commit failed ("" while healthy)
@@ -394,10 +411,15 @@ class Journal:
             self.ceiling = self.durable_ceiling = out.first_worker_id + WORKER_ID_BLOCK
             db.execute(_CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
             db.execute(_STALE_LEASES)
+            db.execute(_STALE_OUTPUT)
             leases = dict(db.execute("SELECT ref, lease FROM leases").fetchall())
             for name, last_due in db.execute("SELECT name, last_due FROM schedules"):
                 if last_due is not None:
                     out.schedules[str(name)] = float(last_due)
+            outputs = {
+                int(ref): bytes(data)
+                for ref, data in db.execute("SELECT ref, data FROM output").fetchall()
+            }
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
@@ -432,6 +454,7 @@ class Journal:
                         base=int(r[22]),
                         history=str(r[23]),
                         ran_on=int(r[24]),
+                        output=outputs.get(r[0], b""),
                     )
                 )
             out.paused = [str(row[0]) for row in db.execute("SELECT queue FROM paused")]
@@ -579,16 +602,35 @@ class Journal:
         if not self._fold(ref, (_LOG_IN_INSERT,), (text,)):
             self._stage((_LOG, (text, ref)))
 
+    def job_output(self, ref: int, data: bytes, retention: int) -> None:
+        """`data` was appended to the job's output, of which the newest `retention` bytes are
+        kept. Appends to one job within a batch go in as one."""
+        if not data:
+            return
+        index = self._outputs.get(ref)
+        if index is not None and index < len(self._staged):
+            sql, (_, before, _) = self._staged[index]
+            if sql == _OUTPUT:
+                joined = before + data
+                self._staged[index] = (_OUTPUT, (retention, joined[-retention:], ref))
+                return
+        self._outputs[ref] = len(self._staged)
+        self._stage((_OUTPUT, (retention, data[-retention:], ref)))
+
     def job_delivered(self, ref: int, retention: float) -> None:
         self._stage((_NOTIFIED, (time.time() + retention, ref)))
 
     def job_deleted(self, ref: int) -> None:
         self._progressed.pop(ref, None)  # what comes after this must be written after it
+        self._outputs.pop(ref, None)
         self._stage((_DELETED, (ref,)))
+        self._stage((_DROP_OUTPUT, (ref,)))
 
     def job_forgotten(self, ref: int) -> None:
         self._progressed.pop(ref, None)
+        self._outputs.pop(ref, None)
         self._stage((_FORGET, (ref,)))
+        self._stage((_DROP_OUTPUT, (ref,)))
 
     def latest_generation(self) -> int:
         """The newest generation holding any change: what an outgoing datagram waits for."""
@@ -619,6 +661,7 @@ class Journal:
         batch, self._staged = self._staged, []
         self._inserted = {}
         self._progressed = {}
+        self._outputs = {}
         generation = self.generation
         self.generation += 1
         return batch, generation
@@ -629,6 +672,7 @@ class Journal:
         self._staged[:0] = batch
         self._inserted = {}  # their places moved: later changes go in as UPDATEs
         self._progressed = {}
+        self._outputs = {}
 
     def write(self, batch: list[Op]) -> list[Rejected]:
         """Run in a thread: apply one batch in one transaction; returns the changes refused.

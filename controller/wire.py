@@ -1,9 +1,9 @@
 """The one place that knows the Unix-socket wire format (docs/protocol.md).
 
-Every frame is ``<varint length><protobuf message>`` followed, for the two
-message types that carry an ``extra_size`` field (ControlMsg, WorkerResponse),
-by exactly ``extra_size`` raw bytes. Each connection carries one frame each
-way.
+Every frame is ``<varint length><protobuf message>`` followed, for the
+message types that carry an ``extra_size`` field (ControlMsg, WorkerResponse,
+and WorkerPulse for PULSE_OUTPUT), by exactly ``extra_size`` raw bytes. Each
+connection carries one frame each way.
 
 `FrameDecoder` is the sans-IO half (the shape of wsproto's frame buffer): feed
 it whatever bytes arrived, ask it for the frame, and it either returns one,
@@ -35,6 +35,9 @@ from gen import worker_protocol_pb2 as pb
 MAX_HEADER_SIZE: Final = 4096
 # A uint64 varint never needs more than 10 bytes; an 11th continuation byte is garbage.
 MAX_VARINT_BYTES: Final = 10
+# Cap on the raw bytes after a WorkerPulse (a PULSE_OUTPUT's output): a worker sends at most
+# 16 KiB a pulse (worker/output.py CHUNK), and a hostile one cannot make us hold more.
+MAX_PULSE_EXTRA: Final = 64 * 1024
 # Default cap on the raw bytes after a message (the `max_extra_size` config key).
 DEFAULT_MAX_EXTRA_SIZE: Final = 16 * 1024 * 1024
 # One receive call's size: a whole small frame arrives in one read, and a large

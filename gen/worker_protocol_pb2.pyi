@@ -13,6 +13,7 @@ class PulseType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PULSE_OK: _ClassVar[PulseType]
     PULSE_FETCH_ME: _ClassVar[PulseType]
     PULSE_SHUTDOWN: _ClassVar[PulseType]
+    PULSE_OUTPUT: _ClassVar[PulseType]
 
 class ControllerError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ PULSE_REGISTER: PulseType
 PULSE_OK: PulseType
 PULSE_FETCH_ME: PulseType
 PULSE_SHUTDOWN: PulseType
+PULSE_OUTPUT: PulseType
 CTRL_ERR_OK: ControllerError
 CTRL_ERR_UNKNOWN_TYPE: ControllerError
 CTRL_ERR_UNKNOWN_ID: ControllerError
@@ -54,28 +56,32 @@ WORKER_ERR_TASK_FAILED: WorkerError
 WORKER_ERR_FAILED: WorkerError
 
 class WorkerPulse(_message.Message):
-    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels")
+    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_PULSE_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
     type: PulseType
     worker_id: int
     task_id: int
     next_pulse: int
     queues: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    extra_size: int
+    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ...) -> None: ...
 
 class PulseResponse(_message.Message):
-    __slots__ = ("error", "worker_id")
+    __slots__ = ("error", "worker_id", "takes_output")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TAKES_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     error: ControllerError
     worker_id: int
-    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ...) -> None: ...
+    takes_output: bool
+    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ...) -> None: ...
 
 class ControlMsg(_message.Message):
     __slots__ = ("type", "extra_size", "task_id")

@@ -100,6 +100,9 @@ class FakeController:
     known: set[int] = field(default_factory=set)
     pulses: list[tuple[float, pb.WorkerPulse]] = field(default_factory=list)
     changed: trio.Event = field(default_factory=trio.Event)
+    # False: a controller older than job output (its REGISTER answer does not offer to take it).
+    takes_output: bool = False
+    outputs: list[tuple[int, bytes]] = field(default_factory=list)  # (task_id, bytes) received
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_dir / "main.sock"
@@ -112,10 +115,16 @@ class FakeController:
 
     async def _answer(self, conn) -> None:
         with conn:
-            pulse, _ = await wire.recv_frame(conn, pb.WorkerPulse, timeout=5)
+            pulse, extra = await wire.recv_frame(
+                conn, pb.WorkerPulse, timeout=5, max_extra_size=wire.MAX_PULSE_EXTRA
+            )
             self.pulses.append((trio.current_time(), pulse))
+            if pulse.type == pb.PULSE_OUTPUT:
+                self.outputs.append((pulse.task_id, extra))
             if pulse.type == pb.PULSE_REGISTER:
-                resp = pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=self.next_id)
+                resp = pb.PulseResponse(
+                    error=pb.CTRL_ERR_OK, worker_id=self.next_id, takes_output=self.takes_output
+                )
                 self.known.add(self.next_id)
                 self.next_id += 1
             elif pulse.worker_id in self.known:

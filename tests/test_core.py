@@ -20,6 +20,7 @@ from controller.core import (
     WorkerState,
 )
 from controller.core.model import TaskEvent, WorkerEvent, next_task_state, next_worker_state
+from controller.jobs import Job
 from controller.options import JobOptions
 from gen import worker_protocol_pb2 as pb
 
@@ -562,3 +563,45 @@ def test_placement_deadlines_in_order_or_not_each_fire_once_and_on_time(steps):
         assert done.ref not in ended
         ended[done.ref] = now + 100
     assert set(ended) == set(deadline) and core.next_deadline() == float("inf")
+
+
+# ---------------------------------------------------------------- job output
+
+
+def test_register_offers_to_take_output_and_output_pulses_name_the_held_task():
+    core = Core()
+    msg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=2)
+    [reply, *_] = core.handle(PulseReceived(msg, uid=UID), 0.0)
+    assert isinstance(reply, Reply) and reply.response.takes_output
+    wid = reply.response.worker_id
+    pulse(core, wid, 0.0)
+    task = core.submit(5, b"a", "client", 0.0)[0]
+
+    def output(task_id: int, worker_id: int = wid, uid: int = UID):
+        out = pb.WorkerPulse(type=pb.PULSE_OUTPUT, worker_id=worker_id, task_id=task_id)
+        return core.local.output(PulseReceived(out, uid=uid))
+
+    assert output(5) == (reply.__class__(pb.PulseResponse(error=pb.CTRL_ERR_OK)), task)
+    answer(core, wid, pb.CTRL_SET_TASK, 0.1, task_id=5)
+    deadline = core.workers[wid].deadline
+    resp, held = output(5)
+    assert resp.response.error == pb.CTRL_ERR_OK and held is task
+    assert core.workers[wid].deadline == deadline  # not a pulse of life
+    assert output(6) == (resp, None)  # not the job it holds: dropped
+    assert output(5, worker_id=wid + 1)[0].response.error == pb.CTRL_ERR_UNKNOWN_ID
+    assert output(5, uid=UID + 1) == (Reply(pb.PulseResponse(error=pb.CTRL_ERR_FAILED)), None)
+    run_to_success(core, wid, 5, 0.2)
+    assert output(5) == (resp, None)  # fetched: no longer its
+
+
+def test_a_jobs_output_keeps_its_newest_bytes_and_counts_what_came():
+    job = Job("j", 1, 1, "http", None)
+    assert job.output == b"" and job.output_since(0) == (0, b"")
+    assert job.add_output(b"0123456789abc", 10) == b"3456789abc"
+    job.add_output(b"de", 10)
+    assert job.output == b"56789abcde"
+    assert job.output_since(0) == (15, b"56789abcde")  # what was dropped cannot be sent
+    assert job.output_since(13) == (15, b"de")
+    assert job.output_since(15) == (15, b"")
+    job.drop_output()
+    assert job.output == b""

@@ -468,6 +468,7 @@ async def test_openapi_document_names_every_path(sockdir):
             "/job/",
             "/job/{job_id}/",
             "/job/{job_id}/retry/",
+            "/job/{job_id}/output/",
             "/queue/",
             "/queue/{name}/",
             "/ping/",

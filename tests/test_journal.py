@@ -666,3 +666,70 @@ async def test_controller_opens_its_journal_with_the_configured_sync(tmp_path, m
         assert journal._connection().execute("PRAGMA synchronous").fetchone()[0] == 1
     finally:
         journal.close()
+
+
+def test_output_is_appended_cut_to_the_newest_bytes_and_read_back(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    add(journal, 1, "127.0.0.1", 4000, 5, b"x")
+    add(journal, 2, "127.0.0.1", 4000, 6, b"x")
+    journal.job_output(1, b"\x00one\n", 10)
+    journal.job_output(1, b"\xfftwo\n", 10)  # one change with the first: same batch
+    batch, generation = journal.take()
+    assert len(batch) == 3  # two inserts and one output
+    journal.write(batch)
+    journal.committed_through(generation)
+    journal.job_output(2, b"kept", 10)
+    commit(journal)
+    journal.job_output(1, b"three\n", 10)  # a later batch: appended in SQL, and cut there
+    journal.job_output(2, b"0123456789abcdef", 10)  # over the limit alone: its tail
+    commit(journal)
+    rows = {row.ref: row for row in journal.load().jobs}
+    assert rows[1].output == b"\x00one\n\xfftwo\nthree\n"[-10:]
+    assert rows[2].output == b"6789abcdef"
+    journal.job_deleted(2)
+    journal.job_forgotten(1)
+    commit(journal)
+    journal.close()
+    again = Journal.open(path)
+    rows = {row.ref: row for row in again.load().jobs}
+    assert list(rows) == [2] and rows[2].output == b""
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT COUNT(*) FROM output").fetchone() == (0,)
+    db.close()
+    again.close()
+
+
+def test_output_of_jobs_pruned_at_start_goes_with_them(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    add(journal, 1, "127.0.0.1", 4000, 5, b"x")
+    finish(journal, 1, "success", b"r", "")
+    journal.job_output(1, b"said something\n", 100)
+    journal.job_delivered(1, 0)  # expires at once
+    commit(journal)
+    journal.close()
+    again = Journal.open(path)
+    assert again.load().jobs == []
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT COUNT(*) FROM output").fetchone() == (0,)
+    db.close()
+    again.close()
+
+
+def test_a_version_4_journal_gains_the_output_table_without_a_new_version(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    add(journal, 1, "127.0.0.1", 4000, 5, b"x")
+    commit(journal)
+    journal.close()
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE output")  # as a journal written before job output was
+    db.commit()
+    db.close()
+    again = Journal.open(path)
+    again.job_output(1, b"hello\n", 100)
+    commit(again)
+    [row] = again.load().jobs
+    assert row.output == b"hello\n" and SCHEMA_VERSION == 4
+    again.close()

@@ -190,9 +190,19 @@ def test_eof_mid_frame(cut):
         decoder.eof()
 
 
-def test_pulse_cannot_carry_extra():
+def test_a_pulse_response_cannot_carry_extra():
     with pytest.raises(ValueError):
-        wire.encode_frame(pb.WorkerPulse(), b"x")
+        wire.encode_frame(pb.PulseResponse(), b"x")
+
+
+def test_an_output_pulse_carries_its_bytes_within_the_pulse_cap():
+    pulse = pb.WorkerPulse(type=pb.PULSE_OUTPUT, worker_id=3, task_id=7)
+    data = wire.encode_frame(pulse, b"one\n\xff")
+    frame = wire.whole_frame(pb.WorkerPulse, data, wire.MAX_PULSE_EXTRA)
+    assert frame is not None and frame[1] == b"one\n\xff" and frame[0].extra_size == 5
+    huge = wire.encode_frame(pulse, bytes(wire.MAX_PULSE_EXTRA + 1))
+    with pytest.raises(wire.ExtraTooLarge):
+        wire.whole_frame(pb.WorkerPulse, huge, wire.MAX_PULSE_EXTRA)
 
 
 # A REGISTER as a worker built before `queues` and `labels` encodes it, byte by byte:
@@ -202,12 +212,21 @@ OLD_REGISTER = b"\x02" + b"\x20\x02"
 
 def old_pulse_type() -> Any:
     """WorkerPulse as it was before fields 5 and 6: what an older controller decodes with."""
+    return _old_type("WorkerPulse", 4)
+
+
+def old_response_type() -> Any:
+    """PulseResponse as it was before `takes_output` (3): what an older worker decodes with."""
+    return _old_type("PulseResponse", 2)
+
+
+def _old_type(name: str, last_field: int) -> Any:
     proto = descriptor_pb2.FileDescriptorProto()
     pb.DESCRIPTOR.CopyToProto(proto)
     proto.name = "old_worker_protocol.proto"
     proto.package = "old.protocol"
-    [message] = [m for m in proto.message_type if m.name == "WorkerPulse"]
-    kept = [f for f in message.field if f.number <= 4]
+    [message] = [m for m in proto.message_type if m.name == name]
+    kept = [f for f in message.field if f.number <= last_field]
     del message.field[:]
     message.field.extend(kept)
     for each in proto.message_type:
@@ -216,7 +235,7 @@ def old_pulse_type() -> Any:
                 field.type_name = field.type_name.replace(".controller.", ".old.")
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("old.protocol.WorkerPulse"))
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"old.protocol.{name}"))
 
 
 def test_an_old_workers_register_parses_with_no_queues_nor_labels():
@@ -297,3 +316,15 @@ async def test_peer_that_stops_reading_times_out(autojump_clock):
     a, b = nonblocking_pair()
     with a, b, pytest.raises(wire.PeerTimeout):
         await wire.send_frame(a, pb.WorkerResponse(), b"x" * (64 << 20), timeout=3.0)
+
+
+def test_an_older_worker_reads_a_register_answer_that_offers_output_as_a_plain_one():
+    new = pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=9, takes_output=True)
+    old = old_response_type().FromString(new.SerializeToString())  # field 3 is skipped
+    assert old.error == pb.CTRL_ERR_OK and old.worker_id == 9
+
+
+def test_an_older_controllers_register_answer_offers_no_output():
+    old = old_response_type()(error=pb.CTRL_ERR_OK, worker_id=9)
+    new = pb.PulseResponse.FromString(old.SerializeToString())
+    assert new.worker_id == 9 and new.takes_output is False

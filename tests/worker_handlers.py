@@ -30,3 +30,23 @@ async def await_file(payload: bytes) -> bytes:
         while not path.exists():
             await trio.sleep(0.005)
     return b"async:" + path.read_bytes()
+
+
+def chatty(payload: bytes) -> bytes:
+    """Prints to stderr and logs (a plain handler: it runs in a thread), then echoes."""
+    import logging
+    import sys
+
+    print(f"printed {payload.decode()}", file=sys.stderr)
+    logging.getLogger("job").warning("logged %s", payload.decode())
+    return payload
+
+
+async def achatty(payload: bytes) -> bytes:
+    """chatty as an async handler (it runs in the worker's trio loop)."""
+    import logging
+    import sys
+
+    print(f"printed {payload.decode()}", file=sys.stderr)
+    logging.getLogger("job").warning("logged %s", payload.decode())
+    return payload

@@ -29,6 +29,7 @@ from controller import datagram as dg
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
+from worker.output import SINK, OutputSink
 from worker.runner import Runner, TaskFailed
 
 log = logging.getLogger("worker.calculator")
@@ -176,6 +177,8 @@ class Calculator:
 
     async def _run(self, task_id: int, payload: bytes) -> None:
         params: dict[str, Any] = {"task_id": task_id}
+        sink = OutputSink(limit=dg.MAX_INLINE_RESULT)
+        SINK.set(sink)  # this task's context: the job's stderr and logging go there
         try:
             result = await self.runner(task_id, payload)
             params["status"] = "success"
@@ -184,9 +187,11 @@ class Calculator:
             params["status"] = "error"
             params["error"] = str(exc)[-4000:]
         except Exception as exc:  # a bug in a runner must not kill the calculator
+            SINK.set(None)  # the calculator's own line, not the job's
             log.exception("job %d: runner crashed", task_id)
             params = {"task_id": task_id, "status": "error", "error": f"worker error: {exc}"}
-        params, txid, data = self._completion(task_id, params)
+        SINK.set(None)
+        params, txid, data = self._completion(task_id, params, sink.take(len(sink)))
         if params["status"] == "success":
             self._succeeded[task_id] = params
             if len(self._succeeded) > MEMORY:
@@ -200,15 +205,25 @@ class Calculator:
         await self._send_report(task_id, txid, data)
 
     def _completion(
-        self, task_id: int, params: dict[str, Any]
+        self, task_id: int, params: dict[str, Any], output: bytes = b""
     ) -> tuple[dict[str, Any], int, bytes]:
-        """The completed_task datagram (an error report when the result cannot fit one)."""
+        """The completed_task datagram (an error report when the result cannot fit one), with
+        as much of the end of the job's `output` as fits beside it."""
         txid = next(self._txid)
         data = dg.request("completed_task", params, txid)
         if len(data) > dg.MAX_INLINE_RESULT:
             error = f"result of {len(data)} bytes encoded is too large for one datagram"
             params = {"task_id": task_id, "status": "error", "error": error}
             data = dg.request("completed_task", params, txid)
+        if output:
+            room = dg.MAX_INLINE_RESULT - len(data)
+            text = output.decode("utf-8", "replace")[-room:]
+            while text:
+                with_output = dg.request("completed_task", {**params, "output": text}, txid)
+                if len(with_output) <= dg.MAX_INLINE_RESULT:
+                    return {**params, "output": text}, txid, with_output
+                # Escapes took more room than characters: cut from the front by the excess.
+                text = text[len(with_output) - dg.MAX_INLINE_RESULT :]
         return params, txid, data
 
     async def _send_report(self, task_id: int, txid: int, data: bytes) -> None:

@@ -69,6 +69,7 @@ from controller.declared import Declared
 from controller.transport import accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
+from worker.output import BATCH_SECONDS, CHUNK, SINK, OutputSink
 from worker.runner import (
     READ_CHUNK,
     STDERR_TAIL,
@@ -191,6 +192,15 @@ class LeanWorker:
         self._in_trio = False  # the loop waits through trio (a job's task may wake it)
         self._thread_jobs: queue.SimpleQueue[tuple[int, bytes] | None] | None = None
         self._parent_fd = -1
+        # Job output (what the job writes to stderr), for a controller that takes it (its
+        # REGISTER answer says so): gathered in the sink, sent in PULSE_OUTPUTs at most every
+        # BATCH_SECONDS; a job's outcome waits until its last output is sent.
+        self._takes_output = False
+        self._sink = OutputSink(self._output_arrived)
+        self._output_due = False  # the sink may hold bytes (set from any thread)
+        self._output_at = math.inf  # when to send them
+        self._sending_output = False  # a PULSE_OUTPUT is on its way
+        self._ending: tuple[int, Outcome] | None = None  # an outcome waiting for its output
 
     # ------------------------------------------------------------ lifecycle
 
@@ -330,6 +340,11 @@ class LeanWorker:
                 self._register(now)
         elif not self._pulsing and now >= self._pulse_at:
             self._pulse(now)
+        if self._output_due and not self._sending_output:
+            if self._output_at == math.inf:
+                self._output_at = now if len(self._sink) >= CHUNK else now + BATCH_SECONDS
+            if now >= self._output_at:
+                self._send_output()
         if self._dials or self._conns:
             for dial in list(self._dials.values()):
                 if dial.connect_at and now >= dial.connect_at:
@@ -347,6 +362,8 @@ class LeanWorker:
             wake = self._pulse_at
         if session.draining:
             wake = min(wake, self._drain_deadline)
+        if self._output_due and not self._sending_output:
+            wake = min(wake, self._output_at)
         for dial in self._dials.values():  # those on their way, backlog retries included
             wake = min(wake, dial.connect_at or dial.deadline)
         for conn in self._conns.values():
@@ -356,10 +373,13 @@ class LeanWorker:
     # ------------------------------------------------------------ main.sock
 
     def _dial(
-        self, msg: pb.WorkerPulse, done: Callable[[pb.PulseResponse | None, str], None]
+        self,
+        msg: pb.WorkerPulse,
+        done: Callable[[pb.PulseResponse | None, str], None],
+        extra: bytes = b"",
     ) -> None:
         now = time.monotonic()
-        dial = _Dial(wire.encode_frame(msg), now + self.dial_timeout, done)
+        dial = _Dial(wire.encode_frame(msg, extra), now + self.dial_timeout, done)
         self._dials[dial.sock.fileno()] = dial
         self._connect(dial, now)
 
@@ -381,7 +401,9 @@ class LeanWorker:
         except OSError as exc:
             self._dial_done(dial, None, f"sending a pulse: {exc}")
             return
-        if sent < len(dial.data):  # a pulse is a few bytes: a socket that takes less is broken
+        # A pulse is a few bytes (with output, at most CHUNK more, well within a Unix socket's
+        # buffer): a socket that takes less is broken.
+        if sent < len(dial.data):
             self._dial_done(dial, None, "sending a pulse: short write")
             return
         self._watch(dial.sock.fileno(), _IN, lambda events: self._dial_read(dial))
@@ -417,6 +439,7 @@ class LeanWorker:
         self._registering = False
         if resp is not None and resp.error == pb.CTRL_ERR_OK and resp.HasField("worker_id"):
             log.info("registered as worker %d", resp.worker_id)
+            self._takes_output = resp.takes_output
             self._backoff = REGISTER_BACKOFF_START
             self._listen(resp.worker_id)
             return
@@ -482,6 +505,53 @@ class LeanWorker:
             self._pulse_at = 0.0  # right after the pulse on its way
         else:
             self._pulse(time.monotonic())
+
+    # ------------------------------------------------------------ job output
+
+    def _output_arrived(self) -> None:
+        """The sink's hook (any thread): bytes wait to be sent; the loop looks at its timers."""
+        self._output_due = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"o")
+
+    def _send_output(self) -> None:
+        """One PULSE_OUTPUT with what waits (at most CHUNK bytes)."""
+        self._output_at = math.inf
+        self._output_due = False  # cleared before looking: a write from now on sets it again
+        session = self.session
+        if not len(self._sink):
+            self._output_settled()
+            return
+        if session.worker_id == 0 or not self._takes_output or not session.task_id:
+            self._sink.clear()  # nobody to send it to
+            self._output_settled()
+            return
+        self._output_due = True  # the rest, if any, after this one's answer
+        self._sending_output = True
+        pulse = pb.WorkerPulse(
+            type=pb.PULSE_OUTPUT, worker_id=session.worker_id, task_id=session.task_id
+        )
+        self._dial(pulse, self._output_sent, self._sink.take(CHUNK))
+
+    def _output_sent(self, resp: pb.PulseResponse | None, why: str) -> None:
+        self._sending_output = False
+        if resp is None:  # the controller is away: this output is lost, the job goes on
+            self._sink.clear()
+        self._output_due = False
+        if len(self._sink):
+            self._output_due = True
+            if self._ending is not None or len(self._sink) >= CHUNK:
+                self._output_at = 0.0
+        else:
+            self._output_settled()
+
+    def _output_settled(self) -> None:
+        """Nothing waits to be sent: an outcome held for its output goes out now."""
+        if self._ending is not None and not self._sending_output:
+            task_id, (ok, result) = self._ending
+            self._ending = None
+            self.session.finished(task_id, ok, result)
+            self._fetch_me()
 
     def _shutdown(self) -> None:
         session = self.session
@@ -631,6 +701,7 @@ class LeanWorker:
                 max_output=runner.max_output,
                 stderr_keep=STDERR_TAIL,
                 read_chunk=READ_CHUNK,
+                on_stderr=self._sink.write if self._takes_output else None,
             )
         except OSError as exc:
             self._outcome = (False, f"cannot run {runner.argv[0]}: {exc.strerror or exc}".encode())
@@ -668,6 +739,7 @@ class LeanWorker:
         loop through the wake-up pipe."""
         while (job := jobs.get()) is not None:
             task_id, payload = job
+            SINK.set(self._sink if self._takes_output else None)  # its stderr and logging
             try:
                 outcome: Outcome = (True, runner.result(runner.func(payload)))
             except Exception as exc:  # the handler's, or its result's: the job failed
@@ -692,11 +764,13 @@ class LeanWorker:
         task_status.started()
         while True:
             task_id, payload = await trio.lowlevel.wait_task_rescheduled(_parked_abort)
+            SINK.set(self._sink if self._takes_output else None)  # its stderr and logging
             try:
                 outcome: Outcome = (True, await self.runner(task_id, payload))
             except TaskFailed as exc:
                 outcome = (False, str(exc).encode())
             except Exception as exc:  # a bug in a runner must not kill the worker
+                SINK.set(None)  # the worker's own line, not the job's
                 log.exception("task %d: runner crashed", task_id)
                 outcome = (False, f"worker error: {type(exc).__name__}: {exc}".encode())
             self._async_busy = False
@@ -710,6 +784,11 @@ class LeanWorker:
         task_id, self._job_id = self._job_id, 0
         if not ok:
             log.info("task %d failed: %s", task_id, result.decode("utf-8", "replace"))
+        if self._output_due or self._sending_output:  # its last output goes first
+            self._ending = (task_id, outcome)
+            if not self._sending_output:
+                self._output_at = 0.0
+            return
         self.session.finished(task_id, ok, result)
         self._fetch_me()
 
@@ -718,6 +797,8 @@ class LeanWorker:
         leaves, and a handler's trio task ends with the nursery)."""
         self._job_id = 0
         self._outcome = None
+        self._ending = None
+        self._sink.clear()
         if self._command is not None:
             self._command.kill()
             for fd in self._command_fds:

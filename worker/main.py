@@ -18,6 +18,7 @@ from controller.config import ConfigError, load_config
 from controller.declared import BadDeclaration, Declared, names, read
 from worker.calculator import Calculator
 from worker.lean import LeanWorker
+from worker.output import capture_stderr
 from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
 from worker.runner import SetupError, build_runner
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     declared = _declared(parser, args)
+    # First: the logging set up next writes through it, so that what a --handler logs while a
+    # job runs is that job's output.
+    capture_stderr()
     setup_logging(args.log_level, "worker")
     parent = None
     if args.exit_with_parent is not None:

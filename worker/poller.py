@@ -17,6 +17,7 @@ SIGTERM/SIGINT: finish the running job and report it (bounded by
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 import socket
@@ -31,7 +32,8 @@ from controller.client.http import AsyncHttpPool, Endpoint, endpoint
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
-from worker.runner import STDERR_LINES, Runner, SetupError, TaskFailed
+from worker.output import SINK, OutputSink
+from worker.runner import Runner, SetupError, TaskFailed
 
 log = logging.getLogger("worker.poller")
 
@@ -49,6 +51,23 @@ def read_token(path: str) -> str:
         return http.read_token(path)
     except ValueError as exc:
         raise SetupError(f"--token-file {exc}") from None
+
+
+class Lines:
+    """A job's stderr as whole lines of text for the lease PUTs' `log` (the controller keeps
+    each entry as output, a line end added when it has none): a line still being written
+    waits for its end, or for the job's end, unless it grows past MAX_LOG."""
+
+    def __init__(self, sink: OutputSink) -> None:
+        self.sink = sink
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._partial = ""
+
+    def take(self, *, final: bool = False) -> str:
+        text = self._partial + self._decoder.decode(self.sink.take(MAX_LOG), final=final)
+        cut = len(text) if final or len(text) >= MAX_LOG else text.rfind("\n") + 1
+        self._partial = text[cut:]
+        return text[:cut]
 
 
 class Poller:
@@ -144,10 +163,12 @@ class Poller:
             return  # taken back before it started
         payload = dg.read_bytes(job, "payload") or b""
         outcome: dict[str, Any] = {}
-        stderr: list[bytes] = []
-        STDERR_LINES.set(stderr)  # this task's context: the runner appends what it writes
+        stderr = Lines(OutputSink(limit=MAX_LOG))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._lease, http, path, lease, stderr, nursery.cancel_scope)
+            # Set after the lease task started (it copied this task's context): the job's
+            # stderr and logging go to the sink, the poller's own lines do not.
+            token = SINK.set(stderr.sink)
             try:
                 result = await self.runner(task_id, payload)
                 outcome = {"state": "finished"}
@@ -155,10 +176,16 @@ class Poller:
             except TaskFailed as exc:
                 outcome = {"state": "failed", "error": str(exc)[-4000:]}
             except Exception as exc:  # a bug in a runner must not kill the poller
+                SINK.reset(token)  # the poller's own line, not the job's
                 log.exception("job %s: runner crashed", job_id)
                 outcome = {"state": "failed", "error": f"worker error: {exc}"}
+            finally:
+                SINK.set(None)
             nursery.cancel_scope.cancel()
         if outcome:
+            rest = stderr.take(final=True)
+            if rest:
+                outcome["log"] = rest
             await self._put(http, path, outcome, lease)  # a 409: it was taken back
 
     async def _lease(
@@ -166,16 +193,16 @@ class Poller:
         http: AsyncHttpPool,
         path: str,
         lease: str,
-        stderr: list[bytes],
+        stderr: Lines,
         job_scope: trio.CancelScope,
     ) -> None:
         """Renew the lease every pulse, carrying what the job wrote to stderr since the last."""
         while True:
             await trio.sleep(self.pulse_period)
             body: dict[str, Any] = {"state": "working"}
-            if stderr:
-                body["log"] = b"".join(stderr).decode("utf-8", "replace")[-MAX_LOG:]
-                stderr.clear()
+            lines = stderr.take()
+            if lines:
+                body["log"] = lines
             if not await self._put(http, path, body, lease):
                 log.warning("%s was canceled or taken back: stopping it", path)
                 job_scope.cancel()

@@ -8,17 +8,18 @@ killed together with its whole process group.
 
 from __future__ import annotations
 
-import contextvars
 import importlib
 import inspect
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
+from worker.output import SINK
 from worker.spawn import Finished, spawn_and_wait
 
 Runner = Callable[[int, bytes], Awaitable[bytes]]
@@ -49,6 +50,12 @@ def noop(payload: bytes) -> bytes:
 
 async def anoop(payload: bytes) -> bytes:
     """The async no-op handler: runs in the worker's loop, no thread hop."""
+    return b""
+
+
+async def anoop_line(payload: bytes) -> bytes:
+    """anoop that writes one line to stderr: what job output costs a job (benchmarks)."""
+    sys.stderr.write("a line\n")
     return b""
 
 
@@ -129,13 +136,6 @@ def handler_runner(func: Callable[[bytes], Any], max_output: int) -> Runner:
     return HandlerRunner(func, max_output)
 
 
-# A list that a caller who wants the command's stderr as it comes (the poller, for its lease
-# PUTs) sets for the task that runs the job; chunks are appended as they arrive.
-STDERR_LINES: contextvars.ContextVar[list[bytes] | None] = contextvars.ContextVar(
-    "STDERR_LINES", default=None
-)
-
-
 class ExecRunner:
     """`--exec`: one process per task (payload on stdin, TASK_ID in the environment, stdout
     is the result). The local worker starts `Command`s itself (`program`, `env`, `outcome`);
@@ -182,7 +182,7 @@ async def run_command(
     env = {**(os.environ if environ is None else environ), "TASK_ID": str(task_id)}
     if program is None:
         program = shutil.which(argv[0]) or argv[0]
-    lines = STDERR_LINES.get()
+    sink = SINK.get()  # the job's output: its stderr as it comes
     try:
         done = await spawn_and_wait(
             program,
@@ -192,7 +192,7 @@ async def run_command(
             max_output=max_output,
             stderr_keep=STDERR_TAIL,
             read_chunk=READ_CHUNK,
-            on_stderr=lines.append if lines is not None else None,
+            on_stderr=sink.write if sink is not None else None,
         )
     except OSError as exc:
         raise TaskFailed(f"cannot run {argv[0]}: {exc.strerror or exc}") from None

@@ -17,6 +17,7 @@ and exits 0; a second signal exits at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import math
@@ -35,6 +36,7 @@ from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, Result, accept_unix, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
+from worker.output import BATCH_SECONDS, CHUNK, SINK, OutputSink
 from worker.parent import PARENT_DEATH_SIGNAL, parent_alive
 from worker.runner import Runner, TaskFailed
 
@@ -89,6 +91,13 @@ class WorkerShell:
         self._main_socket = str(socket_dir / "main.sock")
         self._next_task: collections.deque[tuple[int, bytes]] = collections.deque()
         self._task_arrived = trio.lowlevel.ParkingLot()
+        # Job output, for a controller that takes it (its REGISTER answer says so): sent in
+        # PULSE_OUTPUTs at most every BATCH_SECONDS, and all of it before the job's outcome.
+        self.takes_output = False
+        self._sink = OutputSink(self._output_arrived)
+        self._output_wake = trio.Event()
+        self._output_lock = trio.Lock()
+        self._token: trio.lowlevel.TrioToken | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -96,8 +105,10 @@ class WorkerShell:
         """Run until SHUTDOWN or RESTART; returns the exit status."""
         async with trio.open_nursery() as nursery:
             self._top = nursery
+            self._token = trio.lowlevel.current_trio_token()
             await nursery.start(self._reactor.run)
             nursery.start_soon(self._tasks)
+            nursery.start_soon(self._output_loop)
             if handle_signals:
                 nursery.start_soon(self._signals)
             if self.parent_pid is not None:
@@ -197,6 +208,7 @@ class WorkerShell:
             resp = await self._send_pulse(self.session.register(self.next_pulse))
             if resp is not None and resp.error == pb.CTRL_ERR_OK and resp.HasField("worker_id"):
                 self.registrations += 1
+                self.takes_output = resp.takes_output
                 log.info("registered as worker %d", resp.worker_id)
                 return resp.worker_id
             if resp is not None:
@@ -328,6 +340,51 @@ class WorkerShell:
         if not isinstance(result, tuple) or result[0].error != pb.CTRL_ERR_OK:
             self._pulse_now.set()  # the pulse loop retries, logs, or registers again
 
+    # ------------------------------------------------------------ job output
+
+    def _output_arrived(self) -> None:
+        """The sink's hook, from any thread (a plain handler runs in one)."""
+        if self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._output_wake.set)
+
+    async def _output_loop(self) -> None:
+        while True:
+            await self._output_wake.wait()
+            self._output_wake = trio.Event()
+            # The sink wakes this loop only when bytes come where there were none (or a chunk
+            # fills): whatever is left after a send goes after the next batch's wait.
+            while len(self._sink):
+                if len(self._sink) < CHUNK:
+                    await trio.sleep(BATCH_SECONDS)
+                await self._send_output(everything=False)
+
+    async def _send_output(self, *, everything: bool) -> None:
+        """Send what waits in PULSE_OUTPUTs of at most CHUNK bytes (`everything`: until none
+        waits; else a chunk at a time while whole chunks wait)."""
+        async with self._output_lock:
+            session = self.session
+            while len(self._sink):
+                if not (self.takes_output and session.worker_id and session.task_id):
+                    self._sink.clear()
+                    return
+                pulse = pb.WorkerPulse(
+                    type=pb.PULSE_OUTPUT, worker_id=session.worker_id, task_id=session.task_id
+                )
+                try:
+                    await exchange(
+                        self._reactor,
+                        self._main_socket,
+                        wire.encode_frame(pulse, self._sink.take(CHUNK)),
+                        pb.PulseResponse,
+                        timeout=self.dial_timeout,
+                    )
+                except (OSError, wire.RemoteProtocolError):
+                    self._sink.clear()  # the controller is away: this output is lost
+                    return
+                if not everything and len(self._sink) < CHUNK:
+                    return  # the rest after the next batch's wait
+
     async def _tasks(self) -> None:
         """Run the tasks SET_TASK hands over, one after the other, for the worker's life: one
         trio task waiting, not one spawned per task (a spawn and its exit cost ~5 us of
@@ -340,15 +397,21 @@ class WorkerShell:
     async def _run_task(self, task_id: int, payload: bytes) -> None:
         with trio.CancelScope() as scope:
             self._task_scope = scope
+            SINK.set(self._sink if self.takes_output else None)  # its stderr and logging
             try:
                 result = await self.runner(task_id, payload)
                 ok = True
             except TaskFailed as exc:
                 result, ok = str(exc).encode(), False
+                SINK.set(None)  # the worker's own line, not the job's
                 log.info("task %d failed: %s", task_id, exc)
             except Exception as exc:  # a bug in a runner must not kill the worker
+                SINK.set(None)
                 log.exception("task %d: runner crashed", task_id)
                 result, ok = f"worker error: {type(exc).__name__}: {exc}".encode(), False
+            SINK.set(None)
+            if len(self._sink):
+                await self._send_output(everything=True)  # all its output before its outcome
             self.session.finished(task_id, ok, result)
             self._fetch_me()
         if self._task_scope is scope:

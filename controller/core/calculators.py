@@ -146,6 +146,12 @@ class Calculators:
             self.scheduler.dispatch(actions)
         return actions
 
+    def held(self, address: Address, task_id: int) -> Task | None:
+        """The task the calculator at `address` holds, if its number is `task_id`."""
+        worker = self._live(address)
+        task = worker.task if worker is not None else None
+        return task if task is not None and task.task_id == task_id else None
+
     def completed(
         self, address: Address, task_id: int, ok: bool, output: bytes, error: str, now: float
     ) -> list[Action]:

@@ -7,7 +7,9 @@ finished / failed / lost, and what to say to the worker goes out as actions
 (`Reply` to the pulse, `Dial` its socket, `WatchPid`).
 
 Per-job path in the common case: Dial(SET_TASK) -> DialDone(OK) ->
-PulseReceived(FETCH_ME) -> Dial(FETCH) -> DialDone(OK). REGISTER declares
+PulseReceived(FETCH_ME) -> Dial(FETCH) -> DialDone(OK); a job that writes to
+stderr adds PULSE_OUTPUTs while it runs (`output`: whose they are, for the
+shell to keep). REGISTER declares
 the queues the worker serves and the labels it has (controller/declared.py);
 a bad declaration is refused with CTRL_ERR_FAILED. A FETCH_ME that
 overtakes the SET_TASK answer is remembered and served when it lands. A
@@ -124,6 +126,21 @@ class LocalWorkers:
                 worker.fetch_wanted = True
         return actions
 
+    def output(self, ev: PulseReceived) -> tuple[Reply, Task | None]:
+        """A PULSE_OUTPUT: the answer, and the task whose output its extra bytes are (None:
+        none the worker holds now; the bytes are dropped). It moves no deadline: it says
+        nothing of the worker's health that the pulses do not."""
+        pulse = ev.pulse
+        worker = self.scheduler.workers.get(pulse.worker_id)
+        if worker is None:
+            return _REPLY_UNKNOWN_ID, None
+        if ev.uid is not None and worker.uid is not None and ev.uid != worker.uid:
+            return _REPLY_FAILED, None
+        task = worker.task
+        if task is None or pulse.task_id != task.task_id:
+            return _REPLY_OK, None
+        return _REPLY_OK, task
+
     def _register(self, ev: PulseReceived, now: float) -> list[Action]:
         pulse = ev.pulse
         try:
@@ -153,7 +170,9 @@ class LocalWorkers:
             declared.shown(serves.queues),
             declared.shown(serves.labels) or "none",
         )
-        actions: list[Action] = [Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=wid))]
+        actions: list[Action] = [
+            Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=wid, takes_output=True))
+        ]
         if ev.pid:
             actions.append(WatchPid(wid, ev.pid))
         return actions

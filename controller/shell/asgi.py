@@ -11,6 +11,7 @@ the lifespan protocol is answered so that hypercorn starts and stops cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
@@ -118,6 +119,38 @@ class Response:
         await send({"type": "http.response.body", "body": self.body})
 
 
+class StreamingResponse:
+    """An answer whose body comes as it is made: chunked over HTTP/1.1 (no content-length).
+    A client that goes away (`http.disconnect`) ends it at once: `chunks` is closed, and
+    nothing of it runs afterwards."""
+
+    __slots__ = ("chunks", "headers", "status")
+
+    def __init__(
+        self, chunks: AsyncIterator[bytes], status: int = 200, media_type: str | None = None
+    ) -> None:
+        self.chunks = chunks
+        self.status = status
+        self.headers = [] if media_type is None else [(b"content-type", media_type.encode())]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_disconnect, receive, nursery.cancel_scope)
+            async with contextlib.aclosing(self.chunks) as chunks:  # type: ignore[type-var]
+                async for chunk in chunks:
+                    if chunk:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            nursery.cancel_scope.cancel()
+
+
+async def _until_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(httpapi.dumps(body), status, "application/json")
 
@@ -130,7 +163,7 @@ def html_response(html: bytes) -> Response:
     return Response(html, 200, "text/html; charset=utf-8")
 
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 
 class Router:
@@ -180,6 +213,7 @@ class Router:
         path: str = scope["path"]
         params: dict[str, str] = {}
         entry = self._exact.get(path)
+        response: Response | StreamingResponse
         if entry is None and self._patterns:
             entry, params = self._match(path)
         if entry is None and path.startswith(JOB_PREFIX):

@@ -138,6 +138,8 @@ class CoreShell:
         # Where a job for a poller goes (the HTTP door answers its waiting /ping/).
         self.on_hand_out: Callable[[HandOut], None] | None = None
         self.on_progress = on_progress
+        # Where a local worker's job output goes: (task ref, task owner, the bytes).
+        self.on_output: Callable[[int, object, bytes], None] | None = None
         # Told after every batch of actions: a door that reads only what it can start soon
         # (Redis) looks whether there is room now.
         self.on_room: Callable[[], None] | None = None
@@ -290,6 +292,7 @@ class CoreShell:
                 lambda c, pulse, extra: c.reply(_FAILED),
                 lambda c, exc: c.reply(_FAILED) if exc.can_reply else None,
                 timeout=cfg.dial_timeout,
+                max_extra_size=wire.MAX_PULSE_EXTRA,
             )
             return
         Incoming(
@@ -299,12 +302,21 @@ class CoreShell:
             functools.partial(self._on_pulse, pid, uid),
             functools.partial(self._on_bad_pulse, pid),
             timeout=cfg.dial_timeout,
+            max_extra_size=wire.MAX_PULSE_EXTRA,
         )
 
     def _on_pulse(
-        self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, _: bytes
+        self,
+        pid: int,
+        uid: int,
+        conn: Incoming[pb.WorkerPulse],
+        pulse: pb.WorkerPulse,
+        extra: bytes,
     ) -> None:
         try:
+            if pulse.type == pb.PULSE_OUTPUT:
+                self._output(uid, conn, pulse, extra)
+                return
             self._pulse(pid, uid, conn, pulse)
         except Exception as exc:  # that worker's connection alone is closed
             contained("a worker's pulse", exc, trio.current_time(), f"pid {pid}")
@@ -328,6 +340,15 @@ class CoreShell:
             )
             return
         conn.reply(wire.encode_frame(response))
+
+    def _output(
+        self, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, extra: bytes
+    ) -> None:
+        """What a local worker's job wrote to stderr: kept with the job it holds."""
+        reply, task = self.core.local.output(PulseReceived(pulse, None, uid))
+        if task is not None and extra and self.on_output is not None:
+            self.on_output(task.ref, task.owner, extra)
+        conn.reply(wire.encode_frame(reply.response))
 
     def _on_bad_pulse(
         self, pid: int, conn: Incoming[pb.WorkerPulse], exc: wire.RemoteProtocolError

@@ -25,6 +25,7 @@ from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
 from controller.jobs import (
     DEFAULT_MAX_LOG_SIZE,
+    DEFAULT_OUTPUT_RETENTION,
     Job,
     JobBook,
     JobState,
@@ -90,9 +91,13 @@ class JobDesk:
         journal: Journal | None = None,
         on_finished: Callable[[Job], None] | None = None,
         max_log_size: int = DEFAULT_MAX_LOG_SIZE,
+        output_retention: int = DEFAULT_OUTPUT_RETENTION,
     ) -> None:
         self.book = book
         self.max_log_size = max_log_size
+        self.output_retention = output_retention
+        # Told when a job's output grew (the HTTP door wakes those who follow it).
+        self.on_output: Callable[[Job], None] | None = None
         self.scheduling = scheduling
         self.journal = journal
         self.write_ahead = WriteAhead(journal)
@@ -174,6 +179,10 @@ class JobDesk:
         if isinstance(action, Heartbeat):
             return kind.heartbeat(action.address, action.ready, now, action.serves)
         if isinstance(action, Completed):
+            if action.job_output:  # kept with the job first: its followers see it before its end
+                task = kind.held(action.address, action.task_id)
+                if task is not None:
+                    self.task_output(task.ref, task.owner, action.job_output)
             return kind.completed(
                 action.address, action.task_id, action.ok, action.output, action.error, now
             )
@@ -220,11 +229,32 @@ class JobDesk:
 
     def logged(self, job: Job, line: str, now: float) -> None:
         """Append `line` to the job's log, keeping at most `max_log_size` bytes of it
-        (journaled: it is there after a restart)."""
+        (journaled: it is there after a restart). A log entry is output too: it is appended
+        to the job's output as a line of its own."""
         job.add_log(line, self.max_log_size)
         job.updated_at = now
         if self.journal is not None:
             self.journal.job_logged(job.ref, job.log)
+        if line:
+            raw = line.encode("utf-8", "surrogatepass")
+            self.output(job, raw if raw.endswith(b"\n") else raw + b"\n")
+
+    def output(self, job: Job, data: bytes) -> None:
+        """Append to what the job wrote to stderr, keeping its newest `output_retention`
+        bytes (journaled), and wake those who follow it."""
+        if not data or job.state is JobState.DELETED:
+            return
+        kept = job.add_output(data, self.output_retention)
+        if self.journal is not None:
+            self.journal.job_output(job.ref, kept, self.output_retention)
+        if self.on_output is not None:
+            self.on_output(job)
+
+    def task_output(self, ref: int, owner: object, data: bytes) -> None:
+        """Output from the worker holding task `ref` (the scheduler's owner is the job's id)."""
+        job = self.book.get(str(owner))
+        if job is not None and job.ref == ref:
+            self.output(job, data)
 
     def delivered(self, job_id: str, now: float) -> None:
         job = self.book.get(job_id)
@@ -296,6 +326,7 @@ class JobDesk:
             return
         self.cancel(job, now)
         self.book.delete(job, now)
+        job.drop_output()
         if self.journal is not None:
             self.journal.job_deleted(job.ref)
         if self.on_finished is not None:
@@ -474,6 +505,8 @@ class JobDesk:
             job.history = history_from_json(row.history, self.book.wall_offset)
             for line in row.log:
                 job.add_log(line, self.max_log_size)
+            if row.output:
+                job.add_output(row.output, self.output_retention)
             if row.state in ("scheduled", "pending", "working"):
                 left = options.placement_timeout - (wall - row.queued_at)
                 core.recover(

@@ -11,10 +11,11 @@ a thousand of them cost no CPU while they wait.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from controller.shell.asgi import (
     Request,
     Response,
     Router,
+    StreamingResponse,
     error_response,
     html_response,
     json_response,
@@ -54,6 +56,8 @@ log = logging.getLogger("controller.http")
 # and so is one silent this long in the middle of a request's body. Read when the door
 # starts serving and at each body: tests lower it by setting controller.shell.http.IDLE_TIMEOUT.
 IDLE_TIMEOUT = 5.0
+# What GET /job/{id}/output/ answers.
+TEXT = "text/plain; charset=utf-8"
 # Bytes of randomness in a poller's lease (128 bits).
 LEASE_BYTES = 16
 # How much of a body over the limit is read and dropped before the 413 goes out.
@@ -86,6 +90,7 @@ class HttpDoor:
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
         self.redis_status: Callable[[], dict[str, Any]] | None = None  # the Redis door's
         self._ended: dict[str, trio.Event] = {}
+        self._grew: dict[str, trio.Event] = {}  # by job id: set when its output grows or it ends
         self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
         tokens = read_tokens(config.http_token_file) if config.http_token_file else None
@@ -99,6 +104,7 @@ class HttpDoor:
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
         patterns = [
             ("/job/{job_id}/retry/", self.retry, ["POST"]),
+            ("/job/{job_id}/output/", self.output, ["GET"]),
             ("/queue/{name}/", self.queue, ["PUT"]),
         ]
         self.gate = Gate(config.allowed_clients, tokens)
@@ -107,6 +113,7 @@ class HttpDoor:
         )
         self.options = config.job_options("http")
         desk.on_finished = self.job_ended
+        desk.on_output = self.output_grew
         self.pollers = core.pollers
         self.connections = Connections(config.max_connections)
         self._idle_timer = keepalive.usable()
@@ -223,6 +230,13 @@ class HttpDoor:
         event = self._ended.pop(job.id, None)
         if event is not None:
             event.set()
+        self.output_grew(job)
+
+    def output_grew(self, job: Job) -> None:
+        """The desk's hook: a job's output grew (or the job ended): wake its followers."""
+        event = self._grew.pop(job.id, None)
+        if event is not None:
+            event.set()
 
     # ------------------------------------------------------------ endpoints
 
@@ -319,6 +333,8 @@ class HttpDoor:
         if update.state is JobState.CANCELED:
             if state.final and state is not JobState.CANCELED:
                 raise ApiError(409, f"the job is {state.value}: it can no longer be canceled")
+            if update.log is not None:
+                self.desk.logged(job, update.log, trio.current_time())
             self.desk.cancel(job, trio.current_time())
         elif name is not None or update.state is not None:
             # A poller's report: taken only from the poller holding the job, with its lease.
@@ -332,6 +348,8 @@ class HttpDoor:
                 raise ApiError(
                     409, f"no poller{who} holds this job under that lease: the report is refused"
                 )
+            if update.log is not None:  # first: a follower of the job sees it before its end
+                self.desk.logged(job, update.log, now)
             if update.state is JobState.WORKING or update.state is None:
                 actions = self.pollers.working(name, job.ref, now)
             elif update.state is JobState.FINISHED:
@@ -339,7 +357,7 @@ class HttpDoor:
             else:
                 actions = self.pollers.failed(name, job.ref, update.error or "", now)
             self.execute(actions)
-        if update.log is not None:
+        elif update.log is not None:
             self.desk.logged(job, update.log, trio.current_time())
         await self.desk.write_ahead.committed()  # 200 only once the change is on disk
         return self._job_response(job, 200)
@@ -357,6 +375,39 @@ class HttpDoor:
             return self._job_response(job, 200)
         except ApiError as exc:
             return self._refuse(exc)
+
+    async def output(self, request: Request) -> Response | StreamingResponse:
+        """GET /job/{id}/output/: what the job wrote to stderr, as text; `?follow=1` streams
+        it until the job ends."""
+        self.counters["requests"] += 1
+        try:
+            job = self._lookup(request)
+            follow = httpapi.parse_flag(request.query_params.get("follow"), "follow")
+        except ApiError as exc:
+            return self._refuse(exc)
+        if not follow or job.state.final or request.scope["method"] == "HEAD":
+            return Response(job.output.decode("utf-8", "replace").encode(), 200, TEXT)
+        return StreamingResponse(self._follow(job), 200, TEXT)
+
+    async def _follow(self, job: Job) -> AsyncIterator[bytes]:
+        """The job's output so far, then each piece as it comes, until the job ends. One
+        event per followed job (shared by its followers) wakes them; nothing runs between."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        sent = 0  # bytes of the job's output (counted since it began) already sent
+        while True:
+            total, data = job.output_since(sent)
+            sent = total
+            ended = job.state.final
+            text = decoder.decode(data, final=ended)
+            if text:
+                yield text.encode()
+                continue  # more may have come, or the job ended, while it was sent
+            if ended:
+                return
+            event = self._grew.get(job.id)
+            if event is None:
+                event = self._grew[job.id] = trio.Event()
+            await event.wait()
 
     async def queues(self, request: Request) -> Response:
         """GET /queue/: every queue that has jobs, workers or a pause."""

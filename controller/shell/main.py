@@ -135,9 +135,16 @@ def assemble(
     book = JobBook(result_retention=config.result_retention)
     book.wall_offset = time.time() - trio.current_time()
     shell = CoreShell(config, metrics=metrics, busy_poll=busy_poll)
-    desk = JobDesk(book, shell, journal, max_log_size=config.max_log_size)
+    desk = JobDesk(
+        book,
+        shell,
+        journal,
+        max_log_size=config.max_log_size,
+        output_retention=config.output_retention,
+    )
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
+    shell.on_output = desk.task_output
     shell.on_progress = desk.progress  # each job's attempts, and the journal
     return shell, desk, UdpDoor(config, shell, desk)
 

@@ -185,6 +185,28 @@ OPENAPI: dict[str, Any] = {
                 },
             },
         },
+        "/job/{job_id}/output/": {
+            "parameters": [_JOB_ID],
+            "get": {
+                "summary": "what the job wrote to stderr (the newest output_retention bytes)",
+                "parameters": [
+                    {
+                        "name": "follow",
+                        "in": "query",
+                        "required": False,
+                        "description": "1: stream it (chunked) as it comes, until the job ends",
+                        "schema": {"type": "string", "enum": ["0", "1"]},
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "the output as UTF-8 text (other bytes replaced)",
+                        "content": {"text/plain": {"schema": _TEXT}},
+                    },
+                    **_errors(400, 401, 403, 404),
+                },
+            },
+        },
         "/queue/": {
             "get": {
                 "summary": "every queue that has jobs, workers or a pause",
