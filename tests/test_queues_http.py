@@ -281,6 +281,7 @@ async def test_each_attempt_is_kept_with_its_worker_times_outcome_and_error(sock
         assert 0 < first.started <= first.ended <= second.started <= second.ended
         assert {first.worker, second.worker} <= set(ctl.shell.core.workers)
         workers = (first.worker, second.worker)
+        await ctl.desk.write_ahead.committed()  # its end is on disk too (?wait= does not wait)
     async with http_controller(sockdir, journal=journal) as again:
         job = again.desk.book.get("twice")
         assert job is not None
