@@ -3,11 +3,11 @@
 2 workers, no-op jobs, one client: throughput (JOBS submitted, then every result collected)
 and one job at a time (submit, wait for the result; p50 and p99), for each peer and for our
 three doors (UDP, HTTP, Redis), each with 2 workers of each kind (local, calculators,
-pollers; default layout, journal on), beside
-ProcessPoolExecutor(2), all in the same run. The peers' Python packages go in a venv of their
-own (.venv-peers), Debian's redis-server and gearman-job-server are installed when missing
-(as root), and every server and worker is started here and stopped by pid (its process
-group) at the end. Prints a table, writes bench/peers.json and bench/peers.png.
+pollers; default layout, journal on), beside ProcessPoolExecutor(2), all in the same run.
+The peers' Python packages go in a venv of their own (.venv-peers), Debian's redis-server,
+gearman-job-server and gearman-tools are installed when missing (as root), and every server
+and worker is started here and stopped by pid (its process group) at the end. Prints a
+table, writes bench/peers.json and bench/peers.png.
 
 Then jobs of 1 ms and 10 ms, sleeping or busy, as `--handler` and as `--exec` of a small
 script, against Gearman's command worker and the peers (bench/peers_lengths.py; alone with
@@ -52,7 +52,11 @@ def ensure_tools() -> None:
     """Debian's servers (as root, when missing) and the peers' venv."""
     need = [
         pkg
-        for cmd, pkg in (("redis-server", "redis-server"), ("gearmand", "gearman-job-server"))
+        for cmd, pkg in (
+            ("redis-server", "redis-server"),
+            ("gearmand", "gearman-job-server"),
+            ("gearman", "gearman-tools"),  # the command worker of the job-length section
+        )
         if shutil.which(cmd) is None and not Path(f"/usr/sbin/{cmd}").exists()
     ]
     if need:
