@@ -11,9 +11,10 @@ ProcessPoolExecutor(2) running the function, and 2 threads running bench/work.sh
 back (`subprocess.run`), which is what the script's own start costs.
 
 Efficiency is jobs/s divided by what the 2 workers could do with no dispatcher at all,
-2 / length. bench/work.sh's busy loop is counted at start so that the loop alone lasts the
-job's length; the script's start (a /bin/sh, and for `sleep` the sleep command it becomes)
-comes on top, and is printed.
+2 / length. bench/work.sh's busy loop is timed before each system that runs the script, so
+that the loop alone lasts the job's length; the script's start (a /bin/sh, and for `sleep`
+the sleep command it becomes) comes on top, and is printed. Each row is the median of
+`ROUNDS` rounds.
 """
 
 from __future__ import annotations
