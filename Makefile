@@ -48,7 +48,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 # The same workload against Gearman, Celery, Dramatiq, RQ and Huey (installed in .venv-peers,
-# servers from Debian's packages), beside our doors, in one run. Not part of `make test`.
+# servers from Debian's packages), beside our doors, in one run; then jobs of 1 ms and 10 ms
+# (`python -m bench.peers --lengths` alone). Not part of `make test`.
 bench-peers: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.peers

@@ -92,7 +92,11 @@ def start_controller(
     return subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
 
 
-async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[float, list[float]]:
+async def drive(
+    port: int, tasks: int, window: int, first_id: int, payload: str = ""
+) -> tuple[float, list[float]]:
+    """`tasks` jobs through the UDP door, `window` in flight, each with `payload` (if any):
+    jobs/s and each job's latency."""
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     client = UdpSession(sock, ("127.0.0.1", port), timeout=60)
@@ -106,7 +110,8 @@ async def drive(port: int, tasks: int, window: int, first_id: int) -> tuple[floa
         async with trio.open_nursery() as nursery:
             nursery.start_soon(client.receive)
             start = time.perf_counter()
-            await client.run_many(range(first_id, first_id + tasks), {}, window, done)
+            fields = {"payload": payload} if payload else {}
+            await client.run_many(range(first_id, first_id + tasks), fields, window, done)
             elapsed = time.perf_counter() - start
             nursery.cancel_scope.cancel()
     return tasks / elapsed, latencies

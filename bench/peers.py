@@ -3,11 +3,16 @@
 2 workers, no-op jobs, one client: throughput (JOBS submitted, then every result collected)
 and one job at a time (submit, wait for the result; p50 and p99), for each peer and for our
 three doors (UDP, HTTP, Redis), each with 2 workers of each kind (local, calculators,
-pollers; default layout, journal on), beside
-ProcessPoolExecutor(2), all in the same run. The peers' Python packages go in a venv of their
-own (.venv-peers), Debian's redis-server and gearman-job-server are installed when missing
-(as root), and every server and worker is started here and stopped by pid (its process
-group) at the end. Prints a table, writes bench/peers.json and bench/peers.png.
+pollers; default layout, journal on), beside ProcessPoolExecutor(2), all in the same run.
+The peers' Python packages go in a venv of their own (.venv-peers), Debian's redis-server,
+gearman-job-server and gearman-tools are installed when missing (as root), and every server
+and worker is started here and stopped by pid (its process group) at the end. Prints a
+table, writes bench/peers.json and bench/peers.png.
+
+Then jobs of 1 ms and 10 ms, sleeping or busy, as `--handler` and as `--exec` of a small
+script, against Gearman's command worker and the peers (bench/peers_lengths.py; alone with
+`--lengths`): a table per length of jobs/s and efficiency (jobs/s over 2 / length), under
+the key "lengths" of bench/peers.json, and bench/peers_lengths.png.
 """
 
 from __future__ import annotations
@@ -47,7 +52,11 @@ def ensure_tools() -> None:
     """Debian's servers (as root, when missing) and the peers' venv."""
     need = [
         pkg
-        for cmd, pkg in (("redis-server", "redis-server"), ("gearmand", "gearman-job-server"))
+        for cmd, pkg in (
+            ("redis-server", "redis-server"),
+            ("gearmand", "gearman-job-server"),
+            ("gearman", "gearman-tools"),  # the command worker of the job-length section
+        )
         if shutil.which(cmd) is None and not Path(f"/usr/sbin/{cmd}").exists()
     ]
     if need:
@@ -207,6 +216,44 @@ def plot(rows: dict[str, dict[str, Any]], ppe: float, path: Path) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def peer_servers(tmp: Path, logs: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """redis-server and gearmand on free ports, stopped by pid at the end: Redis's URL and the
+    environment of the peers' workers and client."""
+    server = RedisServer(tmp / "redis")
+    server.start()
+    gear_port = free_tcp_port()
+    gearmand = shutil.which("gearmand") or "/usr/sbin/gearmand"
+    try:
+        with process_group(
+            [
+                gearmand,
+                "-p",
+                str(gear_port),
+                "-L",
+                "127.0.0.1",
+                "-l",
+                str(logs / "gearmand.log"),
+                "-P",
+                str(tmp / "gearmand.pid"),
+                "-t",
+                "1",
+            ],
+            dict(os.environ),
+            logs / "gearmand.out",
+        ):
+            env = dict(
+                os.environ,
+                PEERS_REDIS=f"redis://127.0.0.1:{server.port}",
+                PEERS_GEARMAN_PORT=str(gear_port),
+                PYTHONPATH=str(HERE),
+            )
+            wait_for_condition(lambda: _listening(gear_port))
+            yield server.url, env
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="bench-peers", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=5000, help="jobs per throughput run")
@@ -215,50 +262,59 @@ def main() -> None:
     parser.add_argument(
         "--kinds", default=",".join(KINDS), help="our worker kinds to run (each door with each)"
     )
+    parser.add_argument(
+        "--lengths", action="store_true", help="only the section of jobs of a given length"
+    )
+    parser.add_argument(
+        "--length-ms", default="1,10", help="job lengths of that section, in milliseconds"
+    )
+    parser.add_argument(
+        "--work-seconds",
+        type=float,
+        default=3.0,
+        help="seconds of work per row of that section (jobs x length / 2 workers)",
+    )
     args = parser.parse_args()
     ensure_tools()
+    systems = tuple(s for s in args.systems.split(",") if s)
+    if not args.lengths:
+        noop_section(args, systems)
+    lengths_section(args, systems)
+
+
+def lengths_section(args: argparse.Namespace, systems: tuple[str, ...]) -> None:
+    from bench import peers_lengths
+    from bench.plots import efficiency_by_length
+
+    lengths = tuple(float(ms) / 1000 for ms in args.length_ms.split(","))
+    with socket_dir() as tmp:
+        logs = tmp / "logs"
+        logs.mkdir()
+        with peer_servers(tmp, logs) as (_, env):
+            section = peers_lengths.run(systems, env, logs, lengths, args.work_seconds)
+    peers_lengths.print_tables(section)
+    path = HERE / "peers.json"
+    figures = json.loads(path.read_text()) if path.exists() else {}
+    figures["lengths"] = section
+    path.write_text(json.dumps(figures, indent=2) + "\n")
+    baselines = (peers_lengths.LABELS["ppe"], peers_lengths.LABELS["bare-script"])
+    efficiency_by_length(section["rows"], HERE / "peers_lengths.png", baselines)
+    print(f'written {path} ("lengths"), {HERE / "peers_lengths.png"}')
+
+
+def noop_section(args: argparse.Namespace, systems: tuple[str, ...]) -> None:
     rows: dict[str, dict[str, Any]] = {}
     with socket_dir() as tmp:
         logs = tmp / "logs"
         logs.mkdir()
-        server = RedisServer(tmp / "redis")
-        server.start()
-        gear_port = free_tcp_port()
-        gearmand = shutil.which("gearmand") or "/usr/sbin/gearmand"
-        try:
-            with process_group(
-                [
-                    gearmand,
-                    "-p",
-                    str(gear_port),
-                    "-L",
-                    "127.0.0.1",
-                    "-l",
-                    str(logs / "gearmand.log"),
-                    "-P",
-                    str(tmp / "gearmand.pid"),
-                    "-t",
-                    "1",
-                ],
-                dict(os.environ),
-                logs / "gearmand.out",
-            ):
-                env = dict(
-                    os.environ,
-                    PEERS_REDIS=f"redis://127.0.0.1:{server.port}",
-                    PEERS_GEARMAN_PORT=str(gear_port),
-                    PYTHONPATH=str(HERE),
-                )
-                wait_for_condition(lambda: _listening(gear_port))
-                for system in args.systems.split(","):
-                    print(f"measuring {system} ...", flush=True)
-                    rows[system] = measure_peer(system, args.jobs, args.one, env, logs)
+        with peer_servers(tmp, logs) as (redis_url, env):
+            for system in systems:
+                print(f"measuring {system} ...", flush=True)
+                rows[system] = measure_peer(system, args.jobs, args.one, env, logs)
             print("measuring our doors ...", flush=True)
             kinds = tuple(kind for kind in args.kinds.split(",") if kind)
-            rows.update(measure_ours(server.url, args.jobs, args.one, kinds))
-            ppe = ppe_rate(2, args.jobs * 2)
-        finally:
-            server.stop()
+            rows.update(measure_ours(redis_url, args.jobs, args.one, kinds))
+        ppe = ppe_rate(2, args.jobs * 2)
     print(f"\n{'system':<20} {'jobs/s':>8} {'x PPE(2)':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, row in rows.items():
         if "jobs_per_s" not in row:

@@ -46,3 +46,34 @@ def latency(samples: list[float], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def efficiency_by_length(
+    rows: list[dict[str, Any]], path: Path, baselines: tuple[str, ...] = ()
+) -> None:
+    """`python -m bench.peers --lengths`: efficiency against job length, a line per system
+    (`baselines` dashed), one panel per kind of job (sleep, busy)."""
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds) + 3, 4.5), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        for system in dict.fromkeys(r["system"] for r in rows):
+            points = sorted(
+                (r["length_ms"], r["efficiency"])
+                for r in rows
+                if r["system"] == system and r["kind"] == kind
+            )
+            style = "o-" if system.startswith("ours") else "s--" if system in baselines else ".:"
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=system)
+        lengths = sorted({r["length_ms"] for r in rows})
+        ax.set_xscale("log")
+        ax.set_xticks(lengths, [f"{ms:g} ms" for ms in lengths])
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("job length")
+        ax.set_ylabel("efficiency: jobs/s / (2 workers / length)")
+        ax.set_title(f"{kind} jobs")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.suptitle("What the dispatcher leaves of 2 workers, same run, this 2-core machine")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -44,10 +44,13 @@ def _remote(*args: str) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
-def controller_with(kind: str, **settings: Any) -> Iterator[LiveController]:
-    """A live controller with 2 no-op workers of `kind` (local, calculator or poller)."""
+def controller_with(
+    kind: str, worker_args: tuple[str, ...] = ("--handler", HANDLER), **settings: Any
+) -> Iterator[LiveController]:
+    """A live controller with 2 workers of `kind` (local, calculator or poller), no-op ones
+    unless `worker_args` (local workers only) says otherwise."""
     with socket_dir() as tmp:
-        local = ["--workers", "2", "--", "--handler", HANDLER, "--log-level", "ERROR"]
+        local = ["--workers", "2", "--", "--log-level", "ERROR", *worker_args]
         args = local if kind == "local" else []
         with live_controller(Path(tmp), *args, **settings) as ctl:
             procs = []
