@@ -316,7 +316,6 @@ class Console:
             job.result if finished else None,
             views.attempts_data(job, offset, name_of),
             views.actions_of(job),
-            trio.current_time() - job.added_at,
             **self._ctx(seen),
         )
         return self._html(html, seen)

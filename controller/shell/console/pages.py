@@ -226,9 +226,11 @@ def latest_rows(jobs: Sequence[dict[str, Any]]) -> list[str]:
         state = job["state"]
         rows.append(
             f'<tr><td><a href="{job_href(job["id"])}">{e(job["id"])}</a></td>'
-            f"<td>{e(job['door'])}</td><td>{e(job['name'])}</td><td>{e(job['queue'])}</td>"
+            f"<td>{e(job['door'])}</td><td class=name>{e(job['name'])}</td>"
+            f"<td>{e(job['queue'])}</td>"
             f"<td class={state}>{state}</td><td class=num>{age(job['age'])}</td>"
-            f"<td class=num>{job['attempts']}</td><td>{e(job['error'][:120])}</td></tr>"
+            f"<td class=num>{job['attempts']}</td>"
+            f'<td class=err title="{e(job["error"][:1000])}">{e(job["error"][:200])}</td></tr>'
         )
     return rows
 

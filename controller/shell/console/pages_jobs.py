@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from controller.shell.console.pages import age, button_form, e, job_href, layout, table
+from controller.shell.console.pages import button_form, e, job_href, layout, table
 
 # Characters of a text payload or result shown on a job's page.
 TEXT_SHOWN = 100_000
@@ -72,9 +72,11 @@ def jobs_page(
         st = job["state"]
         rows.append(
             f'<tr><td><a href="{job_href(job["id"])}">{e(job["id"])}</a></td>'
-            f"<td>{e(job['name'])}</td><td>{e(job['queue'])}</td><td class={st}>{st}</td>"
-            f"<td>{e(job['door'])}</td><td>{e(job['added_at'])}</td>"
-            f"<td class=num>{job['attempts']}</td><td>{e(job['error'][:120])}</td></tr>"
+            f"<td class=name>{e(job['name'])}</td><td>{e(job['queue'])}</td>"
+            f"<td class={st}>{st}</td>"
+            f"<td>{e(job['door'])}</td><td class=time>{e(job['added_at'])}</td>"
+            f"<td class=num>{job['attempts']}</td>"
+            f'<td class=err title="{e(job["error"][:1000])}">{e(job["error"][:200])}</td></tr>'
         )
     links = []
     newer = e(filter_query(state, queue, search, page - 1))
@@ -90,11 +92,11 @@ def jobs_page(
     if state == "failed" and jobs:
         fields = [("state", state), ("queue", queue), ("q", search)]
         bulk = (
-            "<p class=bulk>All failed jobs of this filter (at most 10,000 a time): "
+            "<div class=bulk>All failed jobs of this filter (at most 10,000 a time): "
             + button_form("/ui/bulk", "Retry all…", csrf, [*fields, ("action", "retry")])
             + " "
             + button_form("/ui/bulk", "Delete all…", csrf, [*fields, ("action", "delete")])
-            + "</p>"
+            + "</div>"
         )
     headers = ["id", "name", "queue", "state", "door", "added", "attempts", "error"]
     body = f"""<h1>Jobs</h1>
@@ -126,7 +128,7 @@ def bulk_page(
     )
     body = f"""<h1>{verb} failed jobs</h1>
 <p>{count} failed jobs match this filter{limit}.</p>
-<p>{confirm} <a href="{e(back)}">cancel</a></p>"""
+<div class=actions>{confirm} <a href="{e(back)}">cancel</a></div>"""
     return layout(
         f"{verb} jobs: job controller", body, current="/ui/jobs", csrf=csrf, logout=logout
     )
@@ -156,7 +158,6 @@ def job_page(
     result: bytes | None,
     attempts: Sequence[dict[str, Any]],
     actions: Sequence[str],
-    old: float,
     csrf: str,
     logout: bool,
 ) -> str:
@@ -173,8 +174,8 @@ def job_page(
         button_form(f"{base}/{action}", action.capitalize(), csrf) for action in actions
     )
     attempt_rows = [
-        f"<tr><td class=num>{n}</td><td>{e(a['worker'])}</td><td>{e(a['started'])}</td>"
-        f"<td>{e(a['ended'])}</td><td class={e(a['outcome'] or 'working')}>"
+        f"<tr><td class=num>{n}</td><td>{e(a['worker'])}</td><td class=time>{e(a['started'])}</td>"
+        f"<td class=time>{e(a['ended'])}</td><td class={e(a['outcome'] or 'working')}>"
         f"{e(a['outcome'] or 'running')}</td><td>{e(a['error'])}</td></tr>"
         for n, a in enumerate(attempts, 1)
     ]
@@ -186,8 +187,8 @@ def job_page(
     body = f"""<h1>Job {e(job_id)}</h1>
 <section id=job-head data-live><p class=summary>
 <span>state <b class={e(state)}>{e(state)}</b></span>
-<span>{age(old)} old</span></p>
-<p class=actions>{buttons or "<span class=muted>no action for a deleted job</span>"}</p></section>
+<span>added {e(fields["added_at"])}</span></p>
+<div class=actions>{buttons or "<span class=muted>no action for a deleted job</span>"}</p></section>
 <h2>Fields</h2>
 <section id=job-fields data-live>{table(["field", "value"], rows, "")}</section>
 <h2>Attempts</h2>
