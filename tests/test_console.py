@@ -23,7 +23,7 @@ def csrf_of(page: httpx.Response) -> str:
 
 
 def section(page: httpx.Response, ident: str) -> str:
-    start = page.text.index(f"id={ident} ")
+    start = page.text.index(f"id={ident}")
     return page.text[start : page.text.index("</section>", start)]
 
 
@@ -306,6 +306,31 @@ async def test_bulk_retry_and_delete_of_failed_jobs_show_the_count_first(sockdir
 # ---------------------------------------------------------------- with a token file
 
 
+async def test_login_goes_back_to_the_page_asked_for_and_nowhere_else(sockdir, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t\n")
+    async with (
+        http_controller(sockdir, workers=0, http_token_file=tokens) as ctl,
+        client(ctl.url) as http,
+    ):
+        asked = await http.get("/ui/jobs", params={"state": "failed", "q": "a b"})
+        assert asked.status_code == 401 and asked.headers["www-authenticate"] == "Bearer"
+        then = re.search(r'name="then" value="([^"]+)"', asked.text)
+        assert then is not None and then.group(1) == "/ui/jobs?state=failed&amp;q=a+b"
+        csrf = csrf_of(asked)
+        done = await http.post(
+            "/ui/login", data={"csrf": csrf, "token": "t", "then": "/ui/jobs?state=failed"}
+        )
+        assert done.status_code == 303 and done.headers["location"] == "/ui/jobs?state=failed"
+        for elsewhere in ("//evil.example/", "https://evil.example/", "/job/", "/ui/login"):
+            form = {"csrf": csrf, "token": "t", "then": elsewhere}
+            assert (await http.post("/ui/login", data=form)).headers["location"] == "/"
+        form = {"csrf": csrf, "token": "t", "then": "/ui/jobs/a\r\nX: y"}
+        assert (await http.post("/ui/login", data=form)).headers[
+            "location"
+        ] == "/ui/jobs/a%0D%0AX%3A%20y"
+
+
 async def test_login_session_cookie_logout_and_token_removal(sockdir, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("# operators\nsecret-one\nsecret-two\n")
@@ -323,6 +348,8 @@ async def test_login_session_cookie_logout_and_token_removal(sockdir, tmp_path):
         assert wrong.status_code == 401 and "not in the token file" in wrong.text
         good = await login(http, "secret-two")
         assert good.status_code == 303 and good.headers["location"] == "/"
+        asked = await http.get("/ui/jobs", params={"state": "failed"})  # logged in now
+        assert asked.status_code == 200
         cookie = good.headers["set-cookie"]
         for flag in ("console_session=", "HttpOnly", "SameSite=Strict", "Path=/", "Max-Age=43200"):
             assert flag in cookie, flag

@@ -104,6 +104,13 @@ class Console:
 
         self.wait(clicked)
 
+    def log_in(self) -> None:
+        self.open("/ui/login")
+        if self.driver.find_elements(By.NAME, "token"):
+            self.driver.find_element(By.NAME, "token").send_keys(TOKEN)
+            self.click("form.login button")
+        self.wait(lambda d: "Log out" in d.page_source)
+
     def text(self) -> str:
         return str(self.driver.find_element(By.TAG_NAME, "body").text)
 
@@ -169,9 +176,7 @@ def test_log_in_see_the_chart_filter_open_retry_cancel_and_pause(console: Consol
     c = console
     c.open("/")
     assert "Log in" in c.text()  # the 401's body is the login form
-    c.driver.find_element(By.NAME, "token").send_keys(TOKEN)
-    c.click("form.login button")
-    c.wait(lambda d: "Log out" in d.page_source)
+    c.log_in()
     assert "Job controller" in c.text() and "Latest jobs" in c.text()
     for n in range(6):
         assert c.api("POST", "/job/", {"id": f"ok-{n}", "payload": f"fine {n}"})[0] == 201
@@ -259,8 +264,7 @@ def test_a_jobs_output_is_followed_as_it_appears(console: Console) -> None:
     if status == 404 and b"no such path" in body:
         release.touch()
         pytest.skip("GET /job/{id}/output is not served by this controller yet")
-    if c.driver.find_elements(By.NAME, "token"):
-        c.open("/ui/login")
+    c.log_in()  # if the other test did not
     c.open("/ui/jobs/talker")
     pre = c.wait(lambda d: d.find_element(By.CSS_SELECTOR, ".output pre.live-output"))
     c.wait(lambda d: "line 2" in pre.text)

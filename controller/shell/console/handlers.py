@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote
 
 import trio
 
@@ -37,6 +37,8 @@ FORM_SECONDS = 10.0
 # Pages past this are not asked for by any pager (each page rescans the kept jobs).
 MAX_PAGE = 100_000
 HTML = "text/html; charset=utf-8"
+# The longest page address a login goes back to.
+MAX_THEN = 2048
 STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
 # Only our own files: no inline script or style, no framing by other sites.
 SECURITY_HEADERS = [
@@ -64,6 +66,15 @@ def _static_files() -> dict[str, bytes]:
         for item in folder.iterdir()
         if Path(item.name).suffix in STATIC_TYPES
     }
+
+
+def _then(target: str) -> str:
+    """Where a login goes next: a console page of this controller (never another site)."""
+    path, _, query = target.partition("?")
+    if not is_console_path(path) or path.startswith("/ui/login") or len(target) > MAX_THEN:
+        return "/"
+    path = quote(path, safe="/%")
+    return path + "?" + quote(query, safe="=&%+/:,;") if query else path
 
 
 class Seen:
@@ -154,10 +165,16 @@ class Console:
         body = text.encode("utf-8", "replace")
         return Response(body, status, HTML, [*seen.headers, *SECURITY_HEADERS])
 
-    def _login_needed(self, request: Request, seen: Seen, error: str = "") -> Response:
-        response = self._html(
-            pages.login_page(self.sessions.csrf(seen.browser), error), seen, status=401
-        )
+    def _login_needed(
+        self, request: Request, seen: Seen, error: str = "", then: str | None = None
+    ) -> Response:
+        if then is None:  # the page asked for, to show once logged in
+            then = "/"
+            if request.method == "GET" and not request.scope["path"].startswith("/ui/login"):
+                query = request.scope["query_string"].decode("latin-1")
+                then = _then(request.scope["path"] + ("?" + query if query else ""))
+        csrf = self.sessions.csrf(seen.browser)
+        response = self._html(pages.login_page(csrf, error, then), seen, status=401)
         response.headers.append((b"www-authenticate", b"Bearer"))
         return response
 
@@ -347,10 +364,11 @@ class Console:
         if seen.headers or not self.sessions.csrf_ok(seen.browser, form.get("csrf")):
             message = "this form's CSRF token is missing or wrong: reload the page"
             return self._html(pages.message_page("403", message), seen, 403)
+        then = _then(form.get("then", "/"))
         hashed = self.sessions.check_token(form.get("token", "").strip(), now)
         if hashed is None:
-            return self._login_needed(request, seen, "That token is not in the token file.")
-        return self._see_other("/", self.sessions.session_cookies(seen.browser, hashed))
+            return self._login_needed(request, seen, "That token is not in the token file.", then)
+        return self._see_other(then, self.sessions.session_cookies(seen.browser, hashed))
 
     async def logout(self, request: Request, seen: Seen, form: dict[str, str]) -> Response:
         target = "/ui/login" if self.sessions.login_needed else "/"
