@@ -332,7 +332,7 @@ class JobBook:
         return out
 
     def count(self, state: JobState) -> int:
-        """How many jobs are in `state` now (for status pages)."""
+        """How many jobs are in `state` now (for status views)."""
         return sum(1 for job in self._by_id.values() if job.state is state)
 
     def retain(self, job: Job, now: float, retain_for: float | None = None) -> None:

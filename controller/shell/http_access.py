@@ -15,6 +15,7 @@ from pathlib import Path
 
 from controller.frontdoor import cached_allowed
 from controller.shell.asgi import JOB_PREFIX, Response, Scope, error_response
+from controller.shell.console.web import is_console_path
 from controller.shell.core_shell import StartupError
 
 
@@ -35,7 +36,7 @@ def read_tokens(path: Path) -> frozenset[str]:
 
 class Gate:
     """`allowed_clients` on every path (403), then bearer tokens on every path but
-    /health/ (401); `refused` counts the refusals for the status page."""
+    /health/ (401); `refused` counts the refusals for the console's overview."""
 
     def __init__(
         self,
@@ -59,7 +60,7 @@ class Gate:
             return error_response(403, "this address is not in allowed_clients")
         path: str = scope["path"]
         needs_token = self.tokens is not None and path.rstrip("/") != "/health"
-        if needs_token and _console(path):
+        if needs_token and is_console_path(path):
             return None  # the console asks for its session itself
         if needs_token and not self._token_ok(scope) and not self._output_read(scope):
             self.refused += 1
@@ -87,7 +88,3 @@ class Gate:
                 given = token.strip().encode("latin-1")
                 return any(hmac.compare_digest(given, known.encode()) for known in self.tokens)
         return False
-
-
-def _console(path: str) -> bool:
-    return path == "/" or path == "/ui" or path.startswith("/ui/")

@@ -11,10 +11,8 @@ shows in a frame (a read, so SameSite=Strict is all it needs).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, quote
 
 import trio
 
@@ -25,73 +23,24 @@ from controller.shell.asgi import Request, Response, Scope, json_response
 from controller.shell.console import pages, pages_jobs, views
 from controller.shell.console.session import Sessions, TokenFile, parse_cookies
 from controller.shell.console.stats import EndRate
+from controller.shell.console.web import (
+    HTML,
+    SECURITY_HEADERS,
+    STATIC_TYPES,
+    Handler,
+    Seen,
+    by_method,
+    read_form,
+    static_files,
+    then_target,
+)
 
 if TYPE_CHECKING:
     from controller.shell.http import HttpDoor
 
 PAGE_SIZE = 50
-# A form's body (a filter, a token, a button) is small; one longer than this is refused.
-MAX_FORM = 16 * 1024
-# Seconds a form's body may take to arrive.
-FORM_SECONDS = 10.0
 # Pages past this are not asked for by any pager (each page rescans the kept jobs).
 MAX_PAGE = 100_000
-HTML = "text/html; charset=utf-8"
-# The longest page address a login goes back to.
-MAX_THEN = 2048
-STATIC_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
-# Only our own files: no inline script or style, no framing by other sites.
-SECURITY_HEADERS = [
-    (
-        b"content-security-policy",
-        b"default-src 'self'; img-src 'self' data:; frame-ancestors 'self'; "
-        b"form-action 'self'; base-uri 'none'; object-src 'none'",
-    ),
-    (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"same-origin"),
-    (b"cache-control", b"no-store"),
-]
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def is_console_path(path: str) -> bool:
-    return path == "/" or path == "/ui" or path.startswith("/ui/")
-
-
-def _static_files() -> dict[str, bytes]:
-    folder = resources.files("controller.shell.console") / "static"
-    return {
-        item.name: item.read_bytes()
-        for item in folder.iterdir()
-        if Path(item.name).suffix in STATIC_TYPES
-    }
-
-
-def _then(target: str) -> str:
-    """Where a login goes next: a console page of this controller (never another site)."""
-    path, _, query = target.partition("?")
-    if not is_console_path(path) or path.startswith("/ui/login") or len(target) > MAX_THEN:
-        return "/"
-    path = quote(path, safe="/%")
-    return path + "?" + quote(query, safe="=&%+/:,;") if query else path
-
-
-class Seen:
-    """What one request showed of its browser: its cookies, its id (made new if it had
-    none: then `headers` sets it), and whether its session is good."""
-
-    __slots__ = ("browser", "cookies", "headers", "valid")
-
-    def __init__(self, sessions: Sessions, request: Request, now: float) -> None:
-        self.cookies = parse_cookies(request.header(b"cookie"))
-        browser = sessions.browser_of(self.cookies)
-        self.headers: list[tuple[bytes, bytes]] = []
-        if browser is None:
-            browser = sessions.new_browser()
-            self.headers.append(sessions.browser_cookie(browser))
-        self.browser = browser
-        self.valid = sessions.valid(self.cookies, browser, now)
 
 
 class Console:
@@ -106,7 +55,7 @@ class Console:
         self.book = door.book
         self.core = door.core
         self.rate = EndRate()
-        self.static = _static_files()
+        self.static = static_files()
 
     def routes(self) -> list[tuple[str, Handler, list[str]]]:
         return [
@@ -116,7 +65,7 @@ class Console:
             ("/ui/jobs/", self.page(self.jobs), ["GET"]),
             (
                 "/ui/queues/",
-                self.by_method(self.page(self.queues), self.action(self.pause)),
+                by_method(self.page(self.queues), self.action(self.pause)),
                 ["GET", "POST"],
             ),
             ("/ui/workers/", self.page(self.workers), ["GET"]),
@@ -134,13 +83,6 @@ class Console:
             ("/ui/jobs/{job_id}", self.page(self.job), ["GET"]),
             ("/ui/queues/{name}", self.action(self.pause), ["POST"]),
         ]
-
-    @staticmethod
-    def by_method(get: Handler, post: Handler) -> Handler:
-        async def endpoint(request: Request) -> Response:
-            return await (post if request.method == "POST" else get)(request)
-
-        return endpoint
 
     def job_ended(self, job: Job) -> None:
         """A job ended: one more in the chart's current second (O(1))."""
@@ -172,7 +114,7 @@ class Console:
             then = "/"
             if request.method == "GET" and not request.scope["path"].startswith("/ui/login"):
                 query = request.scope["query_string"].decode("latin-1")
-                then = _then(request.scope["path"] + ("?" + query if query else ""))
+                then = then_target(request.scope["path"] + ("?" + query if query else ""))
         csrf = self.sessions.csrf(seen.browser)
         response = self._html(pages.login_page(csrf, error, then), seen, status=401)
         response.headers.append((b"www-authenticate", b"Bearer"))
@@ -207,7 +149,7 @@ class Console:
             if not seen.valid:
                 return self._login_needed(request, seen)
             try:
-                form = await self._form(request)
+                form = await read_form(request)
                 if seen.headers or not self.sessions.csrf_ok(seen.browser, form.get("csrf")):
                     raise ApiError(
                         403, "this form's CSRF token is missing or wrong: reload the page"
@@ -219,23 +161,6 @@ class Console:
                 )
 
         return endpoint
-
-    async def _form(self, request: Request) -> dict[str, str]:
-        chunks = []
-        size = 0
-        deadline = trio.current_time() + FORM_SECONDS
-        try:
-            async for chunk in request.stream(FORM_SECONDS, deadline):
-                size += len(chunk)
-                if size > MAX_FORM:
-                    raise ApiError(413, f"a form's body is at most {MAX_FORM} bytes")
-                chunks.append(chunk)
-        except Exception as exc:  # the client left, or was too slow
-            if isinstance(exc, ApiError):
-                raise
-            raise ApiError(400, "the form's body did not arrive") from None
-        text = b"".join(chunks).decode("utf-8", "replace")
-        return dict(parse_qsl(text, keep_blank_values=True))
 
     def _ctx(self, seen: Seen) -> dict[str, Any]:
         return {"csrf": self.sessions.csrf(seen.browser), "logout": self.sessions.login_needed}
@@ -358,13 +283,13 @@ class Console:
                 return self._see_other("/", seen.headers)
             return self._login_needed(request, seen)
         try:
-            form = await self._form(request)
+            form = await read_form(request)
         except ApiError as exc:
             return self._html(pages.message_page(f"{exc.status}", exc.message), seen, exc.status)
         if seen.headers or not self.sessions.csrf_ok(seen.browser, form.get("csrf")):
             message = "this form's CSRF token is missing or wrong: reload the page"
             return self._html(pages.message_page("403", message), seen, 403)
-        then = _then(form.get("then", "/"))
+        then = then_target(form.get("then", "/"))
         hashed = self.sessions.check_token(form.get("token", "").strip(), now)
         if hashed is None:
             return self._login_needed(request, seen, "That token is not in the token file.", then)
