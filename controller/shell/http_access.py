@@ -72,7 +72,7 @@ class Gate:
     def _output_read(self, scope: Scope) -> bool:
         """A console session reading a job's output (GET /job/{id}/output)."""
         path: str = scope["path"].rstrip("/")
-        if scope["method"] not in ("GET", "HEAD") or not path.endswith("/output"):
+        if not path.endswith("/output") or scope.get("method") not in ("GET", "HEAD"):
             return False
         job_id = path[len(JOB_PREFIX) : -len("/output")]
         return path.startswith(JOB_PREFIX) and "/" not in job_id and self.session_ok(scope)
