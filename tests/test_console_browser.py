@@ -240,6 +240,8 @@ def test_log_in_see_the_chart_filter_open_retry_cancel_and_pause(console: Consol
     c.click('form[action="/ui/jobs/runner/cancel"] button')
     c.wait(lambda d: "canceled" in d.find_element(By.ID, "job-head").text)
     assert c.job("runner")["state"] == "canceled"
+    # Its worker got RESTART; its supervisor starts it again.
+    wait_for_condition(lambda: c.api("GET", "/health/")[1]["workers"] == 2, timeout=30)
 
     # Pause a queue, then resume it.
     c.open("/ui/queues")
