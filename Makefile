@@ -23,13 +23,14 @@ run: $(STAMP)
 	mkdir -p .run
 	$(BIN)/controller --config packaging/dev.json --workers auto
 
-# Services the tests start themselves (redis-server, chromium) are installed when root and
-# missing; otherwise their tests skip and say why.
+# Services the tests start themselves (redis-server, chromium and chromium-driver) are
+# installed when root and missing; otherwise their tests skip and say why.
 test: $(STAMP)
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    need=""; \
 	    command -v redis-server >/dev/null 2>&1 || need="$$need redis-server"; \
 	    command -v chromium >/dev/null 2>&1 || need="$$need chromium"; \
+	    command -v chromedriver >/dev/null 2>&1 || need="$$need chromium-driver"; \
 	    if [ -n "$$need" ]; then \
 	        echo "installing$$need for the tests"; \
 	        (apt-get update -qq && apt-get install -y -qq $$need) >/dev/null 2>&1 \

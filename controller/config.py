@@ -73,7 +73,7 @@ class Config:
     # survives a controller crash or kill -9, not a power loss (WAL, no fsync per commit).
     journal_sync: str = "full"
     allowed_uids: tuple[int, ...] = (0,)
-    # The HTTP job API and status page (host, port); None: off.
+    # The HTTP job API and the console (host, port); None: off.
     http_address: ClientAddress | None = None
     # One bearer token a line; None: no token needed.
     http_token_file: Path | None = None

@@ -291,6 +291,10 @@ class JobBook:
     def get(self, job_id: str) -> Job | None:
         return self._by_id.get(job_id)
 
+    def newest(self) -> Iterator[Job]:
+        """Every job, newest first (an operator's query: do not change the book meanwhile)."""
+        return reversed(self._by_id.values())
+
     def add(self, job: Job) -> Job:
         """Record a new job (its id must not be taken: doors check with `get` first)."""
         if job.id in self._by_id:
@@ -370,7 +374,7 @@ class JobBook:
         return out
 
     def count(self, state: JobState) -> int:
-        """How many jobs are in `state` now (for status pages)."""
+        """How many jobs are in `state` now (for status views)."""
         return sum(1 for job in self._by_id.values() if job.state is state)
 
     def retain(self, job: Job, now: float, retain_for: float | None = None) -> None:

@@ -111,12 +111,14 @@ def test_async_client_over_https_under_trio_and_asyncio(tls_live: LiveController
     assert asyncio.run(round_trip("asyncio")) == b"asyncio"
 
 
-def test_the_status_page_over_https(tls_live: LiveController, pki: Pki) -> None:
+def test_the_console_over_https_sets_secure_cookies(tls_live: LiveController, pki: Pki) -> None:
     context = ssl.create_default_context(cafile=pki.ca)
     with urllib.request.urlopen(f"{tls_live.url}/", timeout=10, context=context) as resp:
         assert resp.status == 200
         assert "text/html" in resp.headers["Content-Type"]
         assert b"<html" in resp.read().lower()
+        cookie = resp.headers["Set-Cookie"]
+        assert cookie.startswith("console_browser=") and cookie.endswith("; Secure")
 
 
 def test_jobctl_over_https_trusts_its_ca_file(tls_live: LiveController, pki: Pki) -> None:

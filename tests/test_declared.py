@@ -15,7 +15,8 @@ from controller.core import Core, PulseReceived, Reply
 from controller.frontdoor import FrontDoor, fit_status
 from controller.httpapi import ApiError, parse_declared
 from controller.jobs import JobBook
-from controller.shell.statuspage import render_status_page
+from controller.shell.console.pages import workers_table
+from controller.shell.console.views import worker_data
 from gen import worker_protocol_pb2 as pb
 from worker.core import WorkerSession
 from worker.main import build_parser, check_arguments
@@ -288,6 +289,6 @@ def test_status_report_page_and_udp_client_show_queues_and_labels():
     assert fit_status(report, 1100) is report and len(json.dumps(report)) < 1200
     text = format_status(report)
     assert "queues / labels" in text and "gpu.q / cuda" in text and "q00,q01" in text
-    page = render_status_page(core, JobBook(), 1.0, {}, 0)
+    page = workers_table(*worker_data(core, 1.0))
     assert "<th>queues</th><th>labels</th>" in page
     assert "<td>gpu.q</td><td>cuda</td>" in page and "<td>q00,q01," in page

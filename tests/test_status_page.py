@@ -1,4 +1,5 @@
-"""The status page in a real headless browser (Debian's chromium): a screenshot and its text."""
+"""The console's overview in a real headless browser (Debian's chromium, no driver): a
+screenshot and its text. tests/test_console_browser.py drives the rest with Selenium."""
 
 from __future__ import annotations
 

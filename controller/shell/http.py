@@ -1,4 +1,4 @@
-"""The HTTP job API and status page: an ASGI app on hypercorn's trio server, in our loop.
+"""The HTTP job API and the console: an ASGI app on hypercorn's trio server, in our loop.
 
 Every handler runs in the controller's own trio loop, so it reads the job book
 and calls the job desk directly: no threads, no locks, no copies. What a body
@@ -34,20 +34,20 @@ from controller.shell import keepalive
 from controller.shell.asgi import (
     BodyTimeout,
     ClientDisconnect,
+    Endpoint,
     Request,
     Response,
     Router,
     StreamingResponse,
     error_response,
-    html_response,
     json_response,
 )
+from controller.shell.console.handlers import Console
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http_access import Gate, read_tokens
 from controller.shell.http_conn import Connections, OneOneStream, serve_connections
 from controller.shell.openapi import OPENAPI
-from controller.shell.statuspage import render_status_page
 
 log = logging.getLogger("controller.http")
 
@@ -94,26 +94,29 @@ class HttpDoor:
         self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
         tokens = read_tokens(config.http_token_file) if config.http_token_file else None
-        routes = [
+        routes: list[tuple[str, Endpoint, list[str]]] = [
             ("/health/", self.health, ["GET"]),
             ("/job/", self.jobs, ["GET", "POST"]),
             ("/ping/", self.ping, ["GET"]),
             ("/openapi.json", self.openapi, ["GET"]),
             ("/queue/", self.queues, ["GET"]),
-            ("/", self.status_page, ["GET"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
-        patterns = [
+        patterns: list[tuple[str, Endpoint, list[str]]] = [
             ("/job/{job_id}/retry/", self.retry, ["POST"]),
             ("/job/{job_id}/output/", self.output, ["GET"]),
             ("/queue/{name}/", self.queue, ["PUT"]),
         ]
-        self.gate = Gate(config.allowed_clients, tokens)
+        self.console = Console(self)  # `/` and /ui/...
+        routes += self.console.routes()
+        patterns += self.console.patterns()
+        self.gate = Gate(config.allowed_clients, tokens, self.console.session_ok)
         self.app = Router(
             routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal, patterns=patterns
         )
         self.options = config.job_options("http")
         desk.on_finished = self.job_ended
         desk.on_output = self.output_grew
+        self._rate = self.console.job_ended
         self.pollers = core.pollers
         self.connections = Connections(config.max_connections)
         self._idle_timer = keepalive.usable()
@@ -160,7 +163,7 @@ class HttpDoor:
         self.started_at = trio.current_time()
         host, port = self.address()
         scheme = "https" if self.config.http_tls is not None else "http"
-        log.info("HTTP job API and status page on %s://%s:%d/", scheme, host, port)
+        log.info("HTTP job API and console on %s://%s:%d/", scheme, host, port)
         hc = self._hypercorn_config()
         app = ASGIWrapper(self.app)  # type: ignore[arg-type]
         context = WorkerContext(None)
@@ -226,7 +229,9 @@ class HttpDoor:
         self.desk.leased(job.ref, waiter.lease)
 
     def job_ended(self, job: Job) -> None:
-        """The desk's hook: a job ended (or was deleted): wake its long-polls."""
+        """The desk's hook: a job ended (or was deleted): wake its long-polls, count it for
+        the console's chart."""
+        self._rate(job)
         event = self._ended.pop(job.id, None)
         if event is not None:
             event.set()
@@ -464,15 +469,6 @@ class HttpDoor:
 
     async def openapi(self, request: Request) -> Response:
         return json_response(OPENAPI)
-
-    async def status_page(self, request: Request) -> Response:
-        now = trio.current_time()
-        redis = self.redis_status() if self.redis_status is not None else None
-        html = render_status_page(
-            self.core, self.book, now, self.counters, self.gate.refused, redis
-        )
-        # errors="replace": a name a client sent may hold a lone surrogate.
-        return html_response(html.encode("utf-8", "replace"))
 
     # ------------------------------------------------------------ helpers
 

@@ -1,16 +1,21 @@
 """Who may use the HTTP door: `allowed_clients` (403 on every path) and bearer tokens
-(401 on every path but /health/), checked by the router before any endpoint (not as a
-middleware: a coroutine layer costs at every one of a request's ~11 resumptions)."""
+(401 on every API path but /health/), checked by the router before any endpoint (not as a
+middleware: a coroutine layer costs at every one of a request's ~11 resumptions).
+
+The console (`/` and /ui/...) checks its own session cookie instead of a bearer token
+(controller/shell/console/handlers.py); that cookie also opens `GET /job/{id}/output`,
+which a job's page shows in a frame."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from controller.frontdoor import cached_allowed
-from controller.shell.asgi import Response, Scope, error_response
+from controller.shell.asgi import JOB_PREFIX, Response, Scope, error_response
+from controller.shell.console.web import is_console_path
 from controller.shell.core_shell import StartupError
 
 
@@ -31,15 +36,18 @@ def read_tokens(path: Path) -> frozenset[str]:
 
 class Gate:
     """`allowed_clients` on every path (403), then bearer tokens on every path but
-    /health/ (401); `refused` counts the refusals for the status page."""
+    /health/ (401); `refused` counts the refusals for the console's overview."""
 
     def __init__(
         self,
         networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
         tokens: frozenset[str] | None,
+        session_ok: Callable[[Scope], bool] = lambda scope: False,
     ) -> None:
+        """`session_ok(scope)`: whether a request carries a good console session."""
         self.networks = tuple(networks)
         self.tokens = tokens
+        self.session_ok = session_ok
         self.refused = 0
         self._allowed: dict[str, bool] = {}
 
@@ -50,13 +58,24 @@ class Gate:
         if not cached_allowed(host, self.networks, self._allowed):
             self.refused += 1
             return error_response(403, "this address is not in allowed_clients")
-        needs_token = self.tokens is not None and scope["path"].rstrip("/") != "/health"
-        if needs_token and not self._token_ok(scope):
+        path: str = scope["path"]
+        needs_token = self.tokens is not None and path.rstrip("/") != "/health"
+        if needs_token and is_console_path(path):
+            return None  # the console asks for its session itself
+        if needs_token and not self._token_ok(scope) and not self._output_read(scope):
             self.refused += 1
             refusal = error_response(401, "a valid 'Authorization: Bearer <token>' is needed")
             refusal.headers.append((b"www-authenticate", b"Bearer"))
             return refusal
         return None
+
+    def _output_read(self, scope: Scope) -> bool:
+        """A console session reading a job's output (GET /job/{id}/output)."""
+        path: str = scope["path"].rstrip("/")
+        if not path.endswith("/output") or scope.get("method") not in ("GET", "HEAD"):
+            return False
+        job_id = path[len(JOB_PREFIX) : -len("/output")]
+        return path.startswith(JOB_PREFIX) and "/" not in job_id and self.session_ok(scope)
 
     def _token_ok(self, scope: Scope) -> bool:
         assert self.tokens is not None

@@ -279,13 +279,19 @@ OPENAPI: dict[str, Any] = {
         },
         "/": {
             "get": {
-                "summary": "the status page (HTML)",
+                "summary": "the operator's console: its overview (HTML; the rest under /ui/)",
                 "responses": {
                     "200": {
-                        "description": "workers, queue depth, counters, latest jobs",
+                        "description": "workers, queues, counters, jobs ended per second, "
+                        "latest jobs",
                         "content": {"text/html": {"schema": _TEXT}},
                     },
-                    **_errors(401, 403),
+                    "401": {
+                        "description": "no console session (http_token_file is set): the "
+                        "login form",
+                        "content": {"text/html": {"schema": _TEXT}},
+                    },
+                    **_errors(403),
                 },
             }
         },

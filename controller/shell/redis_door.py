@@ -228,7 +228,7 @@ class RedisDoor:
             )
 
     def status(self) -> dict[str, Any]:
-        """What `udp-client status`, the status page and the metrics show of this door."""
+        """What `udp-client status`, the console and the metrics show of this door."""
         return {
             "connected": self.down_since is None,
             "stream": self.settings.stream,

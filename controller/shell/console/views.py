@@ -1,0 +1,135 @@
+"""What the console shows, as plain data read from the core and the job book (the pages
+render it). Each function is an operator's question: it may look at every worker, and the
+job list at every kept job, but nothing here runs on a job's path."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from controller.declared import shown
+from controller.jobs import Job, JobBook, JobState
+from controller.options import rfc3339
+
+MAX_WORKERS_SHOWN = 200
+# Characters of a worker's queues, and of its labels, shown in its row.
+NAMES_SHOWN = 120
+LATEST_JOBS = 25
+# Jobs a bulk retry or delete takes at a time.
+BULK_LIMIT = 10_000
+
+
+def worker_data(core: Any, now: float) -> tuple[list[dict[str, Any]], int]:
+    """The first MAX_WORKERS_SHOWN workers, and how many more there are."""
+    rows = []
+    for worker in itertools.islice(core.workers.values(), MAX_WORKERS_SHOWN):
+        task = worker.task
+        rows.append(
+            {
+                "id": core.worker_name(worker.worker_id),
+                "kind": worker.kind.label,
+                "state": worker.state.value,
+                "job": str(task.owner) if task is not None else "",
+                "pulse_ago": now - worker.last_pulse,
+                "done": worker.done,
+                "queues": shown(worker.queues, NAMES_SHOWN),
+                "labels": shown(worker.labels, NAMES_SHOWN),
+            }
+        )
+    return rows, len(core.workers) - len(rows)
+
+
+def summary(core: Any, book: JobBook) -> dict[str, int]:
+    return {
+        "workers": len(core.workers),
+        "idle": core.idle_workers,
+        "pending": core.queued,
+        "scheduled": core.scheduled,
+        "running": len(core.tasks) - core.queued - core.scheduled,
+        "kept": len(book),
+    }
+
+
+def counters(core: Any, http: dict[str, int], refused: int) -> list[tuple[str, int]]:
+    c = core.counters
+    return [
+        ("submitted", c.submitted),
+        ("finished", c.succeeded),
+        ("failed", c.errors),
+        ("failed_post", c.failed_post),
+        ("canceled", c.canceled),
+        ("retries", c.retries),
+        ("restarts sent", c.restarts_sent),
+        ("HTTP requests", http.get("requests", 0)),
+        ("HTTP jobs added", http.get("jobs_added", 0)),
+        ("HTTP errors", http.get("errors", 0)),
+        ("HTTP refused", refused),
+    ]
+
+
+def job_row(job: Job, now: float, wall_offset: float) -> dict[str, Any]:
+    """A job's line in a list."""
+    return {
+        "id": job.id,
+        "door": job.door,
+        "name": job.name,
+        "queue": job.options.queue,
+        "state": job.state.value,
+        "age": now - job.added_at,
+        "added_at": rfc3339(job.added_at + wall_offset),
+        "attempts": job.task.attempts if job.task is not None else job.attempts,
+        "error": job.error,
+    }
+
+
+def matching(
+    book: JobBook, state: JobState | None, queue: str | None, search: str
+) -> Iterator[Job]:
+    """The jobs of a filter, newest first: in `state` (deleted ones only when asked for), in
+    `queue`, whose id or name holds `search` (case aside)."""
+    needle = search.casefold()
+    for job in book.newest():
+        job_state = job.state
+        if state is None:
+            if job_state is JobState.DELETED:
+                continue
+        elif job_state is not state:
+            continue
+        if queue is not None and job.options.queue != queue:
+            continue
+        if needle and needle not in job.id.casefold() and needle not in job.name.casefold():
+            continue
+        yield job
+
+
+def attempts_data(
+    job: Job, wall_offset: float, name_of: Callable[[int], str]
+) -> list[dict[str, str]]:
+    """Each attempt: worker, start and end (wall clock), outcome, error."""
+    out = []
+    for attempt in job.attempts_made():
+        out.append(
+            {
+                "worker": name_of(attempt.worker) if attempt.worker else "?",
+                "started": rfc3339(attempt.started + wall_offset) if attempt.started else "?",
+                "ended": rfc3339(attempt.ended + wall_offset) if attempt.ended else "",
+                "outcome": attempt.outcome,
+                "error": attempt.error,
+            }
+        )
+    return out
+
+
+def actions_of(job: Job) -> list[str]:
+    """The buttons a job's state allows: cancel (live), retry (failed or canceled), delete
+    (not deleted)."""
+    state = job.state
+    out = []
+    if not state.final:
+        out.append("cancel")
+    if state in (JobState.FAILED, JobState.CANCELED):
+        out.append("retry")
+    if state is not JobState.DELETED:
+        out.append("delete")
+    return out
