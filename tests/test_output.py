@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -68,6 +70,14 @@ def _remote(*args: str) -> list[str]:
 SLOW = "echo one >&2; sleep 1; echo two >&2"
 
 
+def _output_on_disk(tmp_path: Path, ending: bytes) -> bool:
+    """Whether the journal in `tmp_path` holds an output ending so (the answers that show
+    output do not wait for the journal: a test that kills the controller waits for this)."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "journal.sqlite3")) as db:
+        rows = db.execute("SELECT data FROM output").fetchall()
+    return any(bytes(row[0]).endswith(ending) for row in rows)
+
+
 def test_local_output_is_followed_live_and_survives_a_controller_sigkill(tmp_path: Path) -> None:
     args = ("--workers", "1", "--", "--exec", "sh", "-c", SLOW)
     with live_controller(tmp_path, *args) as ctl:
@@ -87,6 +97,7 @@ def test_local_output_is_followed_live_and_survives_a_controller_sigkill(tmp_pat
         conn.close()
         assert _state(ctl.url, job_id) == "finished"
         assert _output(ctl.url, job_id) == (200, "text/plain; charset=utf-8", "one\ntwo\n")
+        wait_for_condition(lambda: _output_on_disk(tmp_path, b"one\ntwo\n"))
         ctl.proc.kill()
         ctl.proc.wait()
         with live_controller(tmp_path) as again:
@@ -161,6 +172,7 @@ def test_endless_output_is_capped_and_non_utf8_replaced(tmp_path: Path) -> None:
         assert text.endswith("x\ufffd\ufffdend\n")
         assert len(text.encode()) <= 100_000 + 4  # two replaced bytes grew by two each
         assert time.monotonic() - started < 60
+        wait_for_condition(lambda: _output_on_disk(tmp_path, b"end\n"))
         ctl.proc.kill()
         ctl.proc.wait()
         with live_controller(tmp_path, output_retention=100_000) as again:
