@@ -63,9 +63,12 @@ def test_every_answer_matches_the_document(live_api: schemathesis.BaseSchema) ->
 def test_the_schemathesis_command_finds_nothing(tmp_path: Path) -> None:
     """`st run --checks all` with every phase, bounded: fewer examples, and without the
     /ping/ long polls (a /ping/ waits out its `wait`, up to 60 s; the test above covers it
-    with short waits), and without job output (`?follow=1` on a job that never ends streams
-    until the client leaves; tests/test_output.py covers it). use_after_free is left out: a deleted job stays readable (its
-    state is `deleted`, and a PUT on it answers 409), which that check calls a failure."""
+    with short waits), without job output (`?follow=1` on a job that never ends streams
+    until the client leaves; tests/test_output.py covers it), and without pausing queues (a
+    paused queue's jobs never end), and without reading one job (`?wait=` on a job that is
+    scheduled, or whose queue or labels no worker serves, waits up to 60 s; the test above
+    covers both with short waits). use_after_free is left out: a deleted job stays readable
+    (its state is `deleted`, and a PUT on it answers 409), which that check calls a failure."""
     st = Path(sys.executable).with_name("st")
     with live_controller(tmp_path, "--workers", "1") as ctl:
         proc = subprocess.run(
@@ -75,6 +78,7 @@ def test_the_schemathesis_command_finds_nothing(tmp_path: Path) -> None:
                 *["--checks", "all", "--exclude-checks", "use_after_free"],
                 *["--phases", "coverage,fuzzing,stateful", "--max-examples", "10"],
                 *["--exclude-path", "/ping/", "--exclude-path", "/job/{job_id}/output/"],
+                *["--exclude-path", "/queue/{name}/", "--exclude-name", "GET /job/{job_id}/"],
                 *["--seed", "1", "--generation-database", "none"],
                 "--no-color",
                 f"{ctl.url}/openapi.json",
