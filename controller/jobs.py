@@ -17,6 +17,7 @@ into wall-clock seconds for the timestamps a person reads.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import deque
 from collections.abc import Iterator
@@ -291,10 +292,6 @@ class JobBook:
     def get(self, job_id: str) -> Job | None:
         return self._by_id.get(job_id)
 
-    def newest(self) -> Iterator[Job]:
-        """Every job, newest first (an operator's query: do not change the book meanwhile)."""
-        return reversed(self._by_id.values())
-
     def add(self, job: Job) -> Job:
         """Record a new job (its id must not be taken: doors check with `get` first)."""
         if job.id in self._by_id:
@@ -358,7 +355,15 @@ class JobBook:
     ) -> list[Job]:
         """The newest jobs first, at most `limit`, in `state` and `queue` if given; deleted
         ones only when asked for (an operator's query: it may look at many records)."""
-        out: list[Job] = []
+        return list(itertools.islice(self.matching(state, queue), limit))
+
+    def matching(
+        self, state: JobState | None = None, queue: str | None = None, search: str = ""
+    ) -> Iterator[Job]:
+        """The jobs of a filter, newest first: in `state` (deleted ones only when asked for),
+        in `queue`, whose id or name holds `search` (case aside). Do not change the book
+        while reading it."""
+        needle = search.casefold()
         for job in reversed(self._by_id.values()):
             if queue is not None and job.options.queue != queue:
                 continue
@@ -368,10 +373,9 @@ class JobBook:
                     continue
             elif job_state is not state:
                 continue
-            out.append(job)
-            if len(out) >= limit:
-                break
-        return out
+            if needle and needle not in job.id.casefold() and needle not in job.name.casefold():
+                continue
+            yield job
 
     def count(self, state: JobState) -> int:
         """How many jobs are in `state` now (for status views)."""

@@ -34,20 +34,20 @@ MAX_LABELS = 32
 MAX_OWNER = 200
 _OWNER_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:~@+=-")
 
-OPTION_NAMES = frozenset(
-    {
-        "queue",
-        "priority",
-        "requires",
-        "delay",
-        "run_at",
-        "max_retries",
-        "retry_delay",
-        "timeout",
-        "placement_timeout",
-        "owner",
-    }
+# Every option, in the order the documents list them.
+OPTIONS = (
+    "queue",
+    "priority",
+    "requires",
+    "delay",
+    "run_at",
+    "max_retries",
+    "retry_delay",
+    "timeout",
+    "placement_timeout",
+    "owner",
 )
+OPTION_NAMES = frozenset(OPTIONS)
 
 
 class BadOption(ValueError):

@@ -434,7 +434,7 @@ def test_max_retries_then_error():
             extra=b"bad input",
         )
     [done] = finished(actions)
-    assert accepted == 3 == 1 + core.scheduler.max_retries
+    assert accepted == 3 == 1 + core.scheduler.defaults.max_retries
     assert done.state is TaskState.ERROR and "bad input" in done.error
     assert dials(actions, pb.CTRL_SET_TASK) == []
 

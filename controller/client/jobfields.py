@@ -17,21 +17,10 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from controller.options import DEFAULT, BadOption, parse, rfc3339
+from controller.options import DEFAULT, OPTIONS, BadOption, parse, rfc3339
 
-# The options `submit` takes, in the order the documents list them.
-SUBMIT_OPTIONS = (
-    "queue",
-    "priority",
-    "requires",
-    "delay",
-    "run_at",
-    "max_retries",
-    "retry_delay",
-    "timeout",
-    "placement_timeout",
-    "owner",
-)
+# The options `submit` takes: every one the controller reads.
+SUBMIT_OPTIONS = OPTIONS
 
 
 def option_fields(**given: Any) -> dict[str, Any]:

@@ -93,23 +93,13 @@ class Calculators:
         """A heartbeat: registers the calculator or refreshes it, with what it declares."""
         sched = self.scheduler
         worker = self._live(address)
-        wid = self.roster.heard(address, now)
         if worker is not None:
+            self.roster.heard(address, now)
             sched.serves(worker, serves.queues, serves.labels)
         else:
-            worker = Worker(
-                worker_id=wid,
-                kind=self,
-                pid=None,
-                uid=None,
-                deadline=0.0,
-                queues=serves.queues,
-                labels=serves.labels,
-            )
-            worker.done = self.roster.done.get(wid, 0)
+            worker = self.roster.enlist(address, self, now, serves.queues, serves.labels)
             self._by_addr[address] = worker
-            sched.add_worker(worker)
-            log.info("calculator %s registered", self.names[wid])
+            log.info("calculator %s registered", self.names[worker.worker_id])
         worker.last_pulse = now
         worker.deadline = now + self.timeout
         if not worker.armed:

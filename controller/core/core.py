@@ -100,10 +100,6 @@ class Core:
         return self.scheduler.idle_workers
 
     @property
-    def timeout_task_placement(self) -> float:
-        return self.scheduler.timeout_task_placement
-
-    @property
     def next_worker_id(self) -> int:
         return self.local.next_worker_id
 

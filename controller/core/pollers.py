@@ -107,20 +107,8 @@ class Pollers:
         return False
 
     def _new(self, name: str, now: float, serves: declared.Declared = declared.DEFAULT) -> Worker:
-        wid = self.roster.heard(name, now)
-        worker = Worker(
-            worker_id=wid,
-            kind=self,
-            pid=None,
-            uid=None,
-            deadline=0.0,
-            queues=serves.queues,
-            labels=serves.labels,
-        )
-        worker.done = self.roster.done.get(wid, 0)  # what it did in its earlier lives
-        worker.last_pulse = now
+        worker = self.roster.enlist(name, self, now, serves.queues, serves.labels)
         self._by_name[name] = worker
-        self.scheduler.add_worker(worker)
         return worker
 
     def gave_up(self, name: str, now: float) -> list[Action]:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-from controller.core.model import Action
+from controller.core.model import Action, Worker, WorkerKind
 from controller.core.scheduler import Scheduler
 
 K = TypeVar("K", bound=Hashable)
@@ -64,6 +64,26 @@ class Roster(Generic[K]):
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def enlist(
+        self, key: K, kind: WorkerKind, now: float, queues: frozenset[str], labels: frozenset[str]
+    ) -> Worker:
+        """A live worker for `key` (heard now), with its number and its jobs done over its
+        earlier lives, added to the scheduler."""
+        wid = self.heard(key, now)
+        worker = Worker(
+            worker_id=wid,
+            kind=kind,
+            pid=None,
+            uid=None,
+            deadline=0.0,
+            queues=queues,
+            labels=labels,
+        )
+        worker.done = self.done.get(wid, 0)
+        worker.last_pulse = now
+        self.scheduler.add_worker(worker)
+        return worker
 
     def heard(self, key: K, now: float) -> int:
         """`key` spoke now: its number (a new one for a key not known)."""

@@ -107,18 +107,6 @@ class Scheduler:
     # ------------------------------------------------------------ queries
 
     @property
-    def max_retries(self) -> int:
-        return self.defaults.max_retries
-
-    @property
-    def timeout_task_placement(self) -> float:
-        return self.defaults.placement_timeout
-
-    @property
-    def task_timeout(self) -> float:
-        return self.defaults.timeout
-
-    @property
     def queued(self) -> int:
         """Tasks pending (waiting for a worker)."""
         return self.pending.count

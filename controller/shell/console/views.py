@@ -86,21 +86,8 @@ def job_row(job: Job, now: float, wall_offset: float) -> dict[str, Any]:
 def matching(
     book: JobBook, state: JobState | None, queue: str | None, search: str
 ) -> Iterator[Job]:
-    """The jobs of a filter, newest first: in `state` (deleted ones only when asked for), in
-    `queue`, whose id or name holds `search` (case aside)."""
-    needle = search.casefold()
-    for job in book.newest():
-        job_state = job.state
-        if state is None:
-            if job_state is JobState.DELETED:
-                continue
-        elif job_state is not state:
-            continue
-        if queue is not None and job.options.queue != queue:
-            continue
-        if needle and needle not in job.id.casefold() and needle not in job.name.casefold():
-            continue
-        yield job
+    """The jobs of a filter, newest first (see JobBook.matching)."""
+    return book.matching(state, queue, search)
 
 
 def attempts_data(
