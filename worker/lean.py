@@ -321,8 +321,7 @@ class LeanWorker:
         return fd
 
     def _parent_ended(self, events: int) -> None:
-        if self._handlers.pop(self._parent_fd, None) is not None:  # readable for good
-            self._epoll.unregister(self._parent_fd)
+        self._unwatch(self._parent_fd)  # readable for good
         log.warning("parent process %s ended", self.parent_pid)
         self.drain()
 
@@ -420,7 +419,7 @@ class LeanWorker:
     def _dial_done(self, dial: _Dial, answer: pb.PulseResponse | None, why: str) -> None:
         fd = dial.sock.fileno()
         self._dials.pop(fd, None)
-        self._handlers.pop(fd, None)
+        self._unwatch(fd)
         dial.sock.close()
         if answer is None:
             if self._controller_ok:
@@ -463,7 +462,7 @@ class LeanWorker:
 
     def _unlisten(self) -> None:
         if self._listener is not None:
-            self._handlers.pop(self._listener.fileno(), None)
+            self._unwatch(self._listener.fileno())
             self._listener.close()
             self._listener = None
         if self._path is not None:
@@ -661,8 +660,8 @@ class LeanWorker:
         fd = conn.sock.fileno()
         if fd >= 0:
             self._conns.pop(fd, None)
-            self._handlers.pop(fd, None)
-            conn.sock.close()  # closing takes it out of the epoll set
+            self._unwatch(fd)
+            conn.sock.close()
 
     def _watch(self, fd: int, events: int, handler: Callable[[int], None]) -> None:
         if fd in self._handlers:
@@ -670,6 +669,14 @@ class LeanWorker:
         else:
             self._epoll.register(fd, events)
         self._handlers[fd] = handler
+
+    def _unwatch(self, fd: int) -> None:
+        """Take `fd` out of the epoll set before it is closed: closing alone leaves it in
+        while another reference to the same file lives (a command started meanwhile holds
+        one for a moment), and the set would go on reporting it."""
+        if self._handlers.pop(fd, None) is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
 
     # ------------------------------------------------------------ the job
 

@@ -77,14 +77,17 @@ class Command:
         read_chunk: int,
         on_stderr: Callable[[bytes], None] | None = None,
     ) -> None:
+        self._epoll = epoll
         self.pid, self.in_w, self.out_r, self.err_r = _start(program, argv, env)
         self._open = {self.in_w, self.out_r, self.err_r}
         try:
             self.pidfd = os.pidfd_open(self.pid)
-        except BaseException:
+        except BaseException:  # out of descriptors: stop it, reap it, and say so
+            _kill_group(self.pid)
+            with contextlib.suppress(ChildProcessError):
+                _reap(self.pid)
             self._abandon()
             raise
-        self._epoll = epoll
         self._max_output = max_output
         self._stderr_keep = stderr_keep
         self._read_chunk = read_chunk
@@ -163,7 +166,7 @@ class Command:
 
     def _abandon(self) -> None:
         for fd in self._open:
-            os.close(fd)  # closing removes it from the epoll set
+            self._forget(fd)
         self._open.clear()
 
     def _feed(self) -> None:
@@ -192,7 +195,16 @@ class Command:
     def _close(self, fd: int) -> None:
         if fd in self._open:
             self._open.discard(fd)
-            os.close(fd)
+            self._forget(fd)
+
+    def _forget(self, fd: int) -> None:
+        """Out of the epoll set, then closed. Closing alone is not enough: the set keeps
+        watching a pipe until every reference to it is gone, and the kernel may drop the
+        last one later (seen: stdin's pipe kept reporting writable, hundreds of wake-ups a
+        job, until the command exited)."""
+        with contextlib.suppress(OSError):  # not registered yet (a failed start)
+            self._epoll.unregister(fd)
+        os.close(fd)
 
 
 async def spawn_and_wait(
