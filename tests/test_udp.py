@@ -241,6 +241,38 @@ async def test_a_batch_leaves_after_its_delay_without_waiting_for_outcomes(
         assert notes == {"done:first", "done:second"}
 
 
+def paced(gap: float, count: int = 40) -> durability.Pace:
+    """A Pace that saw `count` answers, `gap` seconds apart."""
+    pace = durability.Pace()
+    for n in range(count):
+        pace.note(n * gap)
+    return pace
+
+
+def test_answers_that_come_far_apart_do_not_wait_for_company():
+    # 16 in flight: a batch would wait 720 us. Jobs that end every millisecond (a command's
+    # start alone takes that long) would bring no company in it: the answer goes at once.
+    assert durability.batch_delay(16) == pytest.approx(720e-6)
+    assert paced(1e-3).delay(16) == 0.0
+    # Answers 100 us apart (no-op jobs): about seven more come in the wait, so it waits.
+    assert paced(100e-6).delay(16) == pytest.approx(720e-6)
+    # With 64 in flight the wait is 3.6 ms, and the same millisecond jobs fill it.
+    assert paced(1e-3).delay(64) == pytest.approx(durability.batch_delay(64))
+    # A few in flight: no wait, however close together.
+    assert paced(10e-6).delay(4) == 0.0
+
+
+def test_a_pace_starts_as_dense_and_follows_the_gaps():
+    pace = durability.Pace()
+    assert pace.delay(16) == pytest.approx(720e-6)  # before any gap: the rule without a pace
+    for n in range(40):  # sparse, then dense again
+        pace.note(n * 1e-3)
+    assert pace.delay(16) == 0.0
+    for n in range(40):
+        pace.note(1.0 + n * 50e-6)
+    assert pace.delay(16) > 0.0
+
+
 # ---------------------------------------------------------------- real processes
 
 

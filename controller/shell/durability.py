@@ -21,7 +21,8 @@ And the rule of batches (`batch_delay`): while more than a few jobs are in
 flight, a commit waits a little for more changes, and without a journal the
 UDP door's answers to submitters wait as long for company, so that each
 fsync, and each wake-up of a client, is shared by more jobs. A lone job, or a
-handful, waits for nothing.
+handful, waits for nothing; and the UDP door's answers wait only while they come
+close enough together for company to arrive in the wait (`Pace`).
 
 The doors' state changes (a job added, an outcome delivered) must be staged
 before the answers that depend on them are handed here: the job desk carries
@@ -30,6 +31,7 @@ out a door's actions in that order.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +53,35 @@ def batch_delay(in_flight: int) -> float:
     """Seconds a batch of journal changes or answers waits for more while `in_flight` jobs
     are queued or running: 0 for a few."""
     return min(BATCH_DELAY_MAX, max(0, in_flight - BATCH_AFTER) * BATCH_DELAY_PER_JOB)
+
+
+# A batch waits only when at least this many more are expected within its wait.
+COMPANY = 2.0
+# How much each new gap weighs in the running mean of gaps.
+PACE_WEIGHT = 0.125
+
+
+class Pace:
+    """How far apart the things a batch gathers come (a running mean of the gaps), so that
+    a batch waits only when company is coming: jobs that take a millisecond each gain
+    nothing from a wait sized for no-op jobs, and lose the time they wait."""
+
+    __slots__ = ("_last", "gap")
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+        self.gap = 0.0  # until the gaps say otherwise, company is coming (the rule before)
+
+    def note(self, now: float) -> None:
+        """One more came at `now`."""
+        gap = min(now - self._last, BATCH_DELAY_MAX)  # a long pause counts as the longest wait
+        self._last = now
+        self.gap += (gap - self.gap) * PACE_WEIGHT
+
+    def delay(self, in_flight: int) -> float:
+        """`batch_delay(in_flight)`, or 0 when fewer than COMPANY are expected in it."""
+        wait = batch_delay(in_flight)
+        return wait if wait >= COMPANY * self.gap else 0.0
 
 
 class WriteAhead:

@@ -23,7 +23,7 @@ from controller.jobs import Job, JobState
 from controller.reactor import Timer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
-from controller.shell.durability import batch_delay
+from controller.shell.durability import Pace
 from controller.shell.timer import DeadlineTimer
 from controller.transmissions import NOTIFY_FIRST_INTERVAL
 
@@ -100,6 +100,7 @@ class UdpDoor:
         self._batch: list[Send] = []
         self._batch_timer: Timer | None = None
         self._batching = desk.journal is None
+        self._pace = Pace()
         self._live_tasks = shell.core.tasks  # every door's unfinished tasks
         desk.doors["udp"] = self
 
@@ -203,10 +204,11 @@ class UdpDoor:
             # in flight (durability.batch_delay): a client reads a batch in one wake-up. With
             # a few jobs they go at once, and nothing overtakes what already waits.
             if send.batched and self._batching:
+                self._pace.note(trio.current_time())
                 if self._batch:
                     self._batch.append(send)
                     continue
-                delay = batch_delay(len(self._live_tasks))
+                delay = self._pace.delay(len(self._live_tasks))
                 if delay:
                     self._batch.append(send)
                     when = trio.current_time() + delay
