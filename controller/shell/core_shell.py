@@ -203,10 +203,14 @@ class CoreShell:
         owner: object,
         options: JobOptions | None = None,
         wait: float = 0.0,
+        now: float | None = None,
     ) -> tuple[Task, list[Action]]:
         """Queue a task (scheduled `wait` seconds ahead when > 0); the caller records it, then
-        carries out the actions (`execute`)."""
-        return self.core.submit(task_id, payload, owner, trio.current_time(), options, wait)
+        carries out the actions (`execute`). `now`: the trio clock the caller read (its job's
+        times and the task's are then one float, not one each: 100,000 queued jobs, 3 MB)."""
+        if now is None:
+            now = trio.current_time()
+        return self.core.submit(task_id, payload, owner, now, options, wait)
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""

@@ -78,6 +78,7 @@ class Scheduling(Protocol):
         owner: object,
         options: JobOptions | None = ...,
         wait: float = ...,
+        now: float | None = ...,
     ) -> tuple[Task, list[Any]]: ...
 
     def execute(self, actions: list[Any]) -> None: ...
@@ -211,7 +212,7 @@ class JobDesk:
         (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
         run_at = options.run_at if options is not None else None
         wait = 0.0 if run_at is None else run_at - time.time()
-        task, actions = self.scheduling.queue(task_id, payload, job_id, options, wait)
+        task, actions = self.scheduling.queue(task_id, payload, job_id, options, wait, now)
         notes = notes_of(name, info_url, download_url)
         job = Job(
             job_id, task.ref, task_id, door, key, payload, notes, added_at=now, updated_at=now
