@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import math
 import os
 import random
 import select
@@ -182,9 +181,8 @@ async def busy_with(client: GatedClient, task_id: int, payload: str) -> None:
 
 
 def batch_delay_of(monkeypatch, seconds: float) -> None:
-    """Batches from two jobs in flight on, each waiting `seconds`, however far apart the
-    answers come (the door's rule reads these when it arms its timer)."""
-    monkeypatch.setattr(durability, "DENSE_GAP", math.inf)
+    """Batches from two jobs in flight on, each waiting `seconds` (the door's rule reads
+    these when it arms its timer)."""
     monkeypatch.setattr(durability, "BATCH_AFTER", 1)
     monkeypatch.setattr(durability, "BATCH_DELAY_PER_JOB", seconds)
     monkeypatch.setattr(durability, "BATCH_DELAY_MAX", seconds)
@@ -258,10 +256,8 @@ def test_answers_that_come_far_apart_do_not_wait_for_company():
     assert paced(1e-3).delay(16) == 0.0
     # Answers 100 us apart (no-op jobs): about seven more come in the wait, so it waits.
     assert paced(100e-6).delay(16) == pytest.approx(720e-6)
-    # With 64 in flight the wait is 3.6 ms, and millisecond jobs would fill it; but answers
-    # further apart than DENSE_GAP cost the client little one by one: they go at once.
-    assert paced(1e-3).delay(64) == 0.0
-    assert paced(200e-6).delay(64) == pytest.approx(durability.batch_delay(64))
+    # With 64 in flight the wait is 3.6 ms, and the same millisecond jobs fill it.
+    assert paced(1e-3).delay(64) == pytest.approx(durability.batch_delay(64))
     # A few in flight: no wait, however close together.
     assert paced(10e-6).delay(4) == 0.0
 

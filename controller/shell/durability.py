@@ -57,11 +57,6 @@ def batch_delay(in_flight: int) -> float:
 
 # A batch waits only when at least this many more are expected within its wait.
 COMPANY = 2.0
-# ... and only while they come at least this close together on average (4,000 answers a
-# second, about 2,000 jobs): further apart, a client's wake-up for each costs it less than
-# the wait costs the jobs (one worker running `--exec true`, 64 in flight: 929 against 880
-# jobs/s without this limit, alternating runs; no-op jobs, far denser, batch as before).
-DENSE_GAP = 250e-6
 # How much each new gap weighs in the running mean of gaps.
 PACE_WEIGHT = 0.125
 
@@ -84,13 +79,9 @@ class Pace:
         self.gap += (gap - self.gap) * PACE_WEIGHT
 
     def delay(self, in_flight: int) -> float:
-        """`batch_delay(in_flight)`, or 0 when the answers come further apart than
-        DENSE_GAP or fewer than COMPANY are expected in it."""
-        gap = self.gap
-        if gap > DENSE_GAP:
-            return 0.0
+        """`batch_delay(in_flight)`, or 0 when fewer than COMPANY are expected in it."""
         wait = batch_delay(in_flight)
-        return wait if wait >= COMPANY * gap else 0.0
+        return wait if wait >= COMPANY * self.gap else 0.0
 
 
 class WriteAhead:
