@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from controller.config import ClientAddress, Config, RedisSettings
 from controller.jobs import Job, JobState
 from controller.journal import Journal
 from controller.shell.committer import Committer
+from controller.shell.console.session import TokenFile
 from controller.shell.http_access import Gate
 from controller.shell.main import assemble
 from tests.helpers import (
@@ -293,8 +295,10 @@ def test_lone_surrogates_from_a_calculator_are_kept(hostile: Hostile) -> None:
     hostile.runs_a_normal_job()
 
 
-def test_a_non_ascii_bearer_token_is_401_and_a_utf8_one_matches() -> None:
-    gate = Gate([ipaddress.ip_network("127.0.0.0/8")], frozenset({"s\u00e9cret"}))
+def test_a_non_ascii_bearer_token_is_401_and_a_utf8_one_matches(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s\u00e9cret\n", encoding="utf-8")
+    gate = Gate([ipaddress.ip_network("127.0.0.0/8")], TokenFile(tokens), clock=time.monotonic)
 
     def status(authorization: bytes) -> int:
         scope = {

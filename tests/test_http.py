@@ -340,6 +340,30 @@ async def test_tokens_needed_everywhere_but_health(sockdir, tmp_path):
         assert ctl.shell.core.counters.submitted == 1
 
 
+async def test_a_token_added_to_or_removed_from_the_file_counts_without_a_restart(
+    sockdir, tmp_path
+):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("old-token\n")
+    async with http_controller(sockdir, http_token_file=tokens) as ctl, client(ctl.url) as http:
+
+        async def status_with(token: str) -> int:
+            resp = await http.get("/job/", headers={"Authorization": f"Bearer {token}"})
+            return resp.status_code
+
+        assert (await status_with("old-token"), await status_with("new-token")) == (200, 401)
+        tokens.write_text("new-token\n")  # rotated: the new one in, the old one out
+        with trio.fail_after(10):
+            while await status_with("new-token") != 200:
+                await trio.sleep(0.05)
+        assert await status_with("old-token") == 401
+        tokens.unlink()  # no file: no token is good any more (closed, not open)
+        with trio.fail_after(10):
+            while await status_with("new-token") != 401:
+                await trio.sleep(0.05)
+        assert (await http.get("/health/")).status_code == 200
+
+
 async def test_sources_outside_allowed_clients_get_403_everywhere(sockdir):
     outside = (ipaddress.ip_network("10.0.0.0/8"),)
     async with (

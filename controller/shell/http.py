@@ -43,6 +43,7 @@ from controller.shell.asgi import (
     json_response,
 )
 from controller.shell.console.handlers import Console
+from controller.shell.console.session import TokenFile
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http_access import Gate, read_tokens
@@ -93,7 +94,12 @@ class HttpDoor:
         self._grew: dict[str, trio.Event] = {}  # by job id: set when its output grows or it ends
         self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
-        tokens = read_tokens(config.http_token_file) if config.http_token_file else None
+        # The bearer tokens, for the API and the console's logins alike: the file must be
+        # usable at start (else the start stops), then it is read again as it changes.
+        self.tokens: TokenFile | None = None
+        if config.http_token_file:
+            read_tokens(config.http_token_file)
+            self.tokens = TokenFile(config.http_token_file)
         routes: list[tuple[str, Endpoint, list[str]]] = [
             ("/health/", self.health, ["GET"]),
             ("/job/", self.jobs, ["GET", "POST"]),
@@ -109,7 +115,7 @@ class HttpDoor:
         self.console = Console(self)  # `/` and /ui/...
         routes += self.console.routes()
         patterns += self.console.patterns()
-        self.gate = Gate(config.allowed_clients, tokens, self.console.session_ok)
+        self.gate = Gate(config.allowed_clients, self.tokens, self.console.session_ok)
         self.app = Router(
             routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal, patterns=patterns
         )

@@ -2,19 +2,27 @@
 (401 on every API path but /health/), checked by the router before any endpoint (not as a
 middleware: a coroutine layer costs at every one of a request's ~11 resumptions).
 
+The tokens are those of `http_token_file` now: the file is read at start (one that cannot be
+read, or holds no token, stops the start), then again whenever its mtime changes (looked at
+no more than once a second), through the same `TokenFile` as the console's logins. A file
+that becomes unreadable or empty holds no token: every request needing one gets 401.
+
 The console (`/` and /ui/...) checks its own session cookie instead of a bearer token
 (controller/shell/console/handlers.py); that cookie also opens `GET /job/{id}/output`,
 which a job's page shows in a frame."""
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import ipaddress
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import trio
+
 from controller.frontdoor import cached_allowed
 from controller.shell.asgi import JOB_PREFIX, Response, Scope, error_response
+from controller.shell.console.session import TokenFile
 from controller.shell.console.web import is_console_path
 from controller.shell.core_shell import StartupError
 
@@ -41,10 +49,14 @@ class Gate:
     def __init__(
         self,
         networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
-        tokens: frozenset[str] | None,
+        tokens: TokenFile | None,
         session_ok: Callable[[Scope], bool] = lambda scope: False,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
-        """`session_ok(scope)`: whether a request carries a good console session."""
+        """`tokens`: the token file (None: no token needed), shared with the console's logins
+        and looked at on `clock` as theirs is; `session_ok(scope)`: whether a request
+        carries a good console session."""
+        self.clock = clock
         self.networks = tuple(networks)
         self.tokens = tokens
         self.session_ok = session_ok
@@ -84,7 +96,8 @@ class Gate:
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 if scheme.lower() != "bearer":
                     return False
-                # As bytes: compare_digest refuses non-ASCII text (a 500 where 401 is due).
-                given = token.strip().encode("latin-1")
-                return any(hmac.compare_digest(given, known.encode()) for known in self.tokens)
+                # The header's own bytes, hashed as the file's UTF-8 lines are: a token sent
+                # in UTF-8 matches, anything else does not (compared in constant time).
+                hashed = hashlib.sha256(token.strip().encode("latin-1")).hexdigest()
+                return self.tokens.holds(hashed, self.clock())
         return False

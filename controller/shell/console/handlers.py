@@ -21,7 +21,7 @@ from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
 from controller.shell.asgi import Request, Response, Scope, json_response
 from controller.shell.console import pages, pages_jobs, views
-from controller.shell.console.session import Sessions, TokenFile, parse_cookies
+from controller.shell.console.session import Sessions, parse_cookies
 from controller.shell.console.stats import EndRate
 from controller.shell.console.web import (
     HTML,
@@ -48,8 +48,7 @@ class Console:
 
     def __init__(self, door: HttpDoor) -> None:
         config = door.config
-        tokens = TokenFile(config.http_token_file) if config.http_token_file else None
-        self.sessions = Sessions(tokens, secure=config.http_tls is not None)
+        self.sessions = Sessions(door.tokens, secure=config.http_tls is not None)
         self.door = door
         self.desk = door.desk
         self.book = door.book
