@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -42,6 +43,18 @@ def cpu_while(pids: list[int], tasks: int, run: Callable[[], T]) -> tuple[T, dic
         "workers_us": 1e6 * sum(spent[1:]) / tasks,
         "client_us": 1e6 * own / tasks,
     }
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid` (a controller's local workers), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
 
 
 def rss_mb(pid: int) -> float:

@@ -36,6 +36,7 @@ from typing import Any
 import trio
 
 from bench import work
+from bench.common import children_of, cpu_while
 from bench.e2e_bench import drive
 from bench.remote_bench import controller_with
 
@@ -167,11 +168,13 @@ def _importable_bench() -> Iterator[None]:
 
 def measure_ours(
     worker_args: tuple[str, ...], cases: list[tuple[str, str, int]]
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """Jobs/s of each (label, payload, jobs) in `cases`, through the UDP door of one controller
     with 2 local workers running `worker_args`; journal on. Each the median of `ROUNDS`
-    rounds."""
-    rates = {}
+    rounds. Beside them, by label, the CPU microseconds per job of the controller, of the 2
+    workers together (their commands not counted) and of the client, over those rounds."""
+    rates: dict[str, float] = {}
+    cpu: dict[str, dict[str, float]] = {}
     with _importable_bench(), controller_with("local", worker_args) as ctl:
         next_id = 1
 
@@ -180,10 +183,15 @@ def measure_ours(
             first, next_id = next_id, next_id + count
             return trio.run(drive, ctl.udp_port, count, window, first, payload)[0]
 
+        pids = [ctl.proc.pid, *children_of(ctl.proc.pid)]
         for label, payload, jobs in cases:
             measure(payload, 20, 8)  # warm up
-            rates[label] = median_rate(functools.partial(measure, payload), jobs)
-    return rates
+            ran = ROUNDS * max(1, jobs // ROUNDS)
+            rates[label], used = cpu_while(
+                pids, ran, functools.partial(median_rate, functools.partial(measure, payload), jobs)
+            )
+            cpu[label] = {name: round(us, 1) for name, us in used.items()}
+    return rates, cpu
 
 
 def measure_peer(
@@ -248,13 +256,14 @@ def run(
         return out
 
     rates: dict[str, dict[str, float]] = {}
+    cpu: dict[str, dict[str, dict[str, float]]] = {}
     failed: dict[str, str] = {}
     for system, worker_args in (
         ("ours-handler", ("--handler", HANDLER)),
         ("ours-exec", ("--exec", *SCRIPT_ARGV)),
     ):
         print(f"measuring {LABELS[system]} ...", flush=True)
-        rates[system] = measure_ours(worker_args, cases(system))
+        rates[system], cpu[system] = measure_ours(worker_args, cases(system))
     peers = [
         s
         for s in ("gearman-cmd", "gearman", "huey", "celery", "dramatiq", "rq")
@@ -298,6 +307,7 @@ def run(
         "rounds": ROUNDS,
         "script": scripts,
         "rows": rows,
+        "ours_cpu_us": {LABELS[system]: by_case for system, by_case in cpu.items()},
         "failed": failed,
     }
 
@@ -331,6 +341,15 @@ def print_tables(section: dict[str, Any]) -> None:
             + ", ".join(f"{n} iterations for {k}" for k, n in script["busy_iterations"].items())
             + "; whole runs "
             + ", ".join(f"{k} {v} ms" for k, v in script["alone_ms"].items())
+        )
+    for system, by_case in section.get("ours_cpu_us", {}).items():
+        print(
+            f"{system}, CPU per job (controller / 2 workers, with a handler's own work but "
+            f"not a command's / client): "
+            + "; ".join(
+                f"{label} {c['controller_us']:,.0f} / {c['workers_us']:,.0f} / {c['client_us']:,.0f} us"
+                for label, c in by_case.items()
+            )
         )
     print(f"load average before {section['load_before']}, after {section['load_after']}")
     for system, error in section["failed"].items():

@@ -12,19 +12,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from bench.common import cpu_while, median, percentile, process_cpu, rss_mb, socket_dir
+from bench.common import children_of, cpu_while, median, percentile, process_cpu, rss_mb, socket_dir
 from bench.e2e_bench import drive, start_controller
 from controller import datagram as dg
 from tests.helpers import free_udp_port, wait_for_condition
@@ -37,12 +39,6 @@ PROTOCOL_MINIMUM = 18
 OWNER_CHECKS = 2
 
 
-def _workers_of(sockdir: Path, controller_pid: int) -> list[int]:
-    """The pids of the local workers the controller started on `sockdir`."""
-    found = subprocess.run(["pgrep", "-f", str(sockdir)], capture_output=True, text=True)
-    return [int(pid) for pid in found.stdout.split() if int(pid) != controller_pid]
-
-
 def cpu_per_job(tasks: int = 10_000) -> dict[str, Any]:
     """Microseconds of CPU per job of the controller, the workers together, and the client."""
     port = free_udp_port()
@@ -50,7 +46,7 @@ def cpu_per_job(tasks: int = 10_000) -> dict[str, Any]:
         proc = start_controller(sockdir, port, 2, {})
         try:
             trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
-            pids = [proc.pid, *_workers_of(sockdir, proc.pid)]
+            pids = [proc.pid, *children_of(proc.pid)]
             (rate, _), cpu = cpu_while(pids, tasks, lambda: trio.run(drive, port, tasks, 64, 1))
         finally:
             proc.terminate()
@@ -79,7 +75,7 @@ def _with_workers(kind: str, tasks: int) -> dict[str, float]:
                     for _ in range(2)
                 ]
             trio.run(drive, port, 200, 8, 10_000_000)  # warm up; waits for the workers
-            workers = [w.pid for w in floor_workers] or _workers_of(sockdir, proc.pid)
+            workers = [w.pid for w in floor_workers] or children_of(proc.pid)
             pids = [proc.pid, *workers]
             (rate, _), cpu = cpu_while(pids, tasks, lambda: trio.run(drive, port, tasks, 64, 1))
             _, latencies = trio.run(drive, port, 1000, 1, 20_000_000)
@@ -207,6 +203,47 @@ def queued_memory(jobs: int = 100_000, window: int = 64) -> dict[str, Any]:
     return {"jobs": jobs, "rss_mb": round(rss, 1), "base_rss_mb": round(base, 1)}
 
 
+# Gaps between wake-ups for `wakeup_cost`, seconds.
+WAKE_GAPS = (0.0005, 0.002, 0.01, 0.05)
+
+
+def _some_work() -> None:
+    """A piece of Python of the kind a controller runs per message: a JSON round trip and a
+    few hundred dict stores."""
+    message = {"method": "add_task", "params": {"task_id": 1, "data": "x" * 50}}
+    json.loads(json.dumps(message))
+    table: dict[str, int] = {}
+    for n in range(200):
+        table[str(n)] = n
+
+
+def wakeup_cost(gaps: tuple[float, ...] = WAKE_GAPS, wakes: int = 200) -> dict[str, float]:
+    """The CPU the same piece of Python takes right after a wake-up, by the gap between
+    wake-ups (p50 microseconds): a process that sleeps longer wakes to colder caches, which
+    is why a dispatcher costs more CPU per job when its jobs take milliseconds."""
+    found: dict[str, float] = {}
+    for gap in gaps:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+
+            def ping(peer: socket.socket = theirs, gap: float = gap) -> None:
+                for _ in range(wakes):
+                    time.sleep(gap)
+                    peer.send(b"x")
+
+            pinger = threading.Thread(target=ping)
+            pinger.start()
+            costs = []
+            for _ in range(wakes):
+                ours.recv(1)
+                start = time.thread_time_ns()
+                _some_work()
+                costs.append((time.thread_time_ns() - start) / 1000)
+            pinger.join()
+        found[f"{gap * 1000:g} ms"] = round(percentile(costs, 0.5), 1)
+    return found
+
+
 def main() -> dict[str, Any]:
     results: dict[str, Any] = {}
     cpu = results["cpu"] = cpu_per_job()
@@ -242,6 +279,13 @@ def main() -> dict[str, Any]:
     print(
         f"controller idle for {idle['seconds']:g} s with 2 workers: "
         f"{idle['core_share']:.2%} of a core [target: under 1%]",
+        flush=True,
+    )
+    wake = results["wakeup_cost"] = wakeup_cost()
+    print(
+        "the same Python (a JSON round trip, 200 dict stores) right after a wake-up, CPU p50 "
+        "by the gap between wake-ups: "
+        + ", ".join(f"{us} us {gap} apart" for gap, us in wake.items()),
         flush=True,
     )
     memory = results["queued_memory"] = queued_memory()
