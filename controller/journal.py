@@ -27,163 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller import journal_sql as sql
 from controller.jobs import Job
 from controller.options import to_json
 
 log = logging.getLogger("controller.journal")
 
-# "JCTL": marks the file as ours, so a foreign SQLite file is refused, not altered.
-APPLICATION_ID = 0x4A43544C
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = sql.SCHEMA_VERSION
+
 # Worker ids are reserved in blocks committed ahead of use, so that a crash can
 # never hand out an id twice and no REGISTER waits for a commit.
 WORKER_ID_BLOCK = 1000
 # Rows removed per transaction when pruning expired records at start-up.
 PRUNE_BATCH = 1000
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
--- The last columns have no comments, so that SQLite's DROP COLUMN can take them out in a
--- test: log (its log lines, a JSON list), options (its options as JSON: queue, priority,
--- times, retries, or empty for the configuration's) and base (its attempts when a user last
--- retried it, from which max_retries counts), history (its attempts that ended without
--- ending it, a JSON list of [worker, started, ended, outcome, error]) and ran_on (the
--- worker of its latest attempt).
-CREATE TABLE IF NOT EXISTS jobs (
-    ref INTEGER PRIMARY KEY,
-    id TEXT NOT NULL,                 -- the job's id (udp-<host>-<port>-<task_id> for UDP jobs)
-    door TEXT NOT NULL,               -- udp, http, redis
-    host TEXT NOT NULL DEFAULT '',    -- a UDP job's client address
-    port INTEGER NOT NULL DEFAULT 0,
-    task_id INTEGER NOT NULL,
-    name TEXT NOT NULL DEFAULT '',
-    payload BLOB NOT NULL,
-    state TEXT NOT NULL,              -- scheduled, pending, working, finished, failed, canceled,
-                                      -- deleted
-    attempts INTEGER NOT NULL DEFAULT 0,
-    failed_on TEXT NOT NULL DEFAULT '[]',
-    queued_at REAL NOT NULL,          -- when it (re-)entered the queue (scheduled: when due)
-    added_at REAL NOT NULL,
-    result BLOB,
-    error TEXT,
-    failed_post INTEGER NOT NULL DEFAULT 0,
-    notified INTEGER NOT NULL DEFAULT 0,  -- 1: the submitter has the outcome, or repeats ran out
-    expires_at REAL,                  -- when a finished record may be forgotten
-    info_url TEXT NOT NULL DEFAULT '',
-    download_url TEXT NOT NULL DEFAULT '',
-    log TEXT NOT NULL DEFAULT '[]',
-    options TEXT NOT NULL DEFAULT '',
-    base INTEGER NOT NULL DEFAULT 0,
-    history TEXT NOT NULL DEFAULT '',
-    ran_on INTEGER NOT NULL DEFAULT 0
-);
--- Queues whose jobs are not handed out until resumed.
-CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
--- The lease of each job a poller holds: it must show it to keep the job after a restart.
-CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
--- Each periodic job's latest due time made (for a new one: the last before it started).
-CREATE TABLE IF NOT EXISTS schedules (name TEXT PRIMARY KEY, last_due REAL);
--- What each job wrote to stderr: the newest output_retention bytes (a table of its own, so
--- that an append rewrites this row only, and a journal of an older version gains it as is).
-CREATE TABLE IF NOT EXISTS output (ref INTEGER PRIMARY KEY, data BLOB NOT NULL);
-"""
-
-# Version 1 kept UDP tasks only, in the words of the UDP door.
-_MIGRATE_1_TO_2 = """
-ALTER TABLE tasks RENAME TO jobs;
-ALTER TABLE jobs ADD COLUMN id TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN door TEXT NOT NULL DEFAULT 'udp';
-ALTER TABLE jobs ADD COLUMN name TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN added_at REAL NOT NULL DEFAULT 0;
-ALTER TABLE jobs ADD COLUMN failed_post INTEGER NOT NULL DEFAULT 0;
-UPDATE jobs SET id = 'udp-' || host || '-' || port || '-' || task_id, added_at = queued_at,
-    failed_post = (state = 'failed_post'),
-    state = CASE state WHEN 'queued' THEN 'pending' WHEN 'running' THEN 'working'
-                       WHEN 'success' THEN 'finished' ELSE 'failed' END
-"""
-
-# Version 2 kept neither a job's links nor its log.
-_MIGRATE_2_TO_3 = """
-ALTER TABLE jobs ADD COLUMN info_url TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN download_url TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN log TEXT NOT NULL DEFAULT '[]'
-"""
-
-# Version 3 kept no job options (every job took the configuration's).
-_MIGRATE_3_TO_4 = """
-ALTER TABLE jobs ADD COLUMN options TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN base INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE jobs ADD COLUMN history TEXT NOT NULL DEFAULT '';
-ALTER TABLE jobs ADD COLUMN ran_on INTEGER NOT NULL DEFAULT 0
-"""
-
-_INSERT = (
-    "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
-    " attempts, failed_on, queued_at, added_at, result, error, failed_post, info_url,"
-    " download_url, log, options, base, ran_on) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-    " ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-_PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
-_FINISH = (
-    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?, ran_on = ?,"
-    " payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
-)
-# A failed or canceled job keeps its payload: a user may retry it.
-_FINISH_KEEP = (
-    "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?, ran_on = ?,"
-    " notified = 0, expires_at = NULL WHERE ref = ?"
-)
-# Where _PROGRESS's and _FINISH's values (their parameters before the ref) sit among
-# _INSERT's, so that a change to a job added in the same batch rewrites its insert; and
-# the payload, which _FINISH empties.
-_PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
-# state, attempts, result, error, failed_post, ran_on
-_FINISH_IN_INSERT = (8, 9, 13, 14, 15, 21)
-_PAYLOAD_IN_INSERT = 7
-_LOG_IN_INSERT = 18
-# state, base, result, error, failed_post: a retry of a job whose insert is in the batch.
-_RETRIED_IN_INSERT = (8, 20, 13, 14, 15)
-# A job started and finished within one batch (most short jobs under load): one UPDATE
-# carrying both, written where the start's was.
-_PROGRESS_FINISH = (
-    "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
-    " error = ?, failed_post = ?, ran_on = ?, payload = x'', notified = 0, expires_at = NULL"
-    " WHERE ref = ?"
-)
-_PROGRESS_FINISH_KEEP = (
-    "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
-    " error = ?, failed_post = ?, ran_on = ?, notified = 0, expires_at = NULL WHERE ref = ?"
-)
-_RETRIED = (
-    "UPDATE jobs SET state = 'pending', base = ?, queued_at = ?, result = NULL, error = NULL,"
-    " failed_post = 0, notified = 0, expires_at = NULL WHERE ref = ?"
-)
-_HISTORY = "UPDATE jobs SET history = ? WHERE ref = ?"
-_PAUSED = "INSERT OR REPLACE INTO paused (queue) VALUES (?)"
-_RESUMED = "DELETE FROM paused WHERE queue = ?"
-_NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
-_LOG = "UPDATE jobs SET log = ? WHERE ref = ?"
-_FORGET = "DELETE FROM jobs WHERE ref = ?"
-_DELETED = "UPDATE jobs SET state = 'deleted', payload = x'', result = NULL WHERE ref = ?"
-_LEASED = "INSERT OR REPLACE INTO leases (ref, lease) VALUES (?, ?)"
-_UNLEASED = "DELETE FROM leases WHERE ref = ?"
-# Leases of jobs no longer live (ended, or forgotten), dropped at start.
-_STALE_LEASES = (
-    "DELETE FROM leases WHERE ref NOT IN"
-    " (SELECT ref FROM jobs WHERE state IN ('pending', 'working'))"
-)
-_SCHEDULED = "INSERT OR REPLACE INTO schedules (name, last_due) VALUES (?, ?)"
-# Output appended to a job: ?1 the bytes kept at most, ?2 the new bytes, ?3 the ref (last, as
-# in every change: `_rejected` reads it there). SQLite's || on two blobs joins their bytes;
-# substr with a negative start keeps the newest.
-_OUTPUT = (
-    "INSERT INTO output (ref, data) VALUES (?3, ?2) ON CONFLICT(ref) DO UPDATE"
-    " SET data = substr(CAST(data || excluded.data AS BLOB), -?1)"
-)
-_DROP_OUTPUT = "DELETE FROM output WHERE ref = ?"
-# Output of jobs no longer in the journal (pruned at start).
-_STALE_OUTPUT = "DELETE FROM output WHERE ref NOT IN (SELECT ref FROM jobs)"
-_CEILING = "INSERT OR REPLACE INTO meta (key, value) VALUES ('worker_id_ceiling', ?)"
 
 
 class JournalError(Exception):
@@ -297,13 +153,13 @@ class Journal:
         self._sync = "FULL"  # the synchronous pragma (see open)
         self._db: sqlite3.Connection | None = None
         self._staged: list[Op] = []
-        # Jobs added in the batch being staged, by ref: the index of their _INSERT, which a
+        # Jobs added in the batch being staged, by ref: the index of their sql.INSERT, which a
         # later change in the same batch rewrites instead of adding an UPDATE.
         self._inserted: dict[int, int] = {}
-        # Jobs whose last change in the batch is a _PROGRESS, by ref: its index, which a later
+        # Jobs whose last change in the batch is a sql.PROGRESS, by ref: its index, which a later
         # progress or finish rewrites.
         self._progressed: dict[int, int] = {}
-        # Jobs whose output grew in the batch being staged, by ref: the index of its _OUTPUT,
+        # Jobs whose output grew in the batch being staged, by ref: the index of its sql.OUTPUT,
         # which a later append in the same batch extends.
         self._outputs: dict[int, int] = {}
         self.generation = 1  # generation of the batch being staged
@@ -354,7 +210,7 @@ class Journal:
     def _prepare(self, db: sqlite3.Connection) -> None:
         app_id = db.execute("PRAGMA application_id").fetchone()[0]
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if app_id != APPLICATION_ID and (app_id != 0 or tables):
+        if app_id != sql.APPLICATION_ID and (app_id != 0 or tables):
             raise JournalError(
                 f"journal {self.path}: not a controller journal (application_id {app_id}, "
                 f"tables {sorted(tables)}); refusing to touch it"
@@ -364,25 +220,25 @@ class Journal:
         db.execute(f"PRAGMA synchronous={self._sync}")
         db.execute("BEGIN IMMEDIATE")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, sql.SCHEMA_VERSION):
             db.execute("ROLLBACK")
             raise JournalError(
-                f"journal {self.path}: schema version {version} is not {SCHEMA_VERSION}"
+                f"journal {self.path}: schema version {version} is not {sql.SCHEMA_VERSION}"
             )
         if version == 1:
             log.info("journal %s: upgrading from schema version 1", self.path)
-            _run_script(db, _MIGRATE_1_TO_2)
+            _run_script(db, sql.MIGRATE_1_TO_2)
         if version in (1, 2):
             if version == 2:
                 log.info("journal %s: upgrading from schema version 2", self.path)
-            _run_script(db, _MIGRATE_2_TO_3)
+            _run_script(db, sql.MIGRATE_2_TO_3)
         if version in (1, 2, 3):
             if version == 3:
                 log.info("journal %s: upgrading from schema version 3", self.path)
-            _run_script(db, _MIGRATE_3_TO_4)
-        _run_script(db, _SCHEMA)
-        db.execute(f"PRAGMA application_id={APPLICATION_ID}")
-        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            _run_script(db, sql.MIGRATE_3_TO_4)
+        _run_script(db, sql.SCHEMA)
+        db.execute(f"PRAGMA application_id={sql.APPLICATION_ID}")
+        db.execute(f"PRAGMA user_version={sql.SCHEMA_VERSION}")
         db.execute("COMMIT")
         found = [str(row[0]) for row in db.execute("PRAGMA quick_check(5)")]
         if found != ["ok"]:  # nothing is dropped silently: the operator decides
@@ -409,9 +265,9 @@ class Journal:
             row = db.execute("SELECT value FROM meta WHERE key='worker_id_ceiling'").fetchone()
             out.first_worker_id = row[0] if row else 1
             self.ceiling = self.durable_ceiling = out.first_worker_id + WORKER_ID_BLOCK
-            db.execute(_CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
-            db.execute(_STALE_LEASES)
-            db.execute(_STALE_OUTPUT)
+            db.execute(sql.CEILING, (self.ceiling,))  # autocommit: on disk before any REGISTER
+            db.execute(sql.STALE_LEASES)
+            db.execute(sql.STALE_OUTPUT)
             leases = dict(db.execute("SELECT ref, lease FROM leases").fetchall())
             for name, last_due in db.execute("SELECT name, last_due FROM schedules"):
                 if last_due is not None:
@@ -512,7 +368,7 @@ class Journal:
         kept = to_json(options)
         self._inserted[job.ref] = len(self._staged)
         self._stage(
-            (_INSERT, (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0, 0))
+            (sql.INSERT, (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0, 0))
         )
 
     def job_progress(
@@ -527,14 +383,14 @@ class Journal:
         scheduled, due at wall-clock `due`)."""
         failed = json.dumps(sorted(failed_on)) if failed_on else "[]"
         values = (state, attempts, failed, time.time() if due is None else due)
-        if self._fold(ref, _PROGRESS_IN_INSERT, values):
+        if self._fold(ref, sql.PROGRESS_IN_INSERT, values):
             return
         index = self._progressed.get(ref)
         if index is None:
             self._progressed[ref] = len(self._staged)
-            self._stage((_PROGRESS, (*values, ref)))
+            self._stage((sql.PROGRESS, (*values, ref)))
         else:
-            self._staged[index] = (_PROGRESS, (*values, ref))
+            self._staged[index] = (sql.PROGRESS, (*values, ref))
 
     def job_finished(self, job: Job) -> None:
         ref = job.ref
@@ -542,65 +398,65 @@ class Journal:
         values = (job.state.value, job.attempts, job.result, error, job.failed_post, job.ran_on)
         keep = job.state.value != "finished"  # failed or canceled: it may be retried
         if keep:
-            if self._fold(ref, _FINISH_IN_INSERT, values):
+            if self._fold(ref, sql.FINISH_IN_INSERT, values):
                 return
-        elif self._fold(ref, (_PAYLOAD_IN_INSERT, *_FINISH_IN_INSERT), (b"", *values)):
+        elif self._fold(ref, (sql.PAYLOAD_IN_INSERT, *sql.FINISH_IN_INSERT), (b"", *values)):
             return
         index = self._progressed.pop(ref, None)
         if index is None:
-            self._stage((_FINISH_KEEP if keep else _FINISH, (*values, ref)))
+            self._stage((sql.FINISH_KEEP if keep else sql.FINISH, (*values, ref)))
             return
         _, (_, _, failed, queued_at, _) = self._staged[index]
         state, attempts, *outcome = values
         row = (state, attempts, failed, queued_at, *outcome, ref)
-        self._staged[index] = (_PROGRESS_FINISH_KEEP if keep else _PROGRESS_FINISH, row)
+        self._staged[index] = (sql.PROGRESS_FINISH_KEEP if keep else sql.PROGRESS_FINISH, row)
 
     def job_retried(self, ref: int, base: int) -> None:
         """A user put the failed or canceled job back: pending, max_retries counted anew
         from `base` attempts."""
         self._progressed.pop(ref, None)
-        if not self._fold(ref, _RETRIED_IN_INSERT, ("pending", base, None, None, False)):
-            self._stage((_RETRIED, (base, time.time(), ref)))
+        if not self._fold(ref, sql.RETRIED_IN_INSERT, ("pending", base, None, None, False)):
+            self._stage((sql.RETRIED, (base, time.time(), ref)))
 
     def queue_paused(self, queue: str, paused: bool) -> None:
         """A queue was paused or resumed."""
-        self._stage((_PAUSED if paused else _RESUMED, (queue,)))
+        self._stage((sql.PAUSED if paused else sql.RESUMED, (queue,)))
 
     def _fold(self, ref: int, positions: tuple[int, ...], values: tuple[Any, ...]) -> bool:
-        """Write `values` at `positions` of the job's _INSERT when that is in the batch being
+        """Write `values` at `positions` of the job's sql.INSERT when that is in the batch being
         staged (one row written instead of two or three); False when it is not."""
         index = self._inserted.get(ref)
         if index is None:
             return False
-        sql, params = self._staged[index]
+        statement, params = self._staged[index]
         row = list(params)
         for position, value in zip(positions, values, strict=True):
             row[position] = value
-        self._staged[index] = (sql, tuple(row))
+        self._staged[index] = (statement, tuple(row))
         return True
 
     def job_leased(self, ref: int, lease: str) -> None:
         """A poller claimed the job with this lease."""
-        self._stage((_LEASED, (ref, lease)))
+        self._stage((sql.LEASED, (ref, lease)))
 
     def job_unleased(self, ref: int) -> None:
         """The job a poller held ended: its lease is of no more use."""
-        self._stage((_UNLEASED, (ref,)))
+        self._stage((sql.UNLEASED, (ref,)))
 
     def job_history(self, ref: int, history: str) -> None:
         """An attempt of the job ended without ending it: its ended attempts are now
         `history` (JSON). (The worker of its latest attempt is written when it ends.)"""
-        self._stage((_HISTORY, (history, ref)))
+        self._stage((sql.HISTORY, (history, ref)))
 
     def schedule_due(self, name: str, due: float) -> None:
         """Periodic job `name` is done with due time `due` (wall-clock seconds)."""
-        self._stage((_SCHEDULED, (name, due)))
+        self._stage((sql.SCHEDULED, (name, due)))
 
     def job_logged(self, ref: int, lines: list[str]) -> None:
         """The job's log is now `lines` (one was added, or old ones dropped)."""
         text = _log_text(lines)
-        if not self._fold(ref, (_LOG_IN_INSERT,), (text,)):
-            self._stage((_LOG, (text, ref)))
+        if not self._fold(ref, (sql.LOG_IN_INSERT,), (text,)):
+            self._stage((sql.LOG, (text, ref)))
 
     def job_output(self, ref: int, data: bytes, retention: int) -> None:
         """`data` was appended to the job's output, of which the newest `retention` bytes are
@@ -609,28 +465,28 @@ class Journal:
             return
         index = self._outputs.get(ref)
         if index is not None and index < len(self._staged):
-            sql, (_, before, _) = self._staged[index]
-            if sql == _OUTPUT:
+            statement, (_, before, _) = self._staged[index]
+            if statement == sql.OUTPUT:
                 joined = before + data
-                self._staged[index] = (_OUTPUT, (retention, joined[-retention:], ref))
+                self._staged[index] = (sql.OUTPUT, (retention, joined[-retention:], ref))
                 return
         self._outputs[ref] = len(self._staged)
-        self._stage((_OUTPUT, (retention, data[-retention:], ref)))
+        self._stage((sql.OUTPUT, (retention, data[-retention:], ref)))
 
     def job_delivered(self, ref: int, retention: float) -> None:
-        self._stage((_NOTIFIED, (time.time() + retention, ref)))
+        self._stage((sql.NOTIFIED, (time.time() + retention, ref)))
 
     def job_deleted(self, ref: int) -> None:
         self._progressed.pop(ref, None)  # what comes after this must be written after it
         self._outputs.pop(ref, None)
-        self._stage((_DELETED, (ref,)))
-        self._stage((_DROP_OUTPUT, (ref,)))
+        self._stage((sql.DELETED, (ref,)))
+        self._stage((sql.DROP_OUTPUT, (ref,)))
 
     def job_forgotten(self, ref: int) -> None:
         self._progressed.pop(ref, None)
         self._outputs.pop(ref, None)
-        self._stage((_FORGET, (ref,)))
-        self._stage((_DROP_OUTPUT, (ref,)))
+        self._stage((sql.FORGET, (ref,)))
+        self._stage((sql.DROP_OUTPUT, (ref,)))
 
     def latest_generation(self) -> int:
         """The newest generation holding any change: what an outgoing datagram waits for."""
@@ -640,7 +496,7 @@ class Journal:
         """Stage the next block of worker ids once `next_id` is half-way through this one."""
         if next_id + WORKER_ID_BLOCK // 2 >= self.ceiling:
             self.ceiling = next_id + WORKER_ID_BLOCK
-            self._stage((_CEILING, (self.ceiling,)))
+            self._stage((sql.CEILING, (self.ceiling,)))
             self._ceiling_generation = self.generation
 
     def worker_id_durable(self, worker_id: int) -> bool:
@@ -686,8 +542,8 @@ class Journal:
         db = self._connection()
         db.execute("BEGIN")
         try:
-            for sql, params in batch:
-                db.execute(sql, params)
+            for statement, params in batch:
+                db.execute(statement, params)
             db.execute("COMMIT")
         except VALUE_ERRORS:
             with contextlib.suppress(sqlite3.Error):
@@ -704,13 +560,13 @@ class Journal:
         rejected: list[Rejected] = []
         db.execute("BEGIN")
         try:
-            for sql, params in batch:
+            for statement, params in batch:
                 db.execute("SAVEPOINT change")
                 try:
-                    db.execute(sql, params)
+                    db.execute(statement, params)
                 except VALUE_ERRORS as exc:
                     db.execute("ROLLBACK TO change")
-                    rejected.append(_rejected(sql, params, exc))
+                    rejected.append(_rejected(statement, params, exc))
                 db.execute("RELEASE change")
             db.execute("COMMIT")
         except BaseException:
@@ -743,11 +599,11 @@ class Rejected:
     reason: str
 
 
-def _rejected(sql: str, params: tuple[Any, ...], exc: Exception) -> Rejected:
+def _rejected(statement: str, params: tuple[Any, ...], exc: Exception) -> Rejected:
     reason = f"{type(exc).__name__}: {exc}"[:300]
-    if sql == _INSERT:
+    if statement == sql.INSERT:
         return Rejected(params[0], True, reason)
-    if sql == _CEILING:
+    if statement == sql.CEILING:
         return Rejected(0, False, reason)
     ref = params[-1]
     return Rejected(ref if isinstance(ref, int) else 0, False, reason)
