@@ -262,6 +262,17 @@ def test_answers_that_come_far_apart_do_not_wait_for_company():
     assert paced(10e-6).delay(4) == 0.0
 
 
+def test_a_commit_waits_for_the_jobs_that_can_join_it_not_for_a_queue():
+    # 2 pollers, 5,000 jobs queued, both pollers' claims waiting: no company is coming.
+    assert durability.commit_load(5000, 4998, 0, 2) == 4
+    assert durability.batch_delay(durability.commit_load(5000, 4998, 0, 2)) == 0.0
+    # 64 clients' jobs on 2 local workers: the answers held for the commit count.
+    assert durability.commit_load(64, 40, 0, 22) == 46
+    assert durability.batch_delay(46) > 0.0
+    # Jobs waiting for their time add nothing either.
+    assert durability.commit_load(10, 0, 9, 0) == 1
+
+
 def test_a_pace_starts_as_dense_and_follows_the_gaps():
     pace = durability.Pace()
     assert pace.delay(16) == pytest.approx(720e-6)  # before any gap: the rule without a pace

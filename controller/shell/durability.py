@@ -18,7 +18,8 @@ answer) does not wait: the doors mark those `independent` and send them
 directly. Without a journal (`journal: null`) nothing waits for a commit.
 
 And the rule of batches (`batch_delay`): while more than a few jobs are in
-flight, a commit waits a little for more changes, and without a journal the
+flight (for a commit: running, or waiting for it, `commit_load`), a commit waits a
+little for more changes, and without a journal the
 UDP door's answers to submitters wait as long for company, so that each
 fsync, and each wake-up of a client, is shared by more jobs. A lone job, or a
 handful, waits for nothing; and the UDP door's answers wait only while they come
@@ -53,6 +54,16 @@ def batch_delay(in_flight: int) -> float:
     """Seconds a batch of journal changes or answers waits for more while `in_flight` jobs
     are queued or running: 0 for a few."""
     return min(BATCH_DELAY_MAX, max(0, in_flight - BATCH_AFTER) * BATCH_DELAY_PER_JOB)
+
+
+def commit_load(tasks: int, queued: int, scheduled: int, held: int) -> int:
+    """What a journal commit's `batch_delay` is told: the jobs that can add a change to it
+    soon. Of the `tasks` queued or running, the running ones (`queued` wait for a worker and
+    `scheduled` for their time: they change only when one frees up or their time comes), and
+    the `held` answers already waiting for it, each from a submitter or a caller (a poller's
+    claim, an HTTP POST) that goes on once it is written. So 2 pollers with 5,000 jobs queued
+    do not wait 4 ms for company at each claim (104 against 267 jobs/s)."""
+    return max(0, tasks - queued - scheduled) + held
 
 
 # A batch waits only when at least this many more are expected within its wait.

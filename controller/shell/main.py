@@ -24,6 +24,7 @@ from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.descriptors import raise_nofile_limit
 from controller.shell.desk import JobDesk
+from controller.shell.durability import commit_load
 from controller.shell.metrics import Metrics
 from controller.shell.schedules import Claims, PeriodicJobs
 from controller.shell.sdnotify import Notifier
@@ -181,11 +182,15 @@ async def run_controller(
     shell, desk, door = assemble(config, journal, metrics, busy_poll)
     committer = None
     if journal is not None:
-        live = shell.core.tasks  # every door's queued and running tasks: batch_delay's load
+        live = shell.core.tasks  # every door's queued and running tasks
+        scheduler = shell.core.scheduler
+        held = desk.write_ahead
         committer = Committer(
             journal,
             on_committed=desk.committed,
-            in_flight=lambda: len(live),
+            in_flight=lambda: commit_load(
+                len(live), scheduler.queued, scheduler.scheduled, len(held)
+            ),
             on_rejected=desk.rejected,
         )
     # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
