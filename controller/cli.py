@@ -1,4 +1,5 @@
-"""Command-line helpers shared by the three commands: --version, --log-level, logging set-up."""
+"""Command-line helpers shared by the commands: --version, --log-level, logging set-up, a
+seconds argument, and a `main` that ends quietly when its reader goes away."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import controller
 
@@ -44,3 +46,24 @@ def setup_logging(level: str, name: str) -> None:
     else:
         fmt = f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s"
     logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return value
+
+
+def quiet_pipe(main: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
+    """`main(argv)`, ending with status 141 and no traceback when the reader of stdout went
+    away (`... | head`), as other tools do."""
+    try:
+        return main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from controller.cli import positive_seconds, quiet_pipe
 from controller.shell.main import build_parser
 
 
@@ -320,3 +322,27 @@ def test_udp_client_add_sends_the_options_with_the_task(tmp_path):
     assert sent == [
         {"task_id": n, "queue": "batch", "requires": ["ssd"], "timeout": 5} for n in (3, 4)
     ]
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "soon", "", "inf-"])
+def test_a_seconds_argument_that_is_not_above_zero_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        positive_seconds(text)
+
+
+def test_a_seconds_argument_above_zero_is_read():
+    assert positive_seconds("0.25") == 0.25
+    assert positive_seconds("30") == 30.0
+
+
+def test_a_reader_that_went_away_ends_the_command_with_141_and_no_traceback(monkeypatch):
+    def main(argv):
+        raise BrokenPipeError
+
+    fds = []
+    monkeypatch.setattr(os, "dup2", lambda fd, to: fds.append((fd, to)))
+    assert quiet_pipe(main, []) == 141
+    assert [to for _, to in fds] == [sys.stdout.fileno()]
+    for fd, _ in fds:
+        os.close(fd)
+    assert quiet_pipe(lambda argv: 7, None) == 7

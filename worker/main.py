@@ -13,7 +13,7 @@ from typing import NoReturn
 import trio
 
 from controller.affinity import AffinityError, parse_cpus, pin
-from controller.cli import add_common_flags, setup_logging
+from controller.cli import add_common_flags, positive_seconds, setup_logging
 from controller.config import ConfigError, load_config
 from controller.declared import BadDeclaration, Declared, names, read
 from worker.calculator import Calculator
@@ -24,16 +24,6 @@ from worker.poller import Poller
 from worker.runner import SetupError, build_runner
 
 log = logging.getLogger("worker")
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
-    return value
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -115,7 +105,7 @@ def build_parser(
     parser.add_argument(
         "--pulse",
         metavar="SECONDS",
-        type=_positive,
+        type=positive_seconds,
         default=1.0,
         help="real period between pulses (default 1); promises next_pulse = max(1, ceil(2 x it))",
     )
@@ -137,7 +127,7 @@ def build_parser(
     parser.add_argument(
         "--drain-timeout",
         metavar="SECONDS",
-        type=_positive,
+        type=positive_seconds,
         default=30.0,
         help="on SIGTERM, how long a running task may take to finish (default 30)",
     )

@@ -10,7 +10,6 @@ import argparse
 import base64
 import contextlib
 import json
-import os
 import signal
 import socket as stdsocket
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 import trio
 
 from controller import datagram as dg
-from controller.cli import add_common_flags
+from controller.cli import add_common_flags, quiet_pipe
 from controller.client.engine import (
     EXIT_FAILED,
     EXIT_OK,
@@ -303,12 +302,7 @@ async def run_status(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except BrokenPipeError:
-        # The reader went away (`udp-client status | head`): no traceback, like other tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    return quiet_pipe(_main, argv)  # `udp-client status | head`
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -15,13 +15,12 @@ import argparse
 import datetime as dt
 import io
 import json
-import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 from urllib.parse import quote
 
-from controller.cli import add_common_flags
+from controller.cli import add_common_flags, positive_seconds, quiet_pipe
 from controller.client.engine import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 from controller.client.http import HttpPool, read_token
 from controller.client.httpwire import Answer
@@ -65,16 +64,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: {message}\n")
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
-    return value
-
-
 def _limit(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
         raise argparse.ArgumentTypeError(f"expected 1..{MAX_LIMIT}, got {text!r}")
@@ -112,7 +101,7 @@ def _global_flags(parser: argparse.ArgumentParser, default: Callable[[Any], Any]
     parser.add_argument(
         "--timeout",
         metavar="SECONDS",
-        type=_positive,
+        type=positive_seconds,
         default=default(30.0),
         help="how long to wait for each answer (default 30)",
     )
@@ -525,11 +514,7 @@ COMMANDS: dict[str, Callable[[Api, argparse.Namespace], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
-    except BrokenPipeError:
-        # The reader went away (`jobctl list | head`): no traceback, like other tools.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return quiet_pipe(_main, argv)  # `jobctl list | head`
     except KeyboardInterrupt:
         return 130
 
