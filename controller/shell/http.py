@@ -313,7 +313,7 @@ class HttpDoor:
     async def job(self, request: Request) -> Response:
         self.counters["requests"] += 1
         try:
-            job = self._lookup(request)
+            job = self.lookup(request)
             if request.method == "GET":
                 wait = httpapi.parse_number(
                     request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
@@ -377,7 +377,7 @@ class HttpDoor:
         """POST /job/{id}/retry/: a failed or canceled job back to pending."""
         self.counters["requests"] += 1
         try:
-            job = self._lookup(request)
+            job = self.lookup(request)
             if not self.desk.retry(job, trio.current_time()):
                 raise ApiError(
                     409, f"the job is {job.state.value}: only a failed or canceled job is retried"
@@ -392,7 +392,7 @@ class HttpDoor:
         it until the job ends."""
         self.counters["requests"] += 1
         try:
-            job = self._lookup(request)
+            job = self.lookup(request)
             follow = httpapi.parse_flag(request.query_params.get("follow"), "follow")
         except ApiError as exc:
             return self._refuse(exc)
@@ -478,7 +478,8 @@ class HttpDoor:
 
     # ------------------------------------------------------------ helpers
 
-    def _lookup(self, request: Request) -> Job:
+    def lookup(self, request: Request) -> Job:
+        """The job the path's `job_id` names; ApiError 404 if there is none."""
         job_id = request.path_params["job_id"]
         job = self.book.get(job_id)
         if job is None:

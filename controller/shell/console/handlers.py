@@ -165,11 +165,7 @@ class Console:
         return {"csrf": self.sessions.csrf(seen.browser), "logout": self.sessions.login_needed}
 
     def _job(self, request: Request) -> Job:
-        job_id = request.path_params["job_id"]
-        job = self.book.get(job_id)
-        if job is None:
-            raise ApiError(404, f"no job {job_id[:200]!r}")
-        return job
+        return self.door.lookup(request)
 
     # ------------------------------------------------------------ pages
 
