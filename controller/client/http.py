@@ -369,12 +369,7 @@ class HttpPool(_Base):
         connection of its own, closed at the end: `timeout` bounds the connection and the
         answer's head; the body then takes as long as the server keeps it open."""
         target, headers, body, limit = self._prepare(path, None, query, timeout)
-        try:
-            sock = self._connect(limit)
-        except TimeoutError:
-            raise TimeoutError(f"{self.where}: no connection within {limit:g} s") from None
-        except OSError as exc:
-            raise _reason(exc, self.where) from None
+        sock = self._connect(limit)
         with sock:
             answer = StreamedAnswer(method)
             first = bytearray()
@@ -411,15 +406,18 @@ class HttpPool(_Base):
             if now - kept.since < KEEP_IDLE and not _peer_closed(kept.sock.fileno()):
                 return kept, True
             kept.sock.close()
+        return _Kept(self._connect(timeout), timeout), False
+
+    def _connect(self, timeout: float) -> socket.socket:
+        """A new connection (see `_open`), its failures said as the client says them."""
         try:
-            sock = self._connect(timeout)
+            return self._open(timeout)
         except TimeoutError:
             raise TimeoutError(f"{self.where}: no connection within {timeout:g} s") from None
         except OSError as exc:
             raise _reason(exc, self.where) from None
-        return _Kept(sock, timeout), False
 
-    def _connect(self, timeout: float) -> socket.socket:
+    def _open(self, timeout: float) -> socket.socket:
         """A new connection, through the proxy's tunnel and TLS when they are asked for; the
         whole set-up within `timeout`."""
         sock = socket.create_connection(self._dialed(), timeout=timeout)
