@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from controller.client import Client
-from controller.client.jobctl import cut, table, when
+from controller.client.jobctl_tables import cut, table, when
 from tests.helpers import LiveController, free_tcp_port, live_controller, wait_for_condition
 
 # The worker's script: "fail..." fails (its stderr says why); "wait FILE" writes "started"

@@ -12,11 +12,10 @@ refusal and exit with the highest status among them.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import io
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NoReturn
 from urllib.parse import quote
 
@@ -24,15 +23,12 @@ from controller.cli import add_common_flags, positive_seconds, quiet_pipe
 from controller.client.engine import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 from controller.client.http import HttpPool, read_token
 from controller.client.httpwire import Answer
+from controller.client.jobctl_tables import job_details, jobs_table, queues_table
 
 # The most jobs `retry --failed` retries in one run.
 MAX_BULK = 10_000
 # The most jobs one listing may ask for (the API's own cap on ?limit=).
 MAX_LIMIT = 1000
-# Widest a table cell gets before it is cut (a UUID4 id is 36 characters).
-CELL = 36
-# The most of a payload, a result or an error that `show` prints.
-SHOWN = 400
 
 EPILOG = """\
 examples:
@@ -242,103 +238,6 @@ class Api:
             return answer.json()
         except ValueError:
             raise Failed(EXIT_FAILED, f"{what}: not a JSON answer: {answer.text[:200]!r}") from None
-
-
-# ---------------------------------------------------------------- tables
-
-
-def when(text: Any, now: dt.datetime | None = None) -> str:
-    """An RFC 3339 time in the local zone, shortened: the time of day for today, the date and
-    minute for this year, else the date."""
-    if not isinstance(text, str) or not text:
-        return "-"
-    try:
-        moment = dt.datetime.fromisoformat(text).astimezone()
-    except ValueError:
-        return text
-    now = now or dt.datetime.now().astimezone()
-    if moment.date() == now.date():
-        return moment.strftime("%H:%M:%S")
-    if moment.year == now.year:
-        return moment.strftime("%b %d %H:%M")
-    return moment.strftime("%Y-%m-%d")
-
-
-def cut(value: Any, width: int = CELL) -> str:
-    """A cell: one line, at most `width` characters (… marks a cut)."""
-    text = "-" if value is None or value == "" else str(value)
-    text = " ".join(text.split()) if any(c in text for c in "\r\n\t") else text
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def table(header: list[str], rows: Iterable[list[str]]) -> str:
-    rows = list(rows)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [header, *rows]
-    ]
-    return "\n".join(lines)
-
-
-def jobs_table(jobs: Iterable[dict[str, Any]]) -> str:
-    header = ["ID", "STATE", "QUEUE", "PRI", "TRIES", "WORKER", "NAME", "UPDATED"]
-    return table(
-        header,
-        (
-            [
-                cut(job.get("id")),
-                cut(job.get("state"), 9),
-                cut(job.get("queue", "default"), 16),
-                cut(job.get("priority", 0), 4),
-                cut(job.get("attempts", 0), 5),
-                cut(job.get("worker"), 21),
-                cut(job.get("name"), 24),
-                when(job.get("updated_at")),
-            ]
-            for job in jobs
-        ),
-    )
-
-
-def queues_table(queues: dict[str, Any]) -> str:
-    header = ["QUEUE", "PENDING", "SCHEDULED", "WORKING", "WORKERS", "PAUSED"]
-    return table(
-        header,
-        (
-            [
-                cut(name, 64),
-                str(row.get("pending", 0)),
-                str(row.get("scheduled", 0)),
-                str(row.get("working", 0)),
-                str(row.get("workers", 0)),
-                "yes" if row.get("paused") else "no",
-            ]
-            for name, row in sorted(queues.items())
-        ),
-    )
-
-
-def job_details(job: dict[str, Any]) -> str:
-    """Every field of a job, one a line; long texts cut, bytes as their size."""
-    lines = []
-    for key, value in job.items():
-        if key in ("added_at", "updated_at", "run_at") and isinstance(value, str):
-            shown = f"{when(value)}  ({value})"
-        elif key in ("payload_b64", "result_b64") and isinstance(value, str):
-            shown = f"{len(value) * 3 // 4 - value.count('=')} bytes (base64 in --json)"
-        elif key == "log" and isinstance(value, list):
-            lines.append(f"{'log':<18} {len(value)} line(s)")
-            lines.extend(f"  {cut(entry, 200)}" for entry in value[-20:])
-            continue
-        elif isinstance(value, list):
-            shown = ",".join(str(v) for v in value) or "-"
-        elif isinstance(value, bool):
-            shown = json.dumps(value)
-        else:
-            shown = cut(value, SHOWN)
-        lines.append(f"{key:<18} {shown}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- commands
