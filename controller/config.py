@@ -101,6 +101,12 @@ class Config:
     retry_delay: float = 0.0
     # Bytes of output (what a job wrote to stderr) kept per job: the newest.
     output_retention: int = 1048576
+    # Open HTTP connections from one IP address at most (one client cannot lock out the rest).
+    max_connections_per_client: int = 64
+    # Jobs not yet ended, and the bytes of their payloads, at most: past either a new job is
+    # refused (HTTP 503, UDP `busy`, the Redis door reads no more).
+    max_pending: int = 1000000
+    max_pending_bytes: int = 1073741824
 
     def job_options(self, door: str) -> JobOptions:
         """The options of a job from `door` that gives none: UDP jobs wait at most
@@ -298,6 +304,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "retry_delay": _retry_delay,
     "schedules": parse_entries,
     "output_retention": _size,
+    "max_connections_per_client": _size,
+    "max_pending": _size,
+    "max_pending_bytes": _size,
 }
 
 
