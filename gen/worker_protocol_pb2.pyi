@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -83,22 +83,56 @@ class PulseResponse(_message.Message):
     takes_output: bool
     def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ...) -> None: ...
 
+class JobLimits(_message.Message):
+    __slots__ = ("memory_max", "tasks_max", "cpu_time", "file_size", "open_files", "cpu_quota")
+    MEMORY_MAX_FIELD_NUMBER: _ClassVar[int]
+    TASKS_MAX_FIELD_NUMBER: _ClassVar[int]
+    CPU_TIME_FIELD_NUMBER: _ClassVar[int]
+    FILE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FILES_FIELD_NUMBER: _ClassVar[int]
+    CPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    memory_max: int
+    tasks_max: int
+    cpu_time: float
+    file_size: int
+    open_files: int
+    cpu_quota: float
+    def __init__(self, memory_max: _Optional[int] = ..., tasks_max: _Optional[int] = ..., cpu_time: _Optional[float] = ..., file_size: _Optional[int] = ..., open_files: _Optional[int] = ..., cpu_quota: _Optional[float] = ...) -> None: ...
+
 class ControlMsg(_message.Message):
-    __slots__ = ("type", "extra_size", "task_id")
+    __slots__ = ("type", "extra_size", "task_id", "limits")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     type: ControlType
     extra_size: int
     task_id: int
-    def __init__(self, type: _Optional[_Union[ControlType, str]] = ..., extra_size: _Optional[int] = ..., task_id: _Optional[int] = ...) -> None: ...
+    limits: JobLimits
+    def __init__(self, type: _Optional[_Union[ControlType, str]] = ..., extra_size: _Optional[int] = ..., task_id: _Optional[int] = ..., limits: _Optional[_Union[JobLimits, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("wall", "cpu", "max_rss", "memory_peak")
+    WALL_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    MAX_RSS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_FIELD_NUMBER: _ClassVar[int]
+    wall: float
+    cpu: float
+    max_rss: int
+    memory_peak: int
+    def __init__(self, wall: _Optional[float] = ..., cpu: _Optional[float] = ..., max_rss: _Optional[int] = ..., memory_peak: _Optional[int] = ...) -> None: ...
 
 class WorkerResponse(_message.Message):
-    __slots__ = ("error", "task_id", "extra_size")
+    __slots__ = ("error", "task_id", "extra_size", "usage", "reason")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     error: WorkerError
     task_id: int
     extra_size: int
-    def __init__(self, error: _Optional[_Union[WorkerError, str]] = ..., task_id: _Optional[int] = ..., extra_size: _Optional[int] = ...) -> None: ...
+    usage: Usage
+    reason: str
+    def __init__(self, error: _Optional[_Union[WorkerError, str]] = ..., task_id: _Optional[int] = ..., extra_size: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
