@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from controller.joblimits import NO_LIMITS, JobLimits, LimitError, parse_limits
 from controller.options import MAX_RETRY_DELAY, JobOptions
 from controller.schedules import Schedule, parse_entries
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE
@@ -107,6 +108,21 @@ class Config:
     # refused (HTTP 503, UDP `busy`, the Redis door reads no more).
     max_pending: int = 1000000
     max_pending_bytes: int = 1073741824
+    # Who a local slot's `--exec` jobs run as (DESIGN.md section 15): None (the worker's own
+    # user), a name pattern with {slot}, or one name or uid per slot.
+    job_users: str | tuple[str, ...] | None = None
+    # Ceilings for one job; a job's `limits` option may ask for less, never more.
+    job_limits: JobLimits = NO_LIMITS
+
+    def job_user(self, slot: int) -> str | None:
+        """The job user of local worker slot `slot` (None: jobs run as the worker's user);
+        IndexError when a list names fewer users than there are slots."""
+        users = self.job_users
+        if users is None:
+            return None
+        if isinstance(users, str):
+            return users.replace("{slot}", str(slot))
+        return users[slot]
 
     def job_options(self, door: str) -> JobOptions:
         """The options of a job from `door` that gives none: UDP jobs wait at most
@@ -274,6 +290,64 @@ def _uids(value: Any) -> tuple[int, ...]:
     return tuple(_count(item) for item in value)
 
 
+def _job_users(value: Any) -> str | tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if "{slot}" not in value:
+            raise ValueError(
+                f'must be a name pattern holding {{slot}} like "controller-job-{{slot}}", '
+                f"a list of names or uids, or null; got {value!r}"
+            )
+        _user_name(value.replace("{slot}", "0"))
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(
+            f"must be null, a name pattern with {{slot}}, or a non-empty list of names or uids, "
+            f"got {value!r}"
+        )
+    users = []
+    for item in value:
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not 1 <= item < 2**32 - 1:
+                raise ValueError(f"uid {item!r} must be from 1 to {2**32 - 2}")
+            users.append(str(item))
+        elif isinstance(item, str):
+            users.append(_user_name(item))
+        else:
+            raise ValueError(f"each entry must be a user name or a uid, got {item!r}")
+    if len(set(users)) != len(users):
+        raise ValueError("names the same user twice: each slot needs a user of its own")
+    return tuple(users)
+
+
+def _user_name(name: str) -> str:
+    """A user name or a uid as digits (never root: jobs must not run as uid 0)."""
+    if name.isascii() and name.isdigit():
+        uid = int(name)
+        if not 1 <= uid < 2**32 - 1:
+            raise ValueError(f"uid {name!r} must be from 1 to {2**32 - 2}")
+        return str(uid)
+    if (
+        not name
+        or len(name) > 32
+        or not name.isascii()
+        or name[0] == "-"
+        or not all(c.isalnum() or c in "._-" for c in name)
+    ):
+        raise ValueError(f"{name!r} is not a user name (letters, digits, '.', '_', '-')")
+    if name == "root":
+        raise ValueError("jobs must never run as root")
+    return name
+
+
+def _job_limits(value: Any) -> JobLimits:
+    try:
+        return parse_limits(value)
+    except LimitError as exc:
+        raise ValueError(str(exc)) from None
+
+
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "socket_dir": _path,
     "client_address": _client_address,
@@ -307,6 +381,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "max_connections_per_client": _size,
     "max_pending": _size,
     "max_pending_bytes": _size,
+    "job_users": _job_users,
+    "job_limits": _job_limits,
 }
 
 

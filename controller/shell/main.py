@@ -118,6 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def slot_job_users(config: Config, workers: int, worker_args: list[str]) -> list[str | None]:
+    """Each local slot's job user (config `job_users`); StartupError when the list names
+    fewer users than there are slots, or the workers' arguments name one as well."""
+    if config.job_users is None:
+        return [None] * workers
+    if workers and any(a == "--job-user" or a.startswith("--job-user=") for a in worker_args):
+        raise StartupError(
+            "job_users is set in the configuration and --job-user is among the workers' "
+            "arguments (after --): give the job users in one place"
+        )
+    if not isinstance(config.job_users, str) and len(config.job_users) < workers:
+        raise StartupError(
+            f"job_users names {len(config.job_users)} users, but --workers {workers} needs one "
+            "per slot (slots are numbered 0 to N-1)"
+        )
+    return [config.job_user(slot) for slot in range(workers)]
+
+
 def split_worker_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
         cut = argv.index("--")
@@ -142,6 +160,8 @@ def assemble(
         journal,
         max_log_size=config.max_log_size,
         output_retention=config.output_retention,
+        max_pending=config.max_pending,
+        max_pending_bytes=config.max_pending_bytes,
     )
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
@@ -171,6 +191,7 @@ async def run_controller(
     busy_poll: float | None = 0.0,
     worker_nice: int | None = None,
 ) -> None:
+    job_users = slot_job_users(config, workers, worker_args)
     before, soft = raise_nofile_limit()
     if soft != before:
         log.info("descriptor limit raised from %d to %d", before, soft)
@@ -263,9 +284,10 @@ async def run_controller(
                 async with trio.open_nursery() as local:
                     if workers:
                         argv = worker_command(str(config.socket_dir), worker_args)
-                        await local.start(
-                            Supervisor(workers, argv, cpus=worker_cpus, nice=worker_nice).run
+                        supervisor = Supervisor(
+                            workers, argv, cpus=worker_cpus, nice=worker_nice, job_users=job_users
                         )
+                        await local.start(supervisor.run)
                         log.info("supervising %d local workers", workers)
                     async for signum in signals:
                         log.info("%s: shutting down", signal.Signals(signum).name)

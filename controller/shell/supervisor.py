@@ -58,12 +58,15 @@ class Supervisor:
         argv: list[str],
         cpus: frozenset[int] | None = None,
         nice: int | None = None,
+        job_users: list[str | None] | None = None,
     ) -> None:
-        """`cpus`: the CPUs workers may use when the controller pinned itself elsewhere
-        (a worker given its own --cpus sets its own); `nice`: the nice value they run at
-        when the controller changed its own (controller/priority.py)."""
+        """Slots 0..count-1. `cpus`: the CPUs workers may use when the controller pinned
+        itself elsewhere (a worker given its own --cpus sets its own); `nice`: the nice value
+        they run at when the controller changed its own (controller/priority.py);
+        `job_users`: each slot's job user (config `job_users`), passed as `--job-user`."""
         self.count = count
         self.argv = argv
+        self.job_users = job_users or []
         own = any(arg == "--cpus" or arg.startswith("--cpus=") for arg in argv)
         self.cpus = None if own else cpus
         self.nice = nice
@@ -77,14 +80,20 @@ class Supervisor:
                 nursery.start_soon(self._keep_running, slot)
             task_status.started()
 
+    def slot_argv(self, slot: int) -> list[str]:
+        """The command line of slot `slot`'s worker."""
+        user = self.job_users[slot] if slot < len(self.job_users) else None
+        return self.argv if user is None else [*self.argv, "--job-user", user]
+
     async def _keep_running(self, slot: int) -> None:
         delay = BACKOFF_START
+        argv = self.slot_argv(slot)
         while True:
             started = trio.current_time()
             # Its own session: a Ctrl-C at the terminal reaches only the controller, which then
             # stops the workers once (they drain); --exit-with-parent covers a SIGKILLed controller.
             try:
-                proc = await trio.lowlevel.open_process(self.argv, start_new_session=True)
+                proc = await trio.lowlevel.open_process(argv, start_new_session=True)
             except OSError as exc:  # out of descriptors or processes: not fatal, try again
                 self._spawn_failed(f"worker slot {slot}: {exc.strerror or exc}", started)
                 await trio.sleep(delay)
