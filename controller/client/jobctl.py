@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import argparse
 import io
+import ipaddress
 import json
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from controller.cli import add_common_flags, positive_seconds, quiet_pipe
 from controller.client.engine import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
-from controller.client.http import HttpPool, read_token
+from controller.client.http import HttpPool, token_problem
 from controller.client.httpwire import Answer
 from controller.client.jobctl_tables import job_details, jobs_table, queues_table
 
+# The packaged controller's http_token_file (packaging/controller.json): read when no
+# --token-file is given, the URL is on this host and the file can be read (as root).
+DEFAULT_TOKEN_FILE = Path("/etc/controller/http-tokens")
 # The most jobs `retry --failed` retries in one run.
 MAX_BULK = 10_000
 # The most jobs one listing may ask for (the API's own cap on ?limit=).
@@ -40,6 +46,9 @@ examples:
   jobctl queues --json                         the queues, as JSON for a script
   jobctl output job-1 --follow                 a job's output, as it is written
   jobctl --url https://ctl.example:8443 --token-file /etc/controller/token list
+
+Against this host's controller, jobctl sends the first token of
+/etc/controller/http-tokens (packaging/install.sh writes it) when it can read it.
 
 exit status: 0 success, 1 a job or command failed (unknown job, a change its
 state does not allow, a refused token), 2 usage error, 3 no answer in time or
@@ -80,7 +89,9 @@ def _global_flags(parser: argparse.ArgumentParser, default: Callable[[Any], Any]
         "--token-file",
         metavar="FILE",
         default=default(None),
-        help="send the bearer token in FILE (its first line) with every request",
+        help="send the bearer token in FILE with every request: its first line that is not "
+        "a #-comment, read whole as the controller reads its http_token_file (default: "
+        f"{DEFAULT_TOKEN_FILE} when the URL is on this host and that file can be read)",
     )
     parser.add_argument(
         "--ca-file",
@@ -207,8 +218,62 @@ def _message(answer: Answer) -> str:
     return answer.text.strip()[:200] or "(no message)"
 
 
+def read_token(path: Path) -> str:
+    """The token jobctl sends from a token file: its first line that is not blank or a
+    #-comment, whole and stripped, as the controller reads each line of its http_token_file
+    (controller/shell/http_access.py), so a line the controller holds as one token is never
+    sent cut. ValueError naming the file when it cannot be read, holds no token, or that line
+    cannot go in a header (a note after a token belongs on a #-comment line of its own)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"{path}: {why}") from None
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        why = token_problem(token)
+        if why:
+            raise ValueError(
+                f"{path}: line {number}: {why}, and the controller reads each line whole as one "
+                "token (put a note on a #-comment line of its own)"
+            )
+        return token
+    raise ValueError(f"{path}: it holds no token")
+
+
+def on_this_host(url: str) -> bool:
+    """Whether `url` names this host: localhost or a loopback address (the default token
+    file is this host's controller's, never sent elsewhere)."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_token(url: str) -> str | None:
+    """The token of DEFAULT_TOKEN_FILE for a URL on this host, when that file can be read;
+    else None (a file there that holds no usable token raises ValueError)."""
+    if not on_this_host(url) or not os.access(DEFAULT_TOKEN_FILE, os.R_OK):
+        return None
+    return read_token(DEFAULT_TOKEN_FILE)
+
+
 def _refusal(status: int, message: str, what: str) -> Failed:
-    hint = " (give --token-file)" if status == 401 else ""
+    hint = ""
+    if status == 401 and os.access(DEFAULT_TOKEN_FILE, os.R_OK):
+        hint = " (give --token-file)"
+    elif status == 401:  # the packaged token file is root's alone
+        hint = f" (give --token-file, or run as root for {DEFAULT_TOKEN_FILE})"
     code = EXIT_USAGE if status == 400 else EXIT_FAILED
     return Failed(code, f"{what}: {status} {message}{hint}")
 
@@ -433,9 +498,9 @@ def _main(argv: list[str] | None) -> int:
         if args.queue and not args.failed:
             parser.exit(EXIT_USAGE, "jobctl retry: --queue goes with --failed\n")
     try:
-        token = read_token(args.token_file) if args.token_file else None
+        token = read_token(Path(args.token_file)) if args.token_file else default_token(args.url)
     except ValueError as exc:
-        _warn(f"--token-file {exc}")
+        _warn(f"--token-file {exc}" if args.token_file else f"{exc} (give --token-file)")
         return EXIT_USAGE
     try:
         pool = HttpPool(args.url, token=token, timeout=args.timeout, ca_file=args.ca_file)
