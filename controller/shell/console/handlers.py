@@ -115,7 +115,9 @@ class Console:
                 query = request.scope["query_string"].decode("latin-1")
                 then = then_target(request.scope["path"] + ("?" + query if query else ""))
         csrf = self.sessions.csrf(seen.browser)
-        response = self._html(pages.login_page(csrf, error, then), seen, status=401)
+        tokens = self.sessions.tokens
+        where = str(tokens.path) if tokens is not None else ""
+        response = self._html(pages.login_page(csrf, error, then, where), seen, status=401)
         response.headers.append((b"www-authenticate", b"Bearer"))
         return response
 

@@ -91,11 +91,13 @@ def table(headers: Sequence[str], rows: Sequence[str], empty: str) -> str:
     return f"<table><tr>{head}</tr>\n{rows_text}\n</table>"
 
 
-def login_page(csrf: str, error: str = "", then: str = "/") -> str:
-    """The login form; `then` is the console page to show once logged in."""
+def login_page(csrf: str, error: str = "", then: str = "/", token_file: str = "") -> str:
+    """The login form; `then` is the console page to show once logged in, `token_file` the
+    configured http_token_file (where an operator finds a token)."""
     problem = f"<p class=failed>{e(error)}</p>" if error else ""
+    where = f" (<code>{e(token_file)}</code> on the controller's host)" if token_file else ""
     body = f"""<h1>Log in</h1>
-<p>This controller asks for one of the tokens of its token file.</p>{problem}
+<p>This controller asks for one of the tokens of its token file{where}.</p>{problem}
 <form method=post action="/ui/login" class=login>{hidden("csrf", csrf)}{hidden("then", then)}
 <label>Token <input type=password name="token" autocomplete=current-password required
 autofocus></label> <button>Log in</button></form>"""
