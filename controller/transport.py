@@ -17,9 +17,12 @@ next turn), so callers never see themselves re-entered.
 from __future__ import annotations
 
 import _socket
+import errno
 import os
 import select
 import socket
+import stat
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Generic
@@ -50,13 +53,49 @@ def accept_unix(listener: socket.socket) -> _socket.socket:
     return _socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
 
 
+_PEERCRED = struct.Struct("3i")
+
+
+class WrongPeer(PermissionError):
+    """The process listening on a dialled socket is not the one expected: nothing was sent."""
+
+
+def peer_credentials(sock: _socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket (for a dialled one:
+    the process that listens on it)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def chmod_socket_file(path: str | Path, mode: int) -> os.stat_result:
+    """Give the socket file at `path` mode `mode` without following a symlink there (one put
+    in its place since the bind is refused: ELOOP), and return its stat. The file is opened
+    with O_PATH | O_NOFOLLOW and changed through /proc/self/fd, so that the file looked at is
+    the one changed."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(errno.ELOOP, f"{path} is no longer the socket just bound")
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", mode)
+        except FileNotFoundError:  # no /proc: the C library's no-follow chmod
+            os.chmod(path, mode, follow_symlinks=False)
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 def listen_unix(path: Path, backlog: int, mode: int = 0o660) -> socket.socket:
     """Bind and listen on `path` with file mode `mode` (synchronously: a local bind
-    takes microseconds, and trio's own bind hops to a thread, letting a MockClock jump)."""
+    takes microseconds, and trio's own bind hops to a thread, letting a MockClock jump).
+    The mode is set on the file bound, never through a symlink put in its place."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        os.fchmod(sock.fileno(), mode)  # the file is bound with this mode less the umask
         sock.bind(str(path))
-        os.chmod(path, mode)
+        chmod_socket_file(path, mode)
         sock.listen(backlog)
         sock.setblocking(False)
     except BaseException:
@@ -68,13 +107,16 @@ def listen_unix(path: Path, backlog: int, mode: int = 0o660) -> socket.socket:
 class Outgoing(Generic[wire.M]):
     """Dial `path`, send one frame, read the frame that answers it, close, report `done`.
 
-    `timeout` bounds each silence, as in `wire.recv_frame`.
+    `timeout` bounds each silence, as in `wire.recv_frame`. `expect`: (uid, pid or None) the
+    listening process must have (SO_PEERCRED); any other is reported as `WrongPeer` and
+    sent nothing.
     """
 
     __slots__ = (
         "_data",
         "_deadline",
         "_done",
+        "_expect",
         "_path",
         "_reactor",
         "_reader",
@@ -95,8 +137,10 @@ class Outgoing(Generic[wire.M]):
         *,
         timeout: float,
         max_extra_size: int = wire.DEFAULT_MAX_EXTRA_SIZE,
+        expect: tuple[int, int | None] | None = None,
     ) -> None:
         self._reactor = reactor
+        self._expect = expect
         self._path = str(path)
         self._data = data
         self._type = answer_type
@@ -129,6 +173,11 @@ class Outgoing(Generic[wire.M]):
             return
         if self._timer.callback is None:  # came back from a backlog retry
             self._timer = self._reactor.call_at(self._deadline, self._on_timer)
+        if self._expect is not None:
+            wrong = self._wrong_peer()
+            if wrong is not None:
+                self._finish(wrong)
+                return
         try:
             sent = self._sock.send(self._data)
         except BlockingIOError:
@@ -142,6 +191,22 @@ class Outgoing(Generic[wire.M]):
         else:  # a big request: the rest as the peer reads
             self._data = self._data[sent:]
             self._reactor.watch(self._sock, _OUT, self._send)
+
+    def _wrong_peer(self) -> WrongPeer | None:
+        """Who listens on the socket dialled, unless it is the process expected."""
+        assert self._expect is not None
+        uid, pid = self._expect
+        try:
+            peer_pid, peer_uid, _ = peer_credentials(self._sock)
+        except OSError as exc:
+            return WrongPeer(exc.errno or errno.EACCES, f"{self._path}: {exc.strerror}")
+        if peer_uid != uid or (pid is not None and peer_pid != pid):
+            return WrongPeer(
+                errno.EACCES,
+                f"{self._path} is served by pid {peer_pid} uid {peer_uid}, not the worker's "
+                f"pid {pid} uid {uid}",
+            )
+        return None
 
     def _send(self, events: int) -> None:
         try:

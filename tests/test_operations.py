@@ -276,7 +276,9 @@ async def test_worker_of_unknown_uid_is_refused(sockdir):
 
 @as_root
 async def test_worker_of_allowed_uid_runs_tasks(sockdir):
-    sockdir.chmod(0o1777)  # sticky: a shared directory nobody can squat in
+    # Nobody's own directory (no one else may write there): allowed_uids admits it, not its group.
+    os.chown(sockdir, NOBODY, -1)
+    sockdir.chmod(0o755)
     async with running_controller(sockdir, allowed_uids=(0, NOBODY)) as (shell, outcomes):
         os.chmod(sockdir / "main.sock", 0o666)
         proc = run_as_nobody("-m", "worker", "--socket-dir", str(sockdir))

@@ -7,22 +7,43 @@ setpriv, in a group of its own and no other, as a job would run."""
 
 from __future__ import annotations
 
+import errno
+import functools
+import json
 import os
+import socket as stdsocket
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 from controller.config import ConfigError, parse_config
+from controller.core import TaskState
 from controller.joblimits import JobLimits
-from controller.shell.core_shell import StartupError
+from controller.shell.core_shell import StartupError, answers_a_pulse, prepare_socket_dir
 from controller.shell.main import slot_job_users
 from controller.shell.supervisor import Supervisor
-from tests.helpers import controller_argv, wait_until, write_config
+from controller.transport import chmod_socket_file, listen_unix
+from gen import worker_protocol_pb2 as pb
+from tests.fakes import FakeWorker
+from tests.helpers import (
+    controller_argv,
+    free_udp_port,
+    reap,
+    running_controller,
+    wait_for_condition,
+    wait_until,
+    worker_argv,
+    write_config,
+)
+from tests.test_controller_shell import fresh_register_is_answered
 
 JOB_UID = 62001
+WORKERS_GID = 62100  # stands in for the packaged `controller` group
 ROOT = os.getuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root: runs processes as other uids")
 
@@ -126,5 +147,246 @@ async def test_each_supervised_slot_gets_its_job_user(tmp_path):
     assert Supervisor(2, ["w"]).slot_argv(1) == ["w"]  # job_users null: none passed
 
 
-def _unused() -> None:  # keep imports used while the file grows
-    _ = (sys, Path)
+# ---------------------------------------------------------------- sockets
+
+
+def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+    """A process the test stops by pid (reap)."""
+    return subprocess.Popen(argv, text=True, **kwargs)
+
+
+def _can_run_as(uid: int) -> bool:
+    if not ROOT:
+        return False
+    probe = subprocess.run(
+        [*_as_user(uid), sys.executable, "-c", "import controller.wire"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+def _as_user(uid: int, gid: int | None = None, groups: tuple[int, ...] = ()) -> list[str]:
+    """setpriv's command line for a process of `uid`, in group `gid` (default: the uid, a
+    group of its own) and in `groups` besides (default: none), as a job runs."""
+    extra = [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid if gid is None else gid}", *extra]
+
+
+as_job_user = pytest.mark.skipif(
+    not _can_run_as(JOB_UID), reason="needs root and a repository other uids can read"
+)
+
+# Run as the job's uid: what it can do to the socket directory and main.sock.
+_PROBE = """
+import json, os, socket, sys
+from controller import wire
+from gen import worker_protocol_pb2 as pb
+sockdir = sys.argv[1]
+seen = {}
+def attempt(name, fn):
+    try:
+        seen[name] = fn()
+    except OSError as exc:
+        seen[name] = "errno %d" % exc.errno
+def register():
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    s.connect(os.path.join(sockdir, "main.sock"))
+    s.sendall(wire.encode_frame(pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=2)))
+    data = s.recv(4096)
+    if not data:
+        return "closed"
+    resp, _ = wire.whole_frame(pb.PulseResponse, data, 0)
+    return pb.ControllerError.Name(resp.error)
+actions = {
+    "list": lambda: sorted(os.listdir(sockdir)),
+    "create": lambda: open(os.path.join(sockdir, "1.sock"), "w").close() or "created",
+    "unlink": lambda: os.unlink(os.path.join(sockdir, "main.sock")) or "removed",
+    "register": register,
+}
+for name in sys.argv[2:]:
+    attempt(name, actions[name])
+print(json.dumps(seen))
+"""
+
+
+def _probe_as(
+    uid: int,
+    sockdir: Path,
+    actions: tuple[str, ...] = ("list", "create", "unlink", "register"),
+    gid: int | None = None,
+) -> dict[str, object]:
+    run = subprocess.run(
+        [*_as_user(uid, gid), sys.executable, "-c", _PROBE, str(sockdir), *actions],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 0, run.stderr
+    seen: dict[str, object] = json.loads(run.stdout)
+    return seen
+
+
+@as_job_user
+async def test_a_job_user_cannot_reach_the_packaged_socket_directory(sockdir):
+    """The directory as packaged, 0770 root:<the workers' group>: a job user (its own group,
+    no other) can neither list it, nor put a file in it, nor reach main.sock; a worker of
+    that group registers."""
+    os.chown(sockdir, 0, WORKERS_GID)
+    sockdir.chmod(0o770)
+    async with running_controller(sockdir) as (shell, _):
+        os.chown(sockdir / "main.sock", 0, WORKERS_GID)  # the packaged controller's group
+        job = await trio.to_thread.run_sync(_probe_as, JOB_UID, sockdir)
+        eacces = f"errno {errno.EACCES}"
+        assert job == {"list": eacces, "create": eacces, "unlink": eacces, "register": eacces}
+        assert (sockdir / "main.sock").exists() and not (sockdir / "1.sock").exists()
+        worker = await trio.to_thread.run_sync(
+            functools.partial(_probe_as, 62000, sockdir, ("register",), gid=WORKERS_GID)
+        )
+        assert worker["register"] == "CTRL_ERR_OK"
+        assert shell.refused_peers == 0  # (the probe is dropped again when it exits)
+
+
+@as_job_user
+async def test_main_sock_refuses_a_job_user_that_reaches_it(sockdir):
+    """Even where main.sock is reachable (a directory others may enter, the socket 0666),
+    a job user's REGISTER is refused: its uid is not allowed and its group is its own."""
+    os.chown(sockdir, 0, WORKERS_GID)
+    sockdir.chmod(0o771)
+    async with running_controller(sockdir) as (shell, _):
+        os.chmod(sockdir / "main.sock", 0o666)
+        job = await trio.to_thread.run_sync(_probe_as, JOB_UID, sockdir)
+        assert job["register"] == "CTRL_ERR_FAILED"
+        assert shell.core.workers == {} and shell.refused_peers == 1
+
+
+def test_a_socket_directory_others_may_write_is_refused_sticky_or_not(sockdir):
+    for mode in (0o777, 0o1777, 0o1773):
+        sockdir.chmod(mode)
+        with pytest.raises(StartupError, match="world-writable"):
+            prepare_socket_dir(sockdir)
+    sockdir.chmod(0o770)
+    prepare_socket_dir(sockdir)
+
+
+def test_listen_unix_never_changes_a_file_through_a_symlink(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("x")
+    target.chmod(0o600)
+    link = tmp_path / "a.sock"
+    link.symlink_to(target)
+    with pytest.raises(OSError) as caught:
+        chmod_socket_file(link, 0o666)
+    assert caught.value.errno == errno.ELOOP
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    with listen_unix(tmp_path / "b.sock", 4, 0o660):
+        assert stat.S_IMODE((tmp_path / "b.sock").stat().st_mode) == 0o660
+
+
+async def test_a_removed_main_sock_is_bound_again_and_a_real_worker_comes_back(sockdir, caplog):
+    async with running_controller(sockdir) as (shell, outcomes):
+        proc = _popen(worker_argv(sockdir, "--pulse", "0.2"))
+        try:
+            await wait_until(lambda: shell.core.idle_workers == 1, timeout=20)
+            main = sockdir / "main.sock"
+            main.unlink()
+            gone = trio.current_time()
+            await wait_until(main.exists, timeout=2)
+            assert trio.current_time() - gone < 1.0
+            assert shell.rebinds == 1
+            assert "main.sock was removed while the controller ran; bound again" in caplog.text
+            # The worker's pulses reach the controller again: it still runs jobs.
+            shell.submit(7, b"after the rebind")
+            [done] = await outcomes.wait(1)
+            assert (done.state, done.result) == (TaskState.SUCCESS, b"after the rebind")
+        finally:
+            reap(proc)
+
+
+async def test_a_replaced_main_sock_is_taken_back_and_workers_come_back(sockdir, caplog):
+    """A listener put in main.sock's place (silent: it swallows pulses) is noticed and
+    replaced within a second; the worker, dropped or not meanwhile, runs the next job."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        proc = _popen(worker_argv(sockdir, "--pulse", "0.2"))
+        impostor = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        try:
+            await wait_until(lambda: shell.core.idle_workers == 1, timeout=20)
+            main = sockdir / "main.sock"
+            main.unlink()
+            impostor.bind(str(main))
+            impostor.listen(16)
+            swapped = trio.current_time()
+            await wait_until(lambda: shell.rebinds == 1, timeout=2)
+            assert trio.current_time() - swapped < 1.0
+            assert "replaced by another file" in caplog.text
+            shell.submit(8, b"taken back")
+            [done] = await outcomes.wait(1, timeout=20)
+            assert (done.state, done.result) == (TaskState.SUCCESS, b"taken back")
+        finally:
+            impostor.close()
+            reap(proc)
+
+
+async def test_a_silent_listener_on_main_sock_does_not_block_the_start(sockdir):
+    """A main.sock that accepts connections and never answers a pulse is stale: replaced."""
+    squatter = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    squatter.bind(str(sockdir / "main.sock"))
+    squatter.listen(16)
+    try:
+        async with running_controller(sockdir, dial_timeout=0.5):
+            await fresh_register_is_answered(sockdir)
+    finally:
+        squatter.close()
+
+
+def test_a_controller_process_starts_past_a_silent_main_sock(tmp_path):
+    """The command itself: before, it exited 2 ("another controller is already serving")."""
+    sockdir = tmp_path / "s"
+    sockdir.mkdir(mode=0o750)
+    squatter = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    squatter.bind(str(sockdir / "main.sock"))
+    squatter.listen(16)
+    config = write_config(
+        tmp_path,
+        socket_dir=str(sockdir),
+        dial_timeout=0.5,
+        client_address={"host": "127.0.0.1", "port": free_udp_port()},
+    )
+    proc = subprocess.Popen(controller_argv(config), stderr=subprocess.PIPE)
+    try:
+        wait_for_condition(lambda: answers_a_pulse(sockdir / "main.sock", 1.0), timeout=20)
+        assert proc.poll() is None
+    finally:
+        squatter.close()
+        reap(proc)
+
+
+async def test_a_worker_socket_served_by_another_process_is_sent_nothing(sockdir, nursery):
+    """The socket file was swapped after the owner check could pass: whoever listens there
+    now is not the process that registered, so SET_TASK never reaches it."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        victim = await FakeWorker(sockdir).start(nursery)
+        path = sockdir / f"{victim.worker_id}.sock"
+        path.unlink()
+        script = (
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(4)\n"
+            "print('listening', flush=True)\n"
+            "c, _ = s.accept(); c.settimeout(5)\n"
+            "print('got', len(c.recv(65536)), flush=True)\n"
+        )
+        impostor = _popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE)
+        try:
+            assert impostor.stdout is not None
+            assert await trio.to_thread.run_sync(impostor.stdout.readline) == "listening\n"
+            shell.submit(1, b"secret payload")
+            await wait_until(lambda: victim.worker_id not in shell.core.workers)
+            assert shell.core.counters.worker_losses == {"socket owned by another uid": 1}
+            good = await FakeWorker(sockdir).start(nursery)
+            await good.wait_for(pb.CTRL_SET_TASK)
+            await good.pulse(pb.PULSE_FETCH_ME)
+            assert (await outcomes.wait(1))[0].state is TaskState.SUCCESS
+            impostor.terminate()
+            out, _ = impostor.communicate(timeout=10)
+            assert "got" not in out or "got 0" in out  # connected, and was sent nothing
+        finally:
+            reap(impostor)

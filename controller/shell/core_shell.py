@@ -18,7 +18,6 @@ import os
 import select
 import socket
 import stat
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +47,15 @@ from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 from controller.shell.durability import WriteAhead
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
-from controller.transport import Incoming, Outgoing, Result, accept_unix, listen_unix
+from controller.transport import (
+    Incoming,
+    Outgoing,
+    Result,
+    WrongPeer,
+    accept_unix,
+    listen_unix,
+    peer_credentials,
+)
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")
@@ -56,23 +63,22 @@ log = logging.getLogger("controller")
 # Pending connections the kernel queues on main.sock; a burst of workers starting
 # at once (or a flood) should not see ECONNREFUSED.
 LISTEN_BACKLOG = 1024
-_PEERCRED = struct.Struct("3i")
 _FAILED = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
+# How often the path of main.sock is looked at: one removed or replaced is bound again
+# within this (DESIGN.md section 15 asks within a second).
+MAIN_SOCKET_CHECK = 0.25
+# How long a worker waits for an answer on main.sock by default (worker --dial-timeout).
+WORKER_DIAL_TIMEOUT = 2.0
 
 
 class StartupError(Exception):
     """The controller cannot start; the message is for the operator (exit status 2)."""
 
 
-def peer_credentials(sock: _socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    pid, uid, gid = _PEERCRED.unpack(raw)
-    return pid, uid, gid
-
-
 def prepare_socket_dir(path: Path) -> os.stat_result:
-    """Create the socket directory if needed and check it is safe to serve from."""
+    """Create the socket directory if needed and check it is safe to serve from: a directory
+    that others may write to (sticky or not) would let anyone put a socket of their own
+    where workers or the controller look for one."""
     try:
         path.mkdir(mode=0o750, parents=True, exist_ok=True)
         st = path.stat()
@@ -80,7 +86,7 @@ def prepare_socket_dir(path: Path) -> os.stat_result:
         raise StartupError(f"socket directory {path}: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise StartupError(f"socket directory {path} is not a directory")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+    if st.st_mode & stat.S_IWOTH:
         raise StartupError(
             f"socket directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
             "anyone could replace the sockets in it: chmod o-w it"
@@ -88,22 +94,49 @@ def prepare_socket_dir(path: Path) -> os.stat_result:
     return st
 
 
-def bind_main_socket(path: Path) -> socket.socket:
-    """Listen on main.sock, replacing a stale file but never a live controller."""
+def answers_a_pulse(path: Path, timeout: float) -> bool:
+    """Whether a controller serves `path`: it answers a pulse (one for worker id 0, which
+    no worker has, so nothing changes) within `timeout` seconds. A socket nobody listens
+    on, or one that accepts and stays silent, does not."""
+    probe = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=0, next_pulse=1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            sock.sendall(wire.encode_frame(probe))
+            data = b""
+            while wire.whole_frame(pb.PulseResponse, data, wire.MAX_PULSE_EXTRA) is None:
+                chunk = sock.recv(4096)
+                if not chunk or len(data) > 4096:
+                    return False
+                data += chunk
+        except (OSError, wire.RemoteProtocolError):
+            return False
+    return True
+
+
+def bind_main_socket(path: Path, timeout: float = 2.0) -> socket.socket:
+    """Listen on main.sock, replacing a stale file (nobody answers a pulse there within
+    `timeout`) but never a live controller."""
     if path.exists() or path.is_symlink():
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(str(path))
-            except OSError:
-                log.info("removing stale %s", path)
-                path.unlink(missing_ok=True)
-            else:
-                raise StartupError(f"another controller is already serving on {path}")
+        if answers_a_pulse(path, timeout):
+            raise StartupError(f"another controller is already serving on {path}")
+        log.info("removing stale %s", path)
+        path.unlink(missing_ok=True)
     try:
         # Workers in the socket directory's group must be able to connect.
         return listen_unix(path, LISTEN_BACKLOG, 0o660)
     except OSError as exc:
         raise StartupError(f"cannot listen on {path}: {exc.strerror}") from None
+
+
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, not following a symlink (None: none there)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class CoreShell:
@@ -152,6 +185,8 @@ class CoreShell:
         self._own_uid = os.getuid()
         self._dir_gid = -1
         self._sock: socket.socket | None = None
+        self._sock_identity: tuple[int, int] | None = None  # main.sock's (device, inode)
+        self.rebinds = 0  # times main.sock was found removed or replaced and bound again
         self._accept_failed = Throttled(log, "main.sock: cannot accept a connection")
         self._dial_failed = Throttled(log, "cannot dial a worker")
 
@@ -165,7 +200,9 @@ class CoreShell:
         """
         if self._sock is None:
             self._dir_gid = prepare_socket_dir(self.config.socket_dir).st_gid
-            self._sock = bind_main_socket(self.config.main_socket)
+            path = self.config.main_socket
+            self._sock = bind_main_socket(path, self.config.dial_timeout)
+            self._sock_identity = file_identity(path)
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve main.sock until cancelled; `started()` once it accepts connections."""
@@ -180,13 +217,56 @@ class CoreShell:
                 await nursery.start(self.reactor.run)
                 self.reactor.watch(sock, select.EPOLLIN, self._accept, listener=True)
                 log.info("listening for workers on %s", cfg.main_socket)
+                nursery.start_soon(self._guard_main_socket)
                 task_status.started()
         finally:
+            sock = self._sock or sock
             self.reactor.unwatch(sock)
             sock.close()
             self._sock = None
-            with contextlib.suppress(OSError):
-                cfg.main_socket.unlink()
+            # Only our own file: one another process put there since is not ours to remove.
+            if file_identity(cfg.main_socket) == self._sock_identity:
+                with contextlib.suppress(OSError):
+                    cfg.main_socket.unlink()
+
+    async def _guard_main_socket(self) -> None:
+        """Look at main.sock's path every MAIN_SOCKET_CHECK seconds: removed, or replaced by
+        another file, it is bound again (workers' next pulses reach the controller again)."""
+        path = self.config.main_socket
+        while True:
+            await trio.sleep(MAIN_SOCKET_CHECK)
+            if self._sock is not None and file_identity(path) != self._sock_identity:
+                self._rebind_main_socket(path)
+
+    def _rebind_main_socket(self, path: Path) -> None:
+        found = "removed" if not os.path.lexists(path) else "replaced by another file"
+        old = self._sock
+        try:
+            path.unlink(missing_ok=True)
+            sock = listen_unix(path, LISTEN_BACKLOG, 0o660)
+        except OSError as exc:  # looked at again at the next check
+            log.error("%s was %s and cannot be bound again: %s", path, found, exc.strerror)
+            return
+        self.rebinds += 1
+        log.error("%s was %s while the controller ran; bound again", path, found)
+        if old is not None:
+            self.reactor.unwatch(old)
+            old.close()
+        self._sock = sock
+        self._sock_identity = file_identity(path)
+        self.reactor.watch(sock, select.EPOLLIN, self._accept, listener=True)
+        self._excuse_swallowed_pulses(trio.current_time())
+
+    def _excuse_swallowed_pulses(self, now: float) -> None:
+        """A pulse sent to whatever stood in main.sock's place waits there for its worker's
+        dial timeout before the worker tries again: each local worker's deadline gets that
+        long once more, so that none is dropped for a pulse that could not arrive."""
+        grace = max(self.config.dial_timeout, WORKER_DIAL_TIMEOUT)
+        local = self.core.local
+        for worker in self.core.workers.values():
+            if worker.kind is local:
+                promise = max(worker.deadline - worker.last_pulse, 1.0)
+                worker.deadline = max(worker.deadline, now + promise + grace)
 
     def submit(
         self, task_id: int, payload: bytes, owner: object = None, options: JobOptions | None = None
@@ -379,6 +459,12 @@ class CoreShell:
         msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
+        expect = None
+        if action.uid is not None:
+            # Whoever listens there now must be the worker that registered (its socket file
+            # may have been swapped since the stat above).
+            worker = self.core.workers.get(wid)
+            expect = (action.uid, worker.pid if worker is not None else None)
         try:
             Outgoing(
                 self.reactor,
@@ -388,6 +474,7 @@ class CoreShell:
                 functools.partial(self._dialled, action, path),
                 timeout=cfg.dial_timeout,
                 max_extra_size=cfg.max_extra_size,
+                expect=expect,
             )
         except OSError as exc:  # no descriptor for the socket: the worker did not answer
             self._dial_failed(exc.strerror or exc, trio.current_time())
@@ -411,6 +498,9 @@ class CoreShell:
         wid = action.worker_id
         if isinstance(result, tuple):
             done = DialDone(wid, action.kind, result[0], result[1])
+        elif isinstance(result, WrongPeer):
+            log.warning("worker %d: %s; nothing sent", wid, result.strerror)
+            done = DialDone(wid, action.kind, None, not_owned=True, error=str(result.strerror))
         elif isinstance(result, wire.RemoteProtocolError):
             done = DialDone(wid, action.kind, None, error=str(result))
         else:
