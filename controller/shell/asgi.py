@@ -32,6 +32,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 # The job's path: /job/{id}/ (and /job/{id}); other paths with a part in them are `patterns`.
 JOB_PREFIX = "/job/"
+# The versions served; any other (an HTTP/2 preface inside a connection) is answered 505.
+HTTP_VERSIONS = ("1.1", "1.0")
 
 
 class ClientDisconnect(Exception):
@@ -201,6 +203,11 @@ class Router:
             await _lifespan(receive, send)
             return
         if scope["type"] != "http":
+            return
+        if scope["http_version"] not in HTTP_VERSIONS:
+            # (No "Connection: close": h11 would then fail the connection on the bytes the
+            # client sent after it, the rest of the preface, before this answer is out.)
+            await error_response(505, "only HTTP/1.1 is served here")(scope, receive, send)
             return
         try:
             refusal = self._gate(scope)

@@ -22,7 +22,6 @@ from typing import Any
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from controller import httpapi
@@ -47,7 +46,12 @@ from controller.shell.console.session import TokenFile
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
 from controller.shell.http_access import Gate, read_tokens
-from controller.shell.http_conn import Connections, OneOneStream, serve_connections
+from controller.shell.http_conn import (
+    Connections,
+    OneOneServer,
+    OneOneStream,
+    serve_connections,
+)
 from controller.shell.openapi import OPENAPI
 
 log = logging.getLogger("controller.http")
@@ -124,7 +128,7 @@ class HttpDoor:
         desk.on_output = self.output_grew
         self._rate = self.console.job_ended
         self.pollers = core.pollers
-        self.connections = Connections(config.max_connections)
+        self.connections = Connections(config.max_connections, config.max_connections_per_client)
         self._idle_timer = keepalive.usable()
 
     # ------------------------------------------------------------ serving
@@ -176,7 +180,7 @@ class HttpDoor:
         idle_timer = self._idle_timer
 
         async def connection(stream: trio.abc.Stream) -> None:
-            server = TCPServer(app, hc, context, {}, stream)  # type: ignore[arg-type]
+            server = OneOneServer(app, hc, context, {}, stream)  # type: ignore[arg-type]
             if idle_timer:
                 timer = keepalive.fit(server, head_limit=self.config.http_body_timeout)
                 if timer is not None and isinstance(stream, OneOneStream):

@@ -21,7 +21,10 @@ and `restart` only move a deadline, and the watcher, waking about once per
 runs hypercorn's own `action` (which waits the keep-alive timeout, or the
 server's end, and closes the connection); a request meanwhile cancels that. So an idle connection is
 closed after `GRACE` plus hypercorn's `keep_alive_timeout`: the HTTP door sets
-the latter to its idle time minus `GRACE`.
+the latter to its idle time minus `GRACE`. Once the connection has ended (`end`,
+told by controller/shell/http_conn.py), the watcher leaves at once: hypercorn
+waits for it before it lets the connection go, and the connection's place in
+`max_connections` with it.
 
 `fit(server)` puts one in place of a hypercorn `TCPServer`'s own timer (its
 `idle_task` attribute), only when that timer is the class this module was
@@ -59,6 +62,8 @@ class IdleTimer:
         # does (None: no byte of it yet).
         self.head_limit = head_limit
         self._head_from: float | None = None
+        self._ended = False  # the connection ended: no more watching
+        self._watching_scope: trio.CancelScope | None = None
 
     async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
         """The connection is idle from now (opened, or a request ended)."""
@@ -66,7 +71,7 @@ class IdleTimer:
         self._deadline = trio.current_time() + GRACE
         self._head_from = None
         self._restarts += 1
-        if not self._watching:
+        if not self._watching and not self._ended:
             self._watching = True
             task_group.spawn(self._watch, action)
 
@@ -89,6 +94,13 @@ class IdleTimer:
             self._interrupt()
             self._deadline = now + GRACE
 
+    def end(self) -> None:
+        """The connection ended (the client closed it, or the server did): the watcher, and
+        hypercorn's action if it runs, stop now."""
+        self._ended = True
+        if self._watching_scope is not None:
+            self._watching_scope.cancel()
+
     def _interrupt(self) -> None:
         if self._acting is not None:
             self._acting.cancel()
@@ -96,25 +108,30 @@ class IdleTimer:
 
     async def _watch(self, action: Callable[[], Awaitable[None]]) -> None:
         try:
-            while True:
-                deadline = self._deadline
-                if deadline == math.inf:  # a request runs
-                    seen = self._restarts
-                    await trio.sleep(GRACE)
-                    if self._deadline == math.inf and self._restarts == seen:
-                        # Busy all along, or the connection ended mid-request (hypercorn
-                        # then never restarts): leave, so as not to hold its task group
-                        # open; the next restart starts another watcher.
-                        return
-                elif trio.current_time() < deadline:
-                    await trio.sleep_until(deadline)  # then look again: it may have moved
-                else:
-                    with trio.CancelScope() as self._acting:  # idle for GRACE: hypercorn's wait
-                        await action()
-                        return  # it closed the connection
-                    # cancelled by a request: look again
+            with trio.CancelScope() as self._watching_scope:
+                await self._watch_until_closed(action)
         finally:
             self._watching = False
+            self._watching_scope = None
+
+    async def _watch_until_closed(self, action: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            deadline = self._deadline
+            if deadline == math.inf:  # a request runs
+                seen = self._restarts
+                await trio.sleep(GRACE)
+                if self._deadline == math.inf and self._restarts == seen:
+                    # Busy all along, or the connection ended mid-request (hypercorn
+                    # then never restarts): leave, so as not to hold its task group
+                    # open; the next restart starts another watcher.
+                    return
+            elif trio.current_time() < deadline:
+                await trio.sleep_until(deadline)  # then look again: it may have moved
+            else:
+                with trio.CancelScope() as self._acting:  # idle for GRACE: hypercorn's wait
+                    await action()
+                    return  # it closed the connection
+                # cancelled by a request: look again
 
 
 def usable() -> bool:
