@@ -8,8 +8,10 @@ import httpx
 import trio
 
 from controller.jobs import JobState
+from controller.shell import http_access
 from controller.shell.console.session import Sessions, TokenFile, parse_cookies
 from controller.shell.console.stats import SPAN_SECONDS, EndRate
+from controller.shell.http_access import BLOCK_SECONDS, Strikes
 from tests.helpers import wait_until
 from tests.test_http import client, http_controller
 
@@ -29,7 +31,7 @@ def section(page: httpx.Response, ident: str) -> str:
 
 async def login(http: httpx.AsyncClient, token: str) -> httpx.Response:
     form = await http.get("/ui/login")
-    assert form.status_code == 401 and 'name="token"' in form.text
+    assert form.status_code == 200 and 'name="token"' in form.text
     return await http.post("/ui/login", data={"csrf": csrf_of(form), "token": token})
 
 
@@ -385,3 +387,94 @@ async def test_login_session_cookie_logout_and_token_removal(sockdir, tmp_path):
             await until_refused()
         assert (await login(http, "secret-two")).status_code == 303
         assert (await http.get("/")).status_code == 200
+
+
+async def test_a_bearer_token_opens_every_page_but_no_form(sockdir, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    bearer = {"Authorization": "Bearer secret"}
+    async with (
+        http_controller(sockdir, workers=0, http_token_file=tokens) as ctl,
+        client(ctl.url) as http,
+    ):
+        await http.post("/job/", json={"id": "j"}, headers=bearer)
+        for path in (
+            "/",
+            "/ui",
+            "/ui/jobs",
+            "/ui/jobs/j",
+            "/ui/stats",
+            "/ui/queues",
+            "/ui/workers",
+        ):
+            page = await http.get(path, headers=bearer)
+            assert page.status_code == 200, path
+            assert 'name="token"' not in page.text, path
+        assert (await http.get("/", headers={"Authorization": "Bearer wrong"})).status_code == 401
+        # its forms still need the console's session
+        form = {"csrf": csrf_of(await http.get("/ui/jobs/j", headers=bearer))}
+        refused = await http.post("/ui/jobs/j/cancel", data=form, headers=bearer)
+        assert refused.status_code == 401 and 'name="token"' in refused.text
+        assert ctl.desk.book.get("j").state is JobState.PENDING
+        # the login page is an ordinary page: 200, the form, no challenge
+        login_page = await http.get("/ui/login")
+        assert login_page.status_code == 200 and 'name="token"' in login_page.text
+        assert "www-authenticate" not in login_page.headers
+
+
+def test_strikes_block_an_address_after_ten_within_a_minute(monkeypatch):
+    strikes = Strikes()
+    for n in range(9):
+        strikes.strike("a", 100.0 + n)
+    assert strikes.until("a", 108.0) == 0.0
+    strikes.strike("a", 159.9)  # the tenth within a minute of the first
+    assert strikes.until("a", 160.0) == 159.9 + BLOCK_SECONDS
+    assert strikes.until("b", 160.0) == 0.0  # another address is not concerned
+    assert strikes.until("a", 159.9 + BLOCK_SECONDS) == 0.0 and not strikes.blocked
+    for n in range(10):  # ten spread over more than a minute: no block
+        strikes.strike("c", 1000.0 + 7 * n)
+    assert strikes.until("c", 1064.0) == 0.0
+    monkeypatch.setattr(http_access, "MAX_ADDRESSES", 3)
+    for n in range(10):  # many addresses: the least recently struck are forgotten
+        strikes.strike(f"x{n}", 2000.0)
+    assert len(strikes._recent) == 3
+
+
+async def test_ten_wrong_tokens_from_one_address_get_429_for_a_minute(sockdir, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    good = {"Authorization": "Bearer secret"}
+    async with (
+        http_controller(sockdir, workers=0, http_token_file=tokens) as ctl,
+        client(ctl.url) as http,
+    ):
+        for _ in range(15):  # no token: refused, but not counted
+            assert (await http.get("/job/")).status_code == 401
+        # a non-ASCII token is a wrong one: 401, never 500
+        odd = await http.get("/job/", headers={"Authorization": "Bearer s\xe9cret".encode()})
+        assert odd.status_code == 401 and odd.json()["message"]
+        for n in range(5):
+            wrong = {"Authorization": f"Bearer guess-{n}"}
+            assert (await http.get("/job/", headers=wrong)).status_code == 401
+        for n in range(3):  # wrong console logins count as well
+            form = await http.get("/ui/login")
+            tried = await http.post(
+                "/ui/login", data={"csrf": csrf_of(form), "token": f"guess-{n}"}
+            )
+            assert tried.status_code == 401
+        # the tenth (one non-ASCII, five bearer, three logins before it)
+        assert (await http.get("/", headers={"Authorization": "Bearer x"})).status_code == 401
+        for method, path in (("GET", "/job/"), ("GET", "/"), ("GET", "/ui/login")):
+            refused = await http.request(method, path, headers=good)
+            assert refused.status_code == 429, path
+            body = refused.json()
+            assert body["code"] == 429 and body["message"] and refused.headers["retry-after"]
+        assert (await http.get("/health/")).status_code == 200
+        # another address is served as before
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with client(ctl.url, transport=transport) as other:
+            assert (await other.get("/job/", headers=good)).status_code == 200
+        # a minute later the address is served again
+        gate = ctl.web.gate
+        gate.clock = lambda: trio.current_time() + BLOCK_SECONDS
+        assert (await http.get("/job/", headers=good)).status_code == 200

@@ -1,11 +1,13 @@
 """The console's endpoints, served by the HTTP door in the controller's own loop.
 
-Every page checks the browser's session first (with `http_token_file`: else 401 and the
-login form as its body) and every POST its CSRF token (else 403); each action then calls
-the job desk, as the JSON API does, waits for the journal, and answers 303 to the page to
-show next (post, redirect, get). The bearer tokens of the API are not taken here, and the
+Every page checks the browser's session first, or a valid bearer token of the API (with
+`http_token_file`: else 401 and the login form as its body; the login page itself is an
+ordinary 200), and every POST its session and CSRF token (else 401, 403): a bearer token
+opens pages, never forms. Each action then calls the job desk, as the JSON API does, waits
+for the journal, and answers 303 to the page to show next (post, redirect, get). The
 session cookie is taken on one API path only: `GET /job/{id}/output`, which a job's page
-shows in a frame (a read, so SameSite=Strict is all it needs).
+shows in a frame (a read, so SameSite=Strict is all it needs). A wrong token at the login
+counts against its address as a wrong bearer token does (controller/shell/http_access.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from controller.shell.console.web import (
     static_files,
     then_target,
 )
+from controller.shell.http_access import BEARER
 
 if TYPE_CHECKING:
     from controller.shell.http import HttpDoor
@@ -107,7 +110,12 @@ class Console:
         return Response(body, status, HTML, [*seen.headers, *SECURITY_HEADERS])
 
     def _login_needed(
-        self, request: Request, seen: Seen, error: str = "", then: str | None = None
+        self,
+        request: Request,
+        seen: Seen,
+        error: str = "",
+        then: str | None = None,
+        status: int = 401,
     ) -> Response:
         if then is None:  # the page asked for, to show once logged in
             then = "/"
@@ -117,8 +125,9 @@ class Console:
         csrf = self.sessions.csrf(seen.browser)
         tokens = self.sessions.tokens
         where = str(tokens.path) if tokens is not None else ""
-        response = self._html(pages.login_page(csrf, error, then, where), seen, status=401)
-        response.headers.append((b"www-authenticate", b"Bearer"))
+        response = self._html(pages.login_page(csrf, error, then, where), seen, status)
+        if status == 401:
+            response.headers.append((b"www-authenticate", b"Bearer"))
         return response
 
     def _see_other(self, location: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> Response:
@@ -127,11 +136,11 @@ class Console:
         )
 
     def page(self, render: Callable[[Request, Seen], Awaitable[Response]]) -> Handler:
-        """A GET endpoint: 401 and the login form without a good session."""
+        """A GET endpoint: 401 and the login form without a good session or bearer token."""
 
         async def endpoint(request: Request) -> Response:
             seen = Seen(self.sessions, request, trio.current_time())
-            if not seen.valid:
+            if not seen.valid and BEARER not in request.scope:
                 return self._login_needed(request, seen)
             try:
                 return await render(request, seen)
@@ -278,7 +287,7 @@ class Console:
         if request.method == "GET":
             if seen.valid:
                 return self._see_other("/", seen.headers)
-            return self._login_needed(request, seen)
+            return self._login_needed(request, seen, status=200)  # the form is the page
         try:
             form = await read_form(request)
         except ApiError as exc:
@@ -287,8 +296,12 @@ class Console:
             message = "this form's CSRF token is missing or wrong: reload the page"
             return self._html(pages.message_page("403", message), seen, 403)
         then = then_target(form.get("then", "/"))
-        hashed = self.sessions.check_token(form.get("token", "").strip(), now)
+        token = form.get("token", "").strip()
+        hashed = self.sessions.check_token(token, now)
         if hashed is None:
+            if token:  # a guess: it counts against the address (an empty form does not)
+                client = request.scope.get("client")
+                self.door.gate.strike(client[0] if client else "")
             return self._login_needed(request, seen, "That token is not in the token file.", then)
         return self._see_other(then, self.sessions.session_cookies(seen.browser, hashed))
 
