@@ -9,6 +9,7 @@ import trio
 
 from controller.jobs import JobState
 from controller.shell import http_access
+from controller.shell.console.handlers import page_of
 from controller.shell.console.session import Sessions, TokenFile, parse_cookies
 from controller.shell.console.stats import SPAN_SECONDS, EndRate
 from controller.shell.http_access import BLOCK_SECONDS, Strikes
@@ -478,3 +479,44 @@ async def test_ten_wrong_tokens_from_one_address_get_429_for_a_minute(sockdir, t
         gate = ctl.web.gate
         gate.clock = lambda: trio.current_time() + BLOCK_SECONDS
         assert (await http.get("/job/", headers=good)).status_code == 200
+
+
+async def test_the_queue_filter_offers_every_queue_a_kept_job_names(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        for n, queue in enumerate(("q2", "q3")):
+            await http.post("/job/", json={"id": f"j{n}", "queue": queue})
+            await http.put(f"/job/j{n}/", json={"state": "canceled"})  # no live job in it
+            page = await http.get("/ui/jobs")
+            for named in ("q2", "q3")[: n + 1]:
+                assert f'<option value="{named}">{named}</option>' in page.text, named
+        assert "q3" not in ctl.desk.book.get("j0").options.queue
+
+
+def test_a_page_past_the_last_is_the_last_in_one_pass():
+    taken = []
+
+    def jobs(count: int):
+        for n in range(count):
+            taken.append(n)
+            yield n
+
+    assert page_of(jobs(120), 100_000, 50) == ([100 + n for n in range(20)], 2, False)
+    assert len(taken) == 120  # not a step further than the jobs there are
+    assert page_of(jobs(100), 7, 50) == ([50 + n for n in range(50)], 1, False)
+    assert page_of(jobs(0), 3, 50) == ([], 0, False)
+    assert page_of(jobs(101), 1, 50) == ([50 + n for n in range(50)], 1, True)
+    assert page_of(jobs(100), 1, 50) == ([50 + n for n in range(50)], 1, False)
+
+
+async def test_a_jobs_page_far_past_the_end_shows_the_last_page(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        for n in range(60):
+            await http.post("/job/", json={"id": f"job-{n:03d}", "queue": "q1"})
+        far = await http.get("/ui/jobs", params={"page": 100_000})
+        assert far.status_code == 200
+        listed = re.findall(r'<a href="/ui/jobs/(job-\d+)">', section(far, "jobs-list"))
+        assert listed == [f"job-{n:03d}" for n in range(9, -1, -1)]
+        assert "rel=next" not in far.text and "rel=prev" in far.text  # page 1, the last
+        none = await http.get("/ui/jobs", params={"page": 100_000, "state": "failed"})
+        assert none.status_code == 200 and "no job matches" in none.text
+        assert ctl.desk.book.get("job-000") is not None

@@ -12,7 +12,9 @@ counts against its address as a wrong bearer token does (controller/shell/http_a
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import itertools
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +44,29 @@ if TYPE_CHECKING:
     from controller.shell.http import HttpDoor
 
 PAGE_SIZE = 50
-# Pages past this are not asked for by any pager (each page rescans the kept jobs).
+# Pages past this are not asked for by any pager (400).
 MAX_PAGE = 100_000
+# Queues offered by the jobs list's filter, at most (a name is up to 200 characters).
+MAX_QUEUES_SHOWN = 1000
+# The queue filter's walk over the kept jobs is done again no sooner than this many times
+# its own duration after the last (at most a tenth of the loop's time).
+QUEUES_EFFORT = 10.0
+
+
+def page_of(found: Iterator[Job], page: int, size: int) -> tuple[list[Job], int, bool]:
+    """Page `page` (from 0) of `found`, its number, and whether a later one exists; a page
+    past the last is the last. One pass over `found` at most, whatever the page asked for:
+    the jobs before the page are passed over in C (islice into a bounded deque), keeping
+    the last `size` of them for when the page asked for is past the end."""
+    before = deque(itertools.islice(enumerate(found), page * size), maxlen=size)
+    shown = list(itertools.islice(found, size))
+    if shown:
+        return shown, page, len(shown) == size and next(found, None) is not None
+    if not before:
+        return [], 0, False
+    total = before[-1][0] + 1
+    last = (total - 1) // size
+    return [job for n, job in before if n >= last * size], last, False
 
 
 class Console:
@@ -58,6 +81,11 @@ class Console:
         self.core = door.core
         self.rate = EndRate()
         self.static = static_files()
+        # The queues kept jobs name (the jobs list's filter), for (jobs kept, submitted) as
+        # `_queues_key`, gathered again no sooner than `_queues_next`.
+        self._queues: set[str] = set()
+        self._queues_key = (-1, -1)
+        self._queues_next = 0.0
 
     def routes(self) -> list[tuple[str, Handler, list[str]]]:
         return [
@@ -216,8 +244,6 @@ class Console:
         return response
 
     async def jobs(self, request: Request, seen: Seen) -> Response:
-        from controller.shell.http import queue_report
-
         query = request.query_params
         state_text = query.get("state", "")
         queue_text = query.get("queue", "")
@@ -228,20 +254,11 @@ class Console:
         now = trio.current_time()
         offset = self.book.wall_offset
         found = views.matching(self.book, state, queue, search)
-        for _ in range(page * PAGE_SIZE):
-            if next(found, None) is None:
-                break
-        rows: list[dict[str, Any]] = []
-        for job in found:
-            if len(rows) == PAGE_SIZE:
-                break
-            rows.append(views.job_row(job, now, offset))
-        has_next = len(rows) == PAGE_SIZE and next(found, None) is not None
-        queues = sorted(set(queue_report(self.core)) | {queue_text} - {""})
+        jobs, page, has_next = page_of(found, page, PAGE_SIZE)
         html = pages_jobs.jobs_page(
-            rows,
+            [views.job_row(job, now, offset) for job in jobs],
             states=[s.value for s in JobState],
-            queues=queues,
+            queues=self.queue_names(queue_text, now),
             state=state_text,
             queue=queue_text,
             search=search,
@@ -251,6 +268,24 @@ class Console:
             **self._ctx(seen),
         )
         return self._html(html, seen)
+
+    def queue_names(self, chosen: str, now: float) -> list[str]:
+        """The queue filter's choices: every queue a kept job names, a worker serves or a
+        pause holds, and `chosen` (at most MAX_QUEUES_SHOWN, by name). The kept jobs' names
+        are gathered again when jobs came or went since, but no more often than makes that
+        walk a tenth of the loop's time (QUEUES_EFFORT)."""
+        from controller.shell.http import queue_report
+
+        book = self.book
+        key = (len(book), self.core.counters.submitted)
+        if key != self._queues_key and now >= self._queues_next:
+            self._queues_key = key
+            self._queues = {job.options.queue for job in book}
+            self._queues_next = now + QUEUES_EFFORT * (trio.current_time() - now)
+        names = self._queues.union(queue_report(self.core))
+        if chosen:
+            names.add(chosen)
+        return sorted(names)[:MAX_QUEUES_SHOWN]
 
     async def job(self, request: Request, seen: Seen) -> Response:
         job = self._job(request)
