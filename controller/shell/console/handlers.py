@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -43,6 +43,8 @@ from controller.shell.http_access import BEARER
 if TYPE_CHECKING:
     from controller.shell.http import HttpDoor
 
+T = TypeVar("T")
+
 PAGE_SIZE = 50
 # Pages past this are not asked for by any pager (400).
 MAX_PAGE = 100_000
@@ -53,7 +55,7 @@ MAX_QUEUES_SHOWN = 1000
 QUEUES_EFFORT = 10.0
 
 
-def page_of(found: Iterator[Job], page: int, size: int) -> tuple[list[Job], int, bool]:
+def page_of(found: Iterator[T], page: int, size: int) -> tuple[list[T], int, bool]:
     """Page `page` (from 0) of `found`, its number, and whether a later one exists; a page
     past the last is the last. One pass over `found` at most, whatever the page asked for:
     the jobs before the page are passed over in C (islice into a bounded deque), keeping
