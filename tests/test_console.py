@@ -107,7 +107,8 @@ async def test_overview_shows_workers_queues_counters_chart_and_latest_jobs(sock
         assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
         js = await http.get("/ui/static/console.js")
         assert "getContext" in js.text and "text/javascript" in js.headers["content-type"]
-        assert (await http.get("/ui/static/nothing.js")).status_code == 404
+        missing = await http.get("/ui/static/nothing.js")
+        assert missing.status_code == 404 and missing.json()["message"]
 
 
 async def test_jobs_list_filters_searches_and_pages_newest_first(sockdir):

@@ -160,6 +160,19 @@ async def test_an_h2c_upgrade_is_answered_as_plain_http_1_1(sockdir):
         assert (await _answer(stream, _get())).startswith(b"HTTP/1.1 200")
 
 
+async def test_a_websocket_upgrade_is_answered_as_plain_http_1_1(sockdir):
+    """No WebSocket is served: the offer is ignored as h2c's is (hypercorn answered 500 or
+    400 with an empty body)."""
+    async with http_controller(sockdir, workers=1) as ctl:
+        for key in ("Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n", ""):
+            stream = await _connect(ctl.url)
+            offer = f"Connection: Upgrade\r\nUpgrade: websocket\r\n{key}"
+            offer += "Sec-WebSocket-Version: 13\r\n"
+            answer = await _answer(stream, _get(extra=offer))
+            assert answer.startswith(b"HTTP/1.1 200") and _body(answer)["workers"] == 1
+            assert (await _answer(stream, _get())).startswith(b"HTTP/1.1 200")
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 async def test_curl_http2_over_cleartext_gets_its_answer(sockdir):
     async with http_controller(sockdir, workers=1) as ctl:

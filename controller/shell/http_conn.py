@@ -33,16 +33,18 @@ the rest, so that nobody on the network can stop the controller or starve it:
 - `OneOneProtocol` is hypercorn's HTTP/1.1 protocol less its protocol switches:
   a request with `Upgrade: h2c` is answered as any other (RFC 9110 lets a
   server ignore the header: `curl --http2 http://...` gets its HTTP/1.1
-  answer), and a "PRI * HTTP/2.0" request later in a connection reaches the
-  router, which answers 505. The answers hypercorn makes itself to a request
-  it cannot read (400, 431) carry the JSON error object as every error does.
+  answer), so is one offering a WebSocket, and a "PRI * HTTP/2.0" request
+  later in a connection reaches the router, which answers 505. The answers
+  hypercorn makes itself to a request it cannot read (400, 431, 501) carry the
+  JSON error object, as every error does.
 
 hypercorn's names used here are `TCPServer(app, config, context, state,
 stream)` with its `protocol` (a `ProtocolWrapper` holding an `H11Protocol` as
 its `protocol`), `H11Protocol._check_protocol(request)`,
-`H11Protocol._send_error_response(status)` and `_send_h11_event(event)`,
+`_create_stream(request)`, `_send_error_response(status)` and `_send_h11_event(event)`,
 `WorkerContext(max_requests)` and a server's `idle_task` (the keep-alive timer
-that keepalive.py may replace); tests/test_http_conn.py fails when they change.
+that keepalive.py may replace); tests/test_http_conn.py and tests/test_hostile_http.py
+fail when they change.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ END_GRACE = 0.5
 PROTOCOL_ERRORS = {
     400: "the request is not well-formed HTTP/1.1",
     431: "the request's head is too large",
+    501: "the request's transfer coding is not supported (chunked is)",
 }
 
 
@@ -164,6 +167,19 @@ class OneOneProtocol(H11Protocol):
 
     async def _check_protocol(self, event: h11.Request) -> None:
         """hypercorn's own switches to HTTP/2 here (h2c, "PRI *"): none is made."""
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        """hypercorn's own, less its WebSocket upgrade: a request offering one is answered
+        as plain HTTP/1.1 (its Upgrade header left out), as an h2c one is."""
+        headers = request.headers
+        if any(name == b"upgrade" for name, _ in headers):
+            request = h11.Request(
+                method=request.method,
+                target=request.target,
+                http_version=request.http_version,
+                headers=[(n, v) for n, v in headers.raw_items() if n.lower() != b"upgrade"],
+            )
+        await super()._create_stream(request)
 
     async def _send_error_response(self, status_code: int) -> None:
         """hypercorn's answer to a request it cannot read, with the JSON error object."""

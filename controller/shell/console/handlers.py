@@ -23,7 +23,7 @@ import trio
 from controller import httpapi
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
-from controller.shell.asgi import Request, Response, Scope, json_response
+from controller.shell.asgi import Request, Response, Scope, error_response, json_response
 from controller.shell.console import pages, pages_jobs, views
 from controller.shell.console.session import Sessions, parse_cookies
 from controller.shell.console.stats import EndRate
@@ -214,7 +214,7 @@ class Console:
         name = request.path_params["name"]
         body = self.static.get(name)
         if body is None:
-            return Response(b"no such file\n", 404, "text/plain; charset=utf-8")
+            return error_response(404, "no such file among the console's own")
         kind = STATIC_TYPES[Path(name).suffix]
         return Response(body, 200, kind, [(b"cache-control", b"max-age=300")])
 
