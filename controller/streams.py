@@ -31,6 +31,8 @@ RESULTS_MAXLEN = 100_000
 # The state READ_SCRIPT (and the door's other reads) give an entry whose `job:<id>` key is
 # not a hash: that entry fails alone.
 WRONG_TYPE = "!wrongtype"
+# The state READ_SCRIPT gives in place of an entry's for a stream it could not read.
+READ_FAILED = "!failed"
 # The `error` of a job canceled through the client.
 CANCEL_ERROR = "canceled by a user"
 
@@ -151,14 +153,19 @@ return #ids
 # each with the state of its job's hash when the entry names its job (`id`): one round trip
 # for all. It reads hashes it is not given in KEYS (their names come from the entries): fine
 # on one Redis, not on Redis Cluster.
+# A stream that cannot be read (its key holds another type, its group is gone) fails alone:
+# its place in the answer says why, and the other streams are read.
 # KEYS: jobs streams. ARGV: group, consumer, then how many entries at most from each stream.
-# Returns {entry id, fields, state, the stream's place in KEYS} each.
+# Returns {entry id, fields, state, the stream's place in KEYS} each, and for a stream that
+# failed {"", the error, READ_FAILED, its place}.
 READ_SCRIPT = f"""
 local out = {{}}
 for k = 1, #KEYS do
-  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[2 + k],
-                       'STREAMS', KEYS[k], '>')
-  if r then
+  local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[2 + k],
+                        'STREAMS', KEYS[k], '>')
+  if type(r) == 'table' and r.err then
+    out[#out + 1] = {{'', r.err, '{READ_FAILED}', k}}
+  elseif r then
     for _, e in ipairs(r[1][2]) do
       local fields = e[2]
       local state = false

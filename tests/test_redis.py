@@ -308,9 +308,9 @@ def test_unreachable_redis_is_a_clear_client_error():
 
 
 def test_a_stream_deleted_or_of_the_wrong_type_is_ridden_out(setup):
-    """It deletes the stream (the tests after it find it created again). A key `jobs` that is no stream makes every
-    call fail (logged, the HTTP door serves on); once it is gone, the controller creates the
-    stream and its group again and takes new jobs."""
+    """It deletes the stream (the tests after it find it created again). A key `jobs` that is
+    no stream stops that queue's stream (logged, the HTTP door serves on); once it is gone,
+    the controller creates the stream and its group again and takes new jobs."""
     setup.r.delete("jobs")
     setup.r.set("jobs", "not a stream")
     log = setup.controller_log
@@ -320,7 +320,7 @@ def test_a_stream_deleted_or_of_the_wrong_type_is_ridden_out(setup):
     setup.r.delete("jobs")
     with Client(setup.url) as client:
         assert client.submit("after").result(timeout=30) == b"after"
-    assert "redis: working again" in log.read_text()
+    assert "stream 'jobs' can be used again" in log.read_text()
 
 
 def test_an_async_wait_is_cancelled_at_once(setup):

@@ -8,6 +8,11 @@ announces is on disk. Going the other way, a job that ends in the scheduler
 is recorded in the book and the journal here, and its door is asked to tell
 the submitter. Retention (forgetting old outcomes) runs here too, and so
 does recovery from the journal at start.
+
+The desk also owns the bound on queued work (`max_pending`, `max_pending_bytes`): it
+counts the jobs not yet ended and the bytes of their payloads as they come and go (one
+addition where a job is made, revived or recovered, one subtraction where it ends, is
+canceled or deleted), and every door asks it (`room`, `entries_room`) before making one.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ log = logging.getLogger("controller")
 # Numbers the controller picks for the worker wire (`task_id`) of jobs that come with none
 # (HTTP, Redis): above what UDP clients usually number their tasks with, unique among live jobs.
 FIRST_PICKED_TASK_ID = 1 << 32
+
+# What a refusal for want of room asks the client to wait before trying again (seconds).
+RETRY_AFTER = 5
 
 # After a restart, how long a job that was running waits for its worker to re-register
 # and claim it before it is placed again: a little over one default pulse deadline (2 s).
@@ -93,8 +101,16 @@ class JobDesk:
         on_finished: Callable[[Job], None] | None = None,
         max_log_size: int = DEFAULT_MAX_LOG_SIZE,
         output_retention: int = DEFAULT_OUTPUT_RETENTION,
+        max_pending: int = 1000000,
+        max_pending_bytes: int = 1073741824,
     ) -> None:
         self.book = book
+        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        # Jobs not yet ended and the bytes of their payloads: kept as jobs come and go,
+        # never counted over.
+        self.live_jobs = 0
+        self.live_bytes = 0
         self.max_log_size = max_log_size
         self.output_retention = output_retention
         # Told when a job's output grew (the HTTP door wakes those who follow it).
@@ -119,6 +135,46 @@ class JobDesk:
     def refusal(self) -> str:
         """Why new jobs must be refused now ("" when they are welcome)."""
         return self.journal.refusal_reason() if self.journal is not None else ""
+
+    def room(self, size: int) -> bool:
+        """Whether a new job with a payload of `size` bytes fits within `max_pending` and
+        `max_pending_bytes` (a door refuses it when not: see `busy`)."""
+        return (
+            self.live_jobs < self.max_pending and self.live_bytes + size <= self.max_pending_bytes
+        )
+
+    def busy(self) -> str:
+        """Why a new job does not fit now (the message of a door's refusal)."""
+        if self.live_jobs >= self.max_pending:
+            return (
+                f"{self.live_jobs} jobs are not yet ended, max_pending is {self.max_pending}: "
+                f"try again in a while"
+            )
+        return (
+            f"the payloads of the jobs not yet ended take {self.live_bytes} bytes, "
+            f"max_pending_bytes is {self.max_pending_bytes}: try again in a while"
+        )
+
+    def refusal_for(self, size: int) -> str:
+        """Why a new job with a payload of `size` bytes is refused for want of room ("" when
+        it fits)."""
+        return "" if self.room(size) else self.busy()
+
+    def entries_room(self) -> int:
+        """How many jobs whose sizes are not known yet may be asked for (the Redis door's
+        reads): the room left under `max_pending`, none once the payloads fill
+        `max_pending_bytes`. The asker counts what it asked for and has not had yet."""
+        if self.live_bytes >= self.max_pending_bytes:
+            return 0
+        return max(0, self.max_pending - self.live_jobs)
+
+    def _came(self, job: Job) -> None:
+        self.live_jobs += 1
+        self.live_bytes += len(job.payload)
+
+    def _went(self, job: Job) -> None:
+        self.live_jobs -= 1
+        self.live_bytes -= len(job.payload)
 
     # ------------------------------------------------------------ from the doors
 
@@ -220,6 +276,8 @@ class JobDesk:
         job.options = task.opts
         job.task = task
         self.book.add(job)
+        self.live_jobs += 1
+        self.live_bytes += len(payload)
         if self.journal is not None:
             self.journal.job_added(job)
         if journal_first:
@@ -297,6 +355,7 @@ class JobDesk:
             job.ref, job.task_id, job.payload, job.id, job.options, job.attempts, now
         )
         self.book.revive(job, task, now)
+        self._came(job)
         if self.journal is not None:
             self.journal.job_retried(job.ref, job.attempts)
         door = self.doors.get(job.door)
@@ -326,6 +385,8 @@ class JobDesk:
         if job.state is JobState.DELETED:
             return
         self.cancel(job, now)
+        if job.final is None:  # its end did not come back at once: it ends here
+            self._went(job)
         self.book.delete(job, now)
         job.drop_output()
         if self.journal is not None:
@@ -378,6 +439,7 @@ class JobDesk:
         )
         if job is None:
             return
+        self._went(job)
         if self.journal is not None:
             self.journal.job_finished(job)
             if job.ref in self._leased:
@@ -440,6 +502,7 @@ class JobDesk:
         live = job.final is None
         if live:
             self.book.finish(job.id, JobState.FAILED, now, error=error)
+            self._went(job)
         else:
             job.final = JobState.FAILED
             job.result = b""
@@ -533,6 +596,7 @@ class JobDesk:
                     self._leased.add(row.ref)
                 job.task = core.tasks[row.ref]
                 self.book.add(job)
+                self._came(job)
                 continue
             job.final = JobState(row.state)
             job.result = row.result

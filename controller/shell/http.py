@@ -44,7 +44,7 @@ from controller.shell.asgi import (
 from controller.shell.console.handlers import Console
 from controller.shell.console.session import TokenFile
 from controller.shell.core_shell import CoreShell, StartupError
-from controller.shell.desk import JobDesk
+from controller.shell.desk import RETRY_AFTER, JobDesk
 from controller.shell.http_access import Gate, read_tokens
 from controller.shell.http_conn import (
     Connections,
@@ -65,6 +65,8 @@ IDLE_TIMEOUT = 5.0
 TEXT = "text/plain; charset=utf-8"
 # Bytes of randomness in a poller's lease (128 bits).
 LEASE_BYTES = 16
+# A 503 (the journal refuses, or no room for more jobs) says when to try again.
+_RETRY_AFTER_HEADER = ((b"retry-after", b"%d" % RETRY_AFTER),)
 # How much of a body over the limit is read and dropped before the 413 goes out.
 DRAIN_LIMIT = 4 * 1024 * 1024
 
@@ -292,9 +294,12 @@ class HttpDoor:
             existing = self.book.get(new.id)
             if existing is not None:
                 return self._job_response(existing, 200)
-        refusal = self.desk.refusal()
+        desk = self.desk
+        refusal = desk.refusal()
         if refusal:
             raise ApiError(503, f"the journal cannot record new jobs now: {refusal}")
+        if not desk.room(len(new.payload)):
+            raise ApiError(503, desk.busy())
         now = trio.current_time()
         job = self.desk.submit(
             new.id or httpapi.new_job_id(),
@@ -523,6 +528,8 @@ class HttpDoor:
 
     def _refuse(self, exc: ApiError) -> Response:
         self.counters["errors"] += 1
+        if exc.status == 503:  # what refuses new jobs now passes: they may come again later
+            return Response(httpapi.dumps(exc.body()), 503, "application/json", _RETRY_AFTER_HEADER)
         return error_response(exc.status, exc.message)
 
 

@@ -33,6 +33,8 @@ WRITE_BATCH = 500
 TRIM_PAGE = 1000
 # Pending entries looked over per claim (our own among them are passed over).
 CLAIM_PAGE = 100
+# READ_SCRIPT's mark of a stream it could not read, as it comes back.
+READ_FAILED = streams.READ_FAILED.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,16 +109,23 @@ class StreamCalls:
         each stream, no waiting."""
         return list(counts), [self.group, self.consumer, *counts.values()]
 
-    def entries_of(self, waiting: Sequence[Any], read: Sequence[str]) -> list[Entry]:
-        """The entries in an answer of `streams.READ_SCRIPT` over the streams `read`."""
+    def entries_of(
+        self, waiting: Sequence[Any], read: Sequence[str]
+    ) -> tuple[list[Entry], dict[str, str]]:
+        """The entries in an answer of `streams.READ_SCRIPT` over the streams `read`, and
+        the streams it could not read, each with its error."""
         entries = []
+        failed: dict[str, str] = {}
         for entry_id, flat, state, place in waiting:
             stream = read[int(place) - 1]
+            if state == READ_FAILED:
+                failed[stream] = _text(flat)
+                continue
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
             eid = entry_id.decode()
             job_id = self.job_id(stream, eid, fields)
             entries.append(Entry(stream, eid, fields, state.decode(), job_id))
-        return entries
+        return entries, failed
 
     def read_blocking(self, read: Sequence[str], count: int) -> list[Entry]:
         """New entries of the streams `read`, up to `count` of each, waiting up to
@@ -176,11 +185,13 @@ class StreamCalls:
 
     def refresh(
         self, held: dict[str, list[tuple[str, bool]]], live: list[str]
-    ) -> tuple[set[EntryRef], list[str]]:
+    ) -> tuple[set[EntryRef], list[str], dict[str, str]]:
         """Keep our entries (`held`: per stream, each id and whether to re-claim it, so that
         its idle time starts again, or only look at it), and read the states of the hashes of
         the jobs `live` (a cancel whose announcement we missed). Returns the entries that are
-        no longer ours (claimed by another consumer, or acknowledged), and the states."""
+        no longer ours (claimed by another consumer, or acknowledged), the states, and the
+        streams whose key holds another type (each with the error: their entries are left
+        as they were)."""
         pipe = self.redis.pipeline(transaction=False)
         asked: list[str] = []
         for stream, entries in held.items():
@@ -194,11 +205,15 @@ class StreamCalls:
             pipe.hget(streams.job_key(job_id), "state")
         answers = pipe.execute(raise_on_error=False)
         gone: set[EntryRef] = set()
+        wrong: dict[str, str] = {}
         for stream, answer in zip(asked, answers, strict=False):
-            if isinstance(answer, Exception):  # NOGROUP...: the caller retries
-                raise answer
+            if isinstance(answer, Exception):
+                if wrong_type(answer):  # that stream alone
+                    wrong[stream] = str(answer)
+                    continue
+                raise answer  # NOGROUP, a lost connection...: the caller retries
             gone.update((stream, entry_id.decode()) for entry_id in answer)
-        return gone, [_state(state) for state in answers[len(asked) :]]
+        return gone, [_state(state) for state in answers[len(asked) :]], wrong
 
     def trim(self, stream: str) -> int:
         """Delete the jobs stream's entries acknowledged over `retention` ago and trim the
@@ -266,6 +281,19 @@ class StreamCalls:
                 heard.append((channel, message["data"].decode("utf-8", "replace")))
             message = pubsub.get_message(timeout=0)
         return heard
+
+
+def wrong_type(exc: BaseException | str) -> bool:
+    """Whether a Redis error says a key holds another type than the command works on: the
+    fault of that key alone (its stream, its hash), not of Redis or the connection."""
+    return "WRONGTYPE" in str(exc)
+
+
+def _text(answer: Any) -> str:
+    """An error as a script gives it back (bytes, or already text)."""
+    if isinstance(answer, bytes):
+        return answer.decode("utf-8", "replace")
+    return str(answer)
 
 
 def _state(answer: Any) -> str:

@@ -27,7 +27,15 @@ its own stream, read only while a worker here serves that queue
 - the listener hears cancels on `<stream>:cancel` and retries on `<stream>:retry` at once.
 
 While Redis is unreachable each task retries with backoff (capped at 5 s), a
-log line says so (at most one per interval), and the other doors go on.
+log line says so (at most one per interval), and the other doors go on. A queue's
+stream key that holds another type (WRONGTYPE) stops that lane alone: it is left
+out of reads and claims and tried again with its own backoff, the other lanes go
+on, and it takes up again by itself once the key is a stream (or gone).
+
+The reader also keeps within the desk's bound on queued work (`max_pending`): it
+asks for no more entries than `JobDesk.entries_room` leaves, less what its reads
+and claims still in flight asked for; the entries that come are never refused
+for it.
 """
 
 from __future__ import annotations
@@ -52,7 +60,14 @@ from controller.jobs import Job, JobState
 from controller.options import BadOption, JobOptions, rfc3339
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
-from controller.shell.redis_calls import WRITE_BATCH, Entry, EntryRef, Outcome, StreamCalls
+from controller.shell.redis_calls import (
+    WRITE_BATCH,
+    Entry,
+    EntryRef,
+    Outcome,
+    StreamCalls,
+    wrong_type,
+)
 from controller.shell.redis_lanes import (
     PREFETCH,
     Lane,
@@ -84,6 +99,14 @@ ANSWER_TIMEOUT = 10.0
 KEEP_INTERVAL = 1.0
 # How often acknowledged entries past result_retention are deleted (and results trimmed).
 TRIM_INTERVAL = 10.0
+# A lane whose stream key holds another type is tried again after this long, doubled at
+# each failure in a row up to BACKOFF_CAP.
+LANE_BACKOFF_FIRST = 1.0
+
+
+class LaneStopped(Exception):
+    """A call on the streams of some lanes failed for their keys alone (another type): they
+    are marked, and the caller goes on with the others."""
 
 
 class RedisDoor:
@@ -134,7 +157,9 @@ class RedisDoor:
             "retried": 0,
             "trimmed": 0,  # acknowledged entries deleted from the stream
             "claimed_away": 0,  # parked entries of ours another controller claimed
+            "stream_errors": 0,  # calls on a queue's stream that failed for its key alone
         }
+        self._asked = 0  # entries asked for by reads and claims not yet answered
         desk.doors["redis"] = self
         shell.on_room = self._maybe_room
 
@@ -168,29 +193,45 @@ class RedisDoor:
                 self._reread = True
                 await trio.sleep(BACKOFF_CAP)
 
-    async def _call(self, fn: Callable[..., T], *args: Any, mostly_waits: bool = False) -> T:
+    async def _call(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        mostly_waits: bool = False,
+        lanes: Sequence[Lane] = (),
+    ) -> T:
         """A blocking Redis call in a thread, retried as `_retrying` says (`mostly_waits`: see
-        `Reactor.in_thread`)."""
+        `Reactor.in_thread`; `lanes`: the lanes whose streams it works on)."""
         return await self._retrying(
-            lambda: self.in_thread(fn, *args, abandon_on_cancel=True, mostly_waits=mostly_waits)
+            lambda: self.in_thread(fn, *args, abandon_on_cancel=True, mostly_waits=mostly_waits),
+            lanes,
         )
 
     async def _script(self, source: str, keys: list[Any], args: list[Any]) -> Any:
         """A script of controller/streams.py through the link, retried as `_retrying` says."""
         return await self._retrying(lambda: self.link.script(source, keys, args))
 
-    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def _retrying(self, call: Callable[[], Awaitable[T]], lanes: Sequence[Lane] = ()) -> T:
         """`await call()`; while Redis fails, retry with backoff.
 
         Any Redis error is ridden out this way, not only a lost connection: a Redis that
-        refuses commands (read-only replica, out of memory, `stream` of the wrong type)
-        must not stop the controller's other doors. A stream or group deleted under us
-        (NOGROUP: also a Redis restarted without persistence) is created again."""
+        refuses commands (read-only replica, out of memory) must not stop the controller's
+        other doors. A stream or group deleted under us (NOGROUP: also a Redis restarted
+        without persistence) is created again. A call on the streams of `lanes` that fails
+        for a key of another type is not retried: LaneStopped, with one lane marked failing
+        (several are set up again one by one, where the wrong one fails alone)."""
         backoff = BACKOFF_FIRST
         while True:
             try:
                 answer = await call()
             except redis.RedisError as exc:
+                if lanes and wrong_type(exc):
+                    if len(lanes) == 1:
+                        self._lane_failed(lanes[0], str(exc))
+                    else:
+                        for lane in lanes:
+                            lane.ready = False
+                    raise LaneStopped from None
                 self._failed(exc)
                 if "NOGROUP" in str(exc):
                     for stream in list(self.lanes.by_stream):
@@ -227,6 +268,42 @@ class RedisDoor:
                 "redis: still failing after %.0f s: %s", now - self.down_since, self.last_error
             )
 
+    def _lane_failed(self, lane: Lane, error: str) -> None:
+        """A call on the lane's stream failed for its key alone: the lane waits (doubling
+        its backoff) and is set up again; the first failure is logged, then one line per
+        LOG_INTERVAL at most."""
+        now = trio.current_time()
+        lane.ready = False
+        lane.backoff = min(lane.backoff * 2, BACKOFF_CAP) if lane.failing else LANE_BACKOFF_FIRST
+        lane.retry_at = now + lane.backoff
+        lane.failures += 1
+        self.counters["stream_errors"] += 1
+        error = error[:300]
+        if not lane.failing:
+            log.warning(
+                "redis: stream %r (queue %r) cannot be used: %s; its queue's entries wait, "
+                "the other streams go on (retrying)",
+                lane.stream,
+                lane.queue,
+                error,
+            )
+        elif lane.failures % max(1, int(LOG_INTERVAL / BACKOFF_CAP)) == 0:
+            log.warning(
+                "redis: stream %r still cannot be used (%d times in a row): %s",
+                lane.stream,
+                lane.failures,
+                error,
+            )
+        lane.failing = error
+
+    def _lane_working(self, lane: Lane) -> None:
+        """The lane is set up: a failing one is working again."""
+        if lane.failing:
+            log.warning("redis: stream %r can be used again", lane.stream)
+        lane.failing = ""
+        lane.backoff = 0.0
+        lane.failures = 0
+
     def status(self) -> dict[str, Any]:
         """What `udp-client status`, the console and the metrics show of this door."""
         return {
@@ -239,6 +316,7 @@ class RedisDoor:
             "pending": self.pending,
             "held": len(self.entries),
             "parked": len(self.lanes.parked),  # held, but no worker here can take them
+            "failing_streams": sorted(lane.stream for lane in self._served if lane.failing),
             "last_error": self.last_error,
             **self.counters,
         }
@@ -269,12 +347,27 @@ class RedisDoor:
     def _wanted(self) -> dict[Lane, int]:
         """The lanes worth a read now, and how many entries each may bring. While jobs of a
         queue wait here, its stream is read in batches of a few (a read costs a thread hop
-        and a round trip, whatever it brings); with none waiting, at once."""
+        and a round trip, whatever it brings); with none waiting, at once. A failing lane is
+        left out until its time to try again."""
+        now = trio.current_time()
         return {
             lane: room
             for lane, (room, waiting) in self.rooms().items()
             if room >= (READ_AT_LEAST if waiting else 1)
+            and not (lane.failing and now < lane.retry_at)
         }
+
+    def _within_room(self, counts: dict[Lane, int]) -> dict[Lane, int]:
+        """`counts` cut to the room the desk leaves for new jobs (max_pending), less what
+        reads and claims in flight asked for: the first lanes get theirs first."""
+        room = self.desk.entries_room() - self._asked
+        cut: dict[Lane, int] = {}
+        for lane, count in counts.items():
+            if room <= 0:
+                break
+            cut[lane] = min(count, room)
+            room -= cut[lane]
+        return cut
 
     def _maybe_room(self) -> None:
         if not self._room.is_set() and self._wanted():
@@ -283,37 +376,69 @@ class RedisDoor:
     async def _read_loop(self) -> None:
         while True:
             wanted = self._wanted()
+            if wanted and not self.desk.refusal():
+                if self._reread:
+                    self._reread = False
+                    self.lanes.unready()
+                fresh = [lane for lane in wanted if not lane.ready]
+                if fresh:  # a queue served for the first time here, or again after a failure
+                    for lane in fresh:
+                        with contextlib.suppress(LaneStopped):  # it waits, the others go on
+                            await self._call(self.calls.ensure_group, lane.stream, lanes=[lane])
+                            await self._take_own(lane)
+                            lane.ready = True
+                            self._lane_working(lane)
+                    continue
+                wanted = self._within_room(wanted)
             if not wanted or self.desk.refusal():
                 self._room = trio.Event()
-                with trio.move_on_after(1.0):  # the journal's refusal clears without an event
+                # The journal's refusal clearing, jobs ending (room under max_pending) and a
+                # failing lane's time to try again come without an event.
+                with trio.move_on_after(1.0):
                     await self._room.wait()
                 self._look_at_workers()
                 continue
-            if self._reread:
-                self._reread = False
-                self.lanes.unready()
-            fresh = [lane for lane in wanted if not lane.ready]
-            if fresh:  # a queue served for the first time here, or again after a failure
-                for lane in fresh:
-                    await self._call(self.calls.ensure_group, lane.stream)
-                    await self._take_own(lane)
-                    lane.ready = True
-                continue
             counts = {lane.stream: room for lane, room in wanted.items()}
-            keys, args = self.calls.read_request(counts)
-            waiting = await self._script(streams.READ_SCRIPT, keys, args)
-            if waiting:
-                batch = self.calls.entries_of(waiting, keys)
-            else:  # none: wait for the next in a blocking read
-                batch = await self._call(self.calls.read_blocking, keys, min(counts.values()))
+            asked = sum(counts.values())
+            self._asked += asked
+            try:
+                batch = await self._read(wanted, counts)
+            finally:
+                self._asked -= asked
             self._take(batch, claimed=False)
+
+    async def _read(self, wanted: dict[Lane, int], counts: dict[str, int]) -> list[Entry]:
+        """New entries of these lanes, up to `counts` of each: what waits, else the first
+        that come within a blocking read. A lane whose stream fails alone is marked and the
+        others' entries are given."""
+        keys, args = self.calls.read_request(counts)
+        waiting = await self._script(streams.READ_SCRIPT, keys, args)
+        if waiting:
+            batch, failed = self.calls.entries_of(waiting, keys)
+            for stream, error in failed.items():
+                lane = self.lanes.by_stream[stream]
+                if wrong_type(error):
+                    self._lane_failed(lane, error)
+                elif "NOGROUP" in error:  # its group (or stream) was deleted: set up again
+                    lane.ready = False
+                else:  # not that key's fault (e.g. a read-only replica): Redis fails
+                    self._failed(redis.ResponseError(error))
+                    await trio.sleep(BACKOFF_FIRST)
+            return batch
+        # None waits: wait for the next in a blocking read.
+        try:
+            return await self._call(
+                self.calls.read_blocking, keys, min(counts.values()), lanes=list(wanted)
+            )
+        except LaneStopped:
+            return []
 
     async def _take_own(self, lane: Lane) -> None:
         """Our own pending entries of a lane (read before a restart or a lost answer): take
         each once."""
         start = "0"
         while True:
-            batch, last = await self._call(self.calls.read_own, lane.stream, start)
+            batch, last = await self._call(self.calls.read_own, lane.stream, start, lanes=[lane])
             if not last:
                 return
             self._take(batch, claimed=False)
@@ -508,13 +633,23 @@ class RedisDoor:
             if now - refreshed >= refresh_every:
                 refreshed = now
                 await self._keep_held()
-            for lane, (room, _) in self.rooms().items():
+            rooms = {lane: room for lane, (room, _) in self.rooms().items() if lane.ready}
+            for lane, room in self._within_room(rooms).items():
                 if room > 0 and lane.ready:
-                    batch = await self._call(self.calls.claim, lane.stream, room)
+                    self._asked += room
+                    try:
+                        batch = await self._call(self.calls.claim, lane.stream, room, lanes=[lane])
+                    except LaneStopped:
+                        continue
+                    finally:
+                        self._asked -= room
                     self._take(batch, claimed=True)
             lag = pending = None
             for lane in lanes:
-                info = await self._call(self.calls.group_info, lane.stream)
+                try:
+                    info = await self._call(self.calls.group_info, lane.stream, lanes=[lane])
+                except LaneStopped:
+                    continue
                 lag = _plus(lag, info[0])
                 pending = _plus(pending, info[1])
             self.lag, self.pending = lag, pending
@@ -544,7 +679,11 @@ class RedisDoor:
                 owners[ref] = job_id
         if not held:
             return
-        gone, states = await self._call(self.calls.refresh, held, live + takeable)
+        gone, states, wrong = await self._call(self.calls.refresh, held, live + takeable)
+        for stream, error in wrong.items():  # its entries are left as they are meanwhile
+            lane = self.lanes.by_stream.get(stream)
+            if lane is not None and not lane.failing:
+                self._lane_failed(lane, error)
         for job_id, state in zip(live, states, strict=False):
             if state == "canceled":
                 self._cancel(job_id)

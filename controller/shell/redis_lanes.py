@@ -41,6 +41,13 @@ class Lane:
     stream: str
     defaults: JobOptions  # the door's default options, with this queue
     ready: bool = False  # its group is set up and our own pending entries read again
+    # Why its stream key cannot be read ("" when it can: it holds a stream or nothing), and
+    # when it is tried again (trio time) after waiting `backoff` seconds: meanwhile the
+    # lane is left out of reads and claims, and the other lanes go on.
+    failing: str = ""
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    failures: int = 0  # times in a row it failed (its log lines are rate-limited by it)
 
 
 @dataclass(eq=False, slots=True)

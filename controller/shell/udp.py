@@ -75,6 +75,7 @@ class UdpDoor:
             desk.book,
             allowed_clients=config.allowed_clients,
             refusal=desk.refusal,
+            busy=desk.refusal_for,
             status_report=self.status_report,
             notify_retries=config.notify_retries,
             max_payload=config.max_extra_size,
