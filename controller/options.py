@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 DEFAULT_QUEUE = "default"
@@ -28,8 +28,9 @@ MAX_PRIORITY = 100
 MAX_JOB_RETRIES = 100
 # How long a retry may wait at most, however often it doubled.
 MAX_RETRY_DELAY = 3600.0
-# Times further away than this are a mistake, not a plan (and keep every sum finite).
-MAX_SECONDS = 10 * 366 * 86400.0
+# Times further away than this (3,650 days) are a mistake, not a plan; the bound keeps every
+# sum finite and every time a job may wait within the years a date can show.
+MAX_SECONDS = 3650 * 86400.0
 MAX_LABELS = 32
 MAX_OWNER = 200
 _OWNER_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:~@+=-")
@@ -94,12 +95,22 @@ def _number(name: str, value: Any, text: bool, *, upper: float) -> float:
             raise BadOption(f"{name} must be a number of seconds, got {value[:40]!r}") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadOption(f"{name} must be a number of seconds, got {type(value).__name__}")
-    number = float(value)
-    if not math.isfinite(number) or number < 0:
-        raise BadOption(f"{name} must be a number of seconds from 0, got {value!r}")
-    if number > upper:
-        raise BadOption(f"{name} must be at most {upper:g} seconds, got {value!r}")
-    return number
+    # An integer is compared as it is: float() of a huge one raises.
+    if (value < 0) if isinstance(value, int) else not (math.isfinite(value) and value >= 0):
+        raise BadOption(f"{name} must be a number of seconds from 0, got {_shown(value)}")
+    if value > upper:
+        raise BadOption(f"{name} must be at most {upper:.0f} seconds, got {_shown(value)}")
+    return float(value)
+
+
+def _shown(value: object) -> str:
+    """A refused value as a message shows it, short (a number of a thousand digits is not
+    repeated, nor can Python write one of more than 4,300)."""
+    if isinstance(value, int) and not -(10**30) < value < 10**30:
+        return "a number of more than 30 digits"
+    if isinstance(value, list | dict):
+        return type(value).__name__
+    return repr(value)[:60]
 
 
 def _integer(name: str, value: Any, text: bool, low: int, high: int) -> int:
@@ -110,10 +121,8 @@ def _integer(name: str, value: Any, text: bool, low: int, high: int) -> int:
         value = int(stripped)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadOption(f"{name} must be an integer from {low} to {high}, got {value!r}"[:200])
-    if not low <= value <= high:
-        raise BadOption(f"{name} must be an integer from {low} to {high}, got {value}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadOption(f"{name} must be an integer from {low} to {high}, got {_shown(value)}")
     return value
 
 
@@ -126,8 +135,7 @@ def _labels(value: Any, text: bool) -> frozenset[str]:
         raise BadOption(f"requires names at most {MAX_LABELS} labels, got {len(value)}")
     for label in value:
         if not valid_name(label):
-            shown = label[:80] if isinstance(label, str) else label
-            raise BadOption(f"a label must match {NAME_RULE}, got {shown!r}")
+            raise BadOption(f"a label must match {NAME_RULE}, got {_shown(label)}")
     return frozenset(value)
 
 
@@ -137,11 +145,13 @@ def parse_time(value: Any) -> float:
         raise BadOption(f"run_at must be an RFC 3339 time as text, got {type(value).__name__}")
     try:
         moment = datetime.fromisoformat(value.strip())
-    except ValueError:
+        if moment.tzinfo is None:
+            raise BadOption(f"run_at needs a zone offset (Z or +HH:MM): {value[:60]!r}")
+        return moment.timestamp()
+    except (ValueError, OverflowError) as exc:
+        if isinstance(exc, BadOption):
+            raise
         raise BadOption(f"run_at is not an RFC 3339 time: {value[:60]!r}") from None
-    if moment.tzinfo is None:
-        raise BadOption(f"run_at needs a zone offset (Z or +HH:MM): {value[:60]!r}")
-    return moment.timestamp()
 
 
 def parse(
@@ -157,8 +167,7 @@ def parse(
     if "queue" in fields:
         queue = fields["queue"]
         if not valid_name(queue):
-            shown = queue[:80] if isinstance(queue, str) else queue
-            raise BadOption(f"queue must match {NAME_RULE}, got {shown!r}")
+            raise BadOption(f"queue must match {NAME_RULE}, got {_shown(queue)}")
         changes["queue"] = queue
     if "priority" in fields:
         changes["priority"] = _integer(
@@ -173,6 +182,11 @@ def parse(
         changes["run_at"] = now_wall + delay if delay > 0 else None
     if "run_at" in fields:
         run_at = parse_time(fields["run_at"])
+        if run_at - now_wall > MAX_SECONDS:
+            raise BadOption(
+                f"run_at must be at most {MAX_SECONDS / 86400:g} days ahead,"
+                f" got {fields['run_at'][:60]!r}"
+            )
         changes["run_at"] = run_at if run_at > now_wall else None
     if "max_retries" in fields:
         changes["max_retries"] = _integer(
@@ -199,10 +213,29 @@ def parse(
     return replace(defaults, **changes)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_FIRST = datetime.min.replace(tzinfo=UTC)
+_LAST = datetime.max.replace(tzinfo=UTC)
+
+
 def rfc3339(wall: float) -> str:
-    """Wall-clock seconds as RFC 3339 in UTC (microseconds, `Z`)."""
-    stamp = datetime.fromtimestamp(wall, UTC).isoformat(timespec="microseconds")
-    return stamp.replace("+00:00", "Z")
+    """Wall-clock seconds as RFC 3339 in UTC (microseconds, `Z`). Never raises: a time beyond
+    the years a date can show (a record an older version kept) is shown as the first or last
+    moment of them, and a time that is no number (NaN) as the epoch."""
+    try:
+        moment = datetime.fromtimestamp(wall, UTC)
+    except (OverflowError, ValueError, OSError):
+        moment = _clamped(wall)
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _clamped(wall: float) -> datetime:
+    if math.isnan(wall):
+        return _EPOCH
+    try:
+        return _EPOCH + timedelta(seconds=wall)
+    except OverflowError:
+        return _LAST if wall > 0 else _FIRST
 
 
 def as_fields(options: JobOptions) -> dict[str, Any]:

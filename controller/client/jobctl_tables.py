@@ -21,7 +21,7 @@ def when(text: Any, now: dt.datetime | None = None) -> str:
         return "-"
     try:
         moment = dt.datetime.fromisoformat(text).astimezone()
-    except ValueError:
+    except (ValueError, OverflowError):  # not a time, or beyond the years the zone can show
         return text
     now = now or dt.datetime.now().astimezone()
     if moment.date() == now.date():
