@@ -158,19 +158,33 @@ def ack(txid: int, params: dict[str, Any] | None = None) -> bytes:
 
 
 def error_ack(txid: int, code: str, message: str, limit: int) -> bytes | None:
-    """The error acknowledgement with `message` shortened (even to "") so that it is at
-    most `limit` bytes; None when even that is too big (the answer is then silence)."""
-    for text in (message, message[:40], ""):
-        packet = {
-            "method": "ack",
-            "packet_type": IS_ACK,
-            "transmission_id": txid,
-            "error": {"code": code, "message": text},
-        }
-        data = encode(packet)
-        if len(data) <= limit:
-            return data
-    return None
+    """The error acknowledgement with `message` shortened so that it is at most `limit`
+    bytes, but never to "" (an empty message says the code again); None when even one
+    character of it is too big (the answer is then silence)."""
+    message = message or code or "refused"
+
+    def packet(text: str) -> bytes:
+        return encode(
+            {
+                "method": "ack",
+                "packet_type": IS_ACK,
+                "transmission_id": txid,
+                "error": {"code": code, "message": text},
+            }
+        )
+
+    data = packet(message)
+    if len(data) <= limit:
+        return data
+    # The longest prefix that fits (the size grows with the prefix): a binary search.
+    low, high = 0, len(message) - 1  # packet(message[:low]) fits, unless low is 0
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(packet(message[:middle])) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return packet(message[:low]) if low else None
 
 
 def bytes_param(

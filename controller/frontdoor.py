@@ -95,7 +95,8 @@ class Delivered:
 
 @dataclass(frozen=True, slots=True)
 class Evict:
-    """Forget a delivered job before its retention ends: the door is over `udp_memory`."""
+    """Forget a delivered job before its retention ends. (The door no longer makes it:
+    `udp_memory` bounds copies of answers only, never a job's record.)"""
 
     job_id: str
 
@@ -103,8 +104,6 @@ class Evict:
 DoorAction = (
     Send | Submit | Delivered | Evict | Heartbeat | Completed | PerformAcked | PerformUnacked
 )
-# What a retained job costs besides its payload and result (its record, the book's slot).
-RETAINED_OVERHEAD = 300
 CALCULATOR_METHODS = frozenset({"heartbeat", "completed_task"})
 # Client hosts whose default options (their address as owner) are kept made.
 MAX_OWNERS_KEPT = 4096
@@ -130,7 +129,6 @@ class FrontDoor:
         *,
         allowed_clients: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
         refusal: Callable[[], str] = lambda: "",
-        busy: Callable[[int], str] = lambda size: "",
         status_report: Callable[[], dict[str, Any]] = dict,
         notify_retries: int = 8,
         max_payload: int = 16 * 1024 * 1024,
@@ -139,16 +137,17 @@ class FrontDoor:
         memory: int = 64 * 1024 * 1024,
         options: JobOptions | None = None,
     ) -> None:
-        """`refusal()`: why new jobs must be refused now ("" when welcome); `busy(size)`: why
-        a new job with a payload of `size` bytes does not fit now ("" when it does)."""
+        """`refusal()`: why new jobs must be refused now ("" when welcome)."""
         self.book = book
         self.refusal = refusal
-        self.busy = busy
         self.status_report = status_report
         self.allowed_clients = tuple(allowed_clients)
         self.max_payload = max_payload
         self.stats = FrontDoorStats()
-        self.seen = Seen()
+        # udp_memory: bytes of answers held for repeats; past it the oldest go. It bounds
+        # copies only: a job's record, its result and its duplicate detection stay in the
+        # book for result_retention, and an answer that went is made again from them.
+        self.seen = Seen(memory)
         # An accepted add_task is not remembered in `seen`: its job is in the book, which
         # answers the copies (acknowledged again, acting on nothing; the outcome sent again
         # once the job ended) for as long as the job is kept, longer than `seen` would keep
@@ -162,12 +161,6 @@ class FrontDoor:
         self._calculator_cache: dict[str, bool] = {}
         self._last_log = -LOG_INTERVAL
         self._dropped_since_log = 0
-        # udp_memory: bytes of answers held for repeats (`seen`) and of delivered jobs kept
-        # for get_task / get_result (oldest first: evicted first), and those jobs' sizes.
-        self.memory = memory
-        self._retained: dict[str, int] = {}
-        self._retained_bytes = 0
-        self.evicted = 0
         # The options of a job that gives none, its owner the client's address (one object
         # per client host, shared by its jobs); None: the controller's defaults.
         self.options = options
@@ -201,7 +194,7 @@ class FrontDoor:
                 return []
             job_id = self.repeats.acked(txid, addr) if client else None
             if job_id is not None:
-                return self._delivered(job_id, now)
+                return [Delivered(job_id)]
             if calculator and link is not None:
                 acked = link.acked(txid, addr, refused="error" in packet)
                 return [acked] if acked is not None else []
@@ -235,17 +228,12 @@ class FrontDoor:
             reply = dg.error_ack(txid, exc.code, exc.message, len(data))
             if ptype == dg.WANT_ACK:
                 self.seen.remember(addr, txid, reply, now)
-            refused: list[DoorAction] = (
-                [Send(reply, addr, independent=True)] if reply is not None else []
-            )
-            return self._within_memory(now, refused)
+            return [Send(reply, addr, independent=True)] if reply is not None else []
         if ptype != dg.WANT_ACK or txid is None:
             return out
         reply = dg.ack(txid, ack_params)
         if not (self._book_dedups and packet.get("method") == "add_task"):
             self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
-            if self.seen.held_bytes + self._retained_bytes > self.memory:
-                out = self._within_memory(now, out)
         if out and isinstance(out[0], Submit):
             job_id = out[0].job_id
             return [Send(reply, addr, batched=True, job_id=job_id, request_size=len(data)), *out]
@@ -300,9 +288,6 @@ class FrontDoor:
         options = self._options(params, addr)
         if self.refusal():
             raise BadPacket("journal_unavailable", "cannot record new tasks now")
-        busy = self.busy(len(payload))
-        if busy:
-            raise BadPacket("busy", busy)
         self.stats.tasks_added += 1
         return [Submit(job_id, task_id, payload, addr, options)]
 
@@ -386,7 +371,7 @@ class FrontDoor:
         if job.final is not JobState.FINISHED:
             params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
             send = Send(dg.request("notify_task", params), addr, batched=True, job_id=job.id)
-            return [send, *self._delivered(job.id, now)]
+            return [send, Delivered(job.id)]
         txid = self.repeats.start(job.id, addr, now)
         return [Send(self._success_packet(job, txid), addr, batched=True, job_id=job.id)]
 
@@ -406,7 +391,7 @@ class FrontDoor:
             self.stats.notify_repeats += 1
             out.append(Send(self._success_packet(job, pending.txid), pending.addr, batched=True))
         for job_id in gave_up:
-            out.extend(self._delivered(job_id, now))
+            out.append(Delivered(job_id))
         self.seen.expire(now)
         return out
 
@@ -425,31 +410,6 @@ class FrontDoor:
     def forget(self, job: Job) -> None:
         """The book forgot `job`: nothing more to send for it."""
         self.repeats.cancel(job.id)
-        self._retained_bytes -= self._retained.pop(job.id, 0)
-
-    def _delivered(self, job_id: str, now: float) -> list[DoorAction]:
-        """`Delivered`, and then, while the door holds more than `memory` bytes, the oldest
-        delivered jobs are evicted (and the remembered answers shed when nothing else is)."""
-        out: list[DoorAction] = [Delivered(job_id)]
-        job = self.book.get(job_id)
-        if job is not None and job_id not in self._retained:
-            size = RETAINED_OVERHEAD + len(job.result) + len(job.payload)
-            self._retained[job_id] = size
-            self._retained_bytes += size
-        self._within_memory(now, out)
-        return out
-
-    def _within_memory(self, now: float, out: list[DoorAction]) -> list[DoorAction]:
-        """Evict the oldest delivered jobs (into `out`) while over `memory`."""
-        while self._retained_bytes + self.seen.held_bytes > self.memory:
-            if not self._retained:
-                self.seen.shed(now)
-                break
-            oldest = next(iter(self._retained))
-            self._retained_bytes -= self._retained.pop(oldest)
-            self.evicted += 1
-            out.append(Evict(oldest))
-        return out
 
     @staticmethod
     def _success_packet(job: Job, txid: int) -> bytes:

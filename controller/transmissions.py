@@ -32,17 +32,20 @@ NOTIFY_FIRST_INTERVAL = 0.5
 
 class Seen:
     """Answers already given, kept for at least TRANSMISSION_MEMORY seconds (and at most twice
-    that), MAX_TRANSMISSIONS at most.
+    that), MAX_TRANSMISSIONS at most, `memory` bytes at most (then the oldest go first, and
+    a repeat of a request whose answer went is answered afresh).
 
     Two generations: answers go into the new one; every TRANSMISSION_MEMORY (or once the
-    new one holds half of MAX_TRANSMISSIONS) the old generation is dropped whole and the
-    new one becomes the old. Forgetting costs nothing per entry, and an entry is a dict
-    slot and its (sender, id) key: the front door keeps none for an accepted add_task, whose
-    job the book holds longer (controller/frontdoor.py), so 100,000 queued jobs cost none.
+    new one holds half of MAX_TRANSMISSIONS, or half of `memory`) the old generation is
+    dropped whole and the new one becomes the old. Forgetting costs nothing per entry, and
+    an entry is a dict slot and its (sender, id) key: the front door keeps none for an
+    accepted add_task, whose job the book holds longer (controller/frontdoor.py), so
+    100,000 queued jobs cost none.
     A plain acknowledgement is stored as `PLAIN_ACK` and rebuilt for a repeat.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memory: float = math.inf) -> None:
+        self.memory = memory
         self._new: dict[tuple[Address, int], bytes | None] = {}
         self._old: dict[tuple[Address, int], bytes | None] = {}
         self._turn_at = math.inf  # when the new generation becomes the old one
@@ -56,10 +59,6 @@ class Seen:
     def held_bytes(self) -> int:
         """Bytes of the answers held (a plain acknowledgement, rebuilt, counts as its key)."""
         return self._new_bytes + self._old_bytes
-
-    def shed(self, now: float) -> None:
-        """Drop the older generation now (the door is over its memory)."""
-        self._turn(now)
 
     def get(self, addr: Address, txid: int) -> tuple[bytes | None] | None:
         """(the answer given, or None for silence) if this request was seen; else None."""
@@ -79,8 +78,10 @@ class Seen:
         if key not in self._new:
             self._new_bytes += SEEN_OVERHEAD + (len(answer) if answer is not None else 0)
         self._new[key] = answer
-        if len(self._new) >= MAX_TRANSMISSIONS // 2:
+        if len(self._new) >= MAX_TRANSMISSIONS // 2 or self._new_bytes >= self.memory / 2:
             self._turn(now)
+            if self._old_bytes > self.memory:  # one answer larger than all of memory
+                self._turn(now)
 
     def expire(self, now: float) -> None:
         if now >= self._turn_at:
