@@ -129,6 +129,7 @@ class FrontDoor:
         *,
         allowed_clients: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
         refusal: Callable[[], str] = lambda: "",
+        busy: Callable[[int], str] = lambda size: "",
         status_report: Callable[[], dict[str, Any]] = dict,
         notify_retries: int = 8,
         max_payload: int = 16 * 1024 * 1024,
@@ -137,9 +138,11 @@ class FrontDoor:
         memory: int = 64 * 1024 * 1024,
         options: JobOptions | None = None,
     ) -> None:
-        """`refusal()`: why new jobs must be refused now ("" when welcome)."""
+        """`refusal()`: why new jobs must be refused now ("" when welcome); `busy(size)`: why
+        a new job with a payload of `size` bytes does not fit now ("" when it does)."""
         self.book = book
         self.refusal = refusal
+        self.busy = busy
         self.status_report = status_report
         self.allowed_clients = tuple(allowed_clients)
         self.max_payload = max_payload
@@ -288,6 +291,9 @@ class FrontDoor:
         options = self._options(params, addr)
         if self.refusal():
             raise BadPacket("journal_unavailable", "cannot record new tasks now")
+        busy = self.busy(len(payload))
+        if busy:
+            raise BadPacket("busy", busy)
         self.stats.tasks_added += 1
         return [Submit(job_id, task_id, payload, addr, options)]
 
