@@ -48,6 +48,9 @@ class WorkerSession:
         self.task_id = 0
         self.payload = b""
         self.outcome = b""  # the result, or the error text when FAILED
+        self.usage: pb.Usage | None = None  # what the task used, when measured
+        self.reason = ""  # "limit" when it failed on one of its limits
+        self.limits = pb.JobLimits()  # the running task's own limits (SET_TASK)
         self.draining = False
 
     @property
@@ -84,6 +87,7 @@ class WorkerSession:
             self.phase = Phase.RUNNING
             self.task_id = msg.task_id
             self.payload = extra
+            self.limits = msg.limits
             return Answer(
                 pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=msg.task_id), effect=Effect.START
             )
@@ -94,22 +98,36 @@ class WorkerSession:
                 code = pb.WORKER_ERR_TASK_FAILED
             else:
                 return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_NO_FETCH, task_id=tid))
-            return Answer(
-                pb.WorkerResponse(error=code, task_id=tid), self.outcome, effect=Effect.FETCHED
-            )
+            response = pb.WorkerResponse(error=code, task_id=tid)
+            if self.usage is not None:
+                response.usage.CopyFrom(self.usage)
+            if self.reason and self.phase is Phase.FAILED:
+                response.reason = self.reason
+            return Answer(response, self.outcome, effect=Effect.FETCHED)
         if kind == pb.CTRL_RESTART:
             return Answer(
                 pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.RESTART
             )
         return _failed(tid, f"unknown control type {kind}")
 
-    def finished(self, task_id: int, ok: bool, outcome: bytes) -> None:
-        """The running task ended (`outcome` is the result, or the error text)."""
+    def finished(
+        self,
+        task_id: int,
+        ok: bool,
+        outcome: bytes,
+        usage: pb.Usage | None = None,
+        reason: str = "",
+    ) -> None:
+        """The running task ended (`outcome` is the result, or the error text; `usage` what
+        it used; `reason` "limit" when it hit one of its limits)."""
         if self.phase is not Phase.RUNNING or task_id != self.task_id:
             return  # a task abandoned by RESTART; nothing to keep
         self.phase = Phase.DONE if ok else Phase.FAILED
         self.outcome = outcome
+        self.usage = usage
+        self.reason = reason
         self.payload = b""
+        self.limits = pb.JobLimits()
 
     def fetched(self, task_id: int) -> None:
         """The FETCH answer carrying this task's outcome was written."""
@@ -117,6 +135,8 @@ class WorkerSession:
             self.phase = Phase.IDLE
             self.task_id = 0
             self.outcome = b""
+            self.usage = None
+            self.reason = ""
 
 
 def _failed(task_id: int, why: str) -> Answer:

@@ -53,6 +53,7 @@ import random
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -66,9 +67,11 @@ from outcome import Value
 from controller import wire
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
+from controller.joblimits import NO_LIMITS, from_proto
 from controller.transport import accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
+from worker.limits import handler_usage
 from worker.output import BATCH_SECONDS, CHUNK, SINK, OutputSink
 from worker.runner import (
     READ_CHUNK,
@@ -99,7 +102,23 @@ BAD_FRAME_TEXT = 1024
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 
-Outcome = tuple[bool, bytes]  # (ok, the result or the error text)
+# (ok, the result or the error text, what the job used, "limit" when it hit one of its limits)
+Outcome = tuple[bool, bytes, pb.Usage | None, str]
+# A refused peer on the control socket is logged at most this often (a count in between).
+REFUSED_LOG_SECONDS = 30.0
+
+
+_PEERCRED = struct.Struct("3i")
+
+
+def _peer_uid(sock: _socket.socket) -> int:
+    """The uid of the process at the other end of an accepted Unix connection."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return -2  # no credentials: nobody's
+    uid: int = _PEERCRED.unpack(raw)[1]
+    return uid
 
 
 def _parked_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
@@ -170,6 +189,9 @@ class LeanWorker:
         self._conns: dict[int, _Conn] = {}
         self._listener: socket.socket | None = None
         self._path: Path | None = None
+        self._controller_uid = -1  # main.sock's owner, known once registered
+        self._refusals = 0
+        self._refused_log_at = 0.0
         self._done = False
         self._controller_ok = True
         # Registration: the next attempt and the backoff; pulses: the next one, and whether
@@ -224,6 +246,8 @@ class LeanWorker:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._abandon_job()
+            if isinstance(self.runner, ExecRunner) and self.runner.jail is not None:
+                self.runner.jail.close()
             if self._thread_jobs is not None:
                 self._thread_jobs.put(None)
             self._unlisten()
@@ -452,6 +476,14 @@ class LeanWorker:
         self._backoff = min(self._backoff * 2, REGISTER_BACKOFF_MAX)
 
     def _listen(self, worker_id: int) -> None:
+        # The controller is main.sock's owner: the one uid the control socket answers.
+        try:
+            self._controller_uid = os.stat(self._main_socket).st_uid
+        except OSError as exc:
+            log.warning(
+                "cannot stat %s (%s): the control socket answers only root", self._main_socket, exc
+            )
+            self._controller_uid = 0
         path = self.socket_dir / f"{worker_id}.sock"
         path.unlink(missing_ok=True)
         listener = listen_unix(path, CONTROL_BACKLOG, 0o660)
@@ -547,9 +579,9 @@ class LeanWorker:
     def _output_settled(self) -> None:
         """Nothing waits to be sent: an outcome held for its output goes out now."""
         if self._ending is not None and not self._sending_output:
-            task_id, (ok, result) = self._ending
+            task_id, (ok, result, usage, reason) = self._ending
             self._ending = None
-            self.session.finished(task_id, ok, result)
+            self.session.finished(task_id, ok, result, usage, reason)
             self._fetch_me()
 
     def _shutdown(self) -> None:
@@ -587,10 +619,31 @@ class LeanWorker:
             sock = accept_unix(self._listener)
         except BlockingIOError:
             return
+        uid = _peer_uid(sock)
+        if uid != self._controller_uid:  # only the controller may ask anything of us
+            sock.close()
+            self._refused(uid)
+            return
         conn = _Conn(sock, time.monotonic() + self.dial_timeout, self.max_extra_size)
         self._conns[sock.fileno()] = conn
         if not self._conn_read(conn):  # the request has often arrived with the connection
             self._watch(sock.fileno(), _IN, functools.partial(self._conn_readable, conn))
+
+    def _refused(self, uid: int) -> None:
+        """A connection from another uid than the controller's was closed: logged with its
+        uid, then counted, at most every REFUSED_LOG_SECONDS."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now >= self._refused_log_at:
+            log.warning(
+                "control socket: refused %d connection(s) from uids other than the "
+                "controller's (%d); the last from uid %d",
+                self._refusals,
+                self._controller_uid,
+                uid,
+            )
+            self._refusals = 0
+            self._refused_log_at = now + REFUSED_LOG_SECONDS
 
     def _conn_readable(self, conn: _Conn, events: int) -> None:
         if conn.reader is not None:
@@ -698,6 +751,11 @@ class LeanWorker:
             trio.lowlevel.reschedule(self._job_task, Value((task_id, payload)))
 
     def _start_command(self, runner: ExecRunner, task_id: int, payload: bytes) -> None:
+        jail, limits = runner.jail, NO_LIMITS
+        if jail is not None:
+            jail.clean()  # what the last job left: its TMPDIR files, its orphans
+            asked = self.session.limits
+            limits = jail.limits_for(from_proto(asked) if asked.ListFields() else NO_LIMITS)
         try:
             command = Command(
                 self._epoll,
@@ -709,9 +767,12 @@ class LeanWorker:
                 stderr_keep=STDERR_TAIL,
                 read_chunk=READ_CHUNK,
                 on_stderr=self._sink.write if self._takes_output else None,
+                jail=jail,
+                limits=limits,
             )
         except OSError as exc:
-            self._outcome = (False, f"cannot run {runner.argv[0]}: {exc.strerror or exc}".encode())
+            why = f"cannot run {runner.argv[0]}: {exc.strerror or exc}".encode()
+            self._outcome = (False, why, None, "")
             return
         self._command = command
         self._watch_command(command, runner)
@@ -735,9 +796,10 @@ class LeanWorker:
         self._watch_command(command, runner)
         self._command = None
         try:
-            self._outcome = (True, command_outcome(runner.argv[0], done, runner.max_output))
+            result = command_outcome(runner.argv[0], done, runner.max_output)
+            self._outcome = (True, result, done.usage, "")
         except TaskFailed as exc:
-            self._outcome = (False, str(exc).encode())
+            self._outcome = (False, str(exc).encode(), done.usage, exc.reason)
 
     def _handler_thread(
         self, runner: HandlerRunner, jobs: queue.SimpleQueue[tuple[int, bytes] | None]
@@ -747,10 +809,14 @@ class LeanWorker:
         while (job := jobs.get()) is not None:
             task_id, payload = job
             SINK.set(self._sink if self._takes_output else None)  # its stderr and logging
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
-                outcome: Outcome = (True, runner.result(runner.func(payload)))
+                result = runner.result(runner.func(payload))
+                usage = handler_usage(wall, cpu, time.thread_time)
+                outcome: Outcome = (True, result, usage, "")
             except Exception as exc:  # the handler's, or its result's: the job failed
-                outcome = (False, str(runner.failure(exc)).encode())
+                usage = handler_usage(wall, cpu, time.thread_time)
+                outcome = (False, str(runner.failure(exc)).encode(), usage, "")
             self._hand_over(task_id, outcome)
 
     def _hand_over(self, task_id: int, outcome: Outcome, *, wake: bool = True) -> None:
@@ -772,14 +838,18 @@ class LeanWorker:
         while True:
             task_id, payload = await trio.lowlevel.wait_task_rescheduled(_parked_abort)
             SINK.set(self._sink if self._takes_output else None)  # its stderr and logging
+            wall, cpu = time.perf_counter(), time.process_time()
             try:
-                outcome: Outcome = (True, await self.runner(task_id, payload))
+                result = await self.runner(task_id, payload)
+                outcome: Outcome = (True, result, handler_usage(wall, cpu, time.process_time), "")
             except TaskFailed as exc:
-                outcome = (False, str(exc).encode())
+                usage = handler_usage(wall, cpu, time.process_time)
+                outcome = (False, str(exc).encode(), usage, exc.reason)
             except Exception as exc:  # a bug in a runner must not kill the worker
                 SINK.set(None)  # the worker's own line, not the job's
                 log.exception("task %d: runner crashed", task_id)
-                outcome = (False, f"worker error: {type(exc).__name__}: {exc}".encode())
+                why = f"worker error: {type(exc).__name__}: {exc}".encode()
+                outcome = (False, why, None, "")
             self._async_busy = False
             # A job that ended in the turns the loop gave it is seen without a wake-up.
             self._hand_over(task_id, outcome, wake=self._in_trio)
@@ -787,7 +857,7 @@ class LeanWorker:
     def _job_ended(self) -> None:
         outcome, self._outcome = self._outcome, None
         assert outcome is not None
-        ok, result = outcome
+        ok, result, usage, reason = outcome
         task_id, self._job_id = self._job_id, 0
         if not ok:
             log.info("task %d failed: %s", task_id, result.decode("utf-8", "replace"))
@@ -796,7 +866,7 @@ class LeanWorker:
             if not self._sending_output:
                 self._output_at = 0.0
             return
-        self.session.finished(task_id, ok, result)
+        self.session.finished(task_id, ok, result, usage, reason)
         self._fetch_me()
 
     def _abandon_job(self) -> None:

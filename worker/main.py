@@ -16,8 +16,10 @@ from controller.affinity import AffinityError, parse_cpus, pin
 from controller.cli import add_common_flags, positive_seconds, setup_logging
 from controller.config import ConfigError, load_config
 from controller.declared import BadDeclaration, Declared, names, read
+from controller.joblimits import JobLimits, LimitError, parse_value
 from worker.calculator import Calculator
 from worker.lean import LeanWorker
+from worker.limits import Cgroup, Jail, become, resolve_job_user
 from worker.output import capture_stderr
 from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
@@ -138,6 +140,26 @@ def build_parser(
         help="run only on these CPUs, e.g. 1 or 2-3 (default: wherever the system puts it)",
     )
     add_common_flags(parser)
+    strangers = parser.add_argument_group(
+        "jobs as strangers (--exec jobs; --handler code runs inside the worker and is trusted)"
+    )
+    strangers.add_argument(
+        "--job-user",
+        metavar="USER|UID",
+        help="run every --exec job as this user (a name, or a uid; a uid with no passwd entry "
+        "runs with gid = uid), never as root or the worker's own user; needs root or "
+        "CAP_SETUID and CAP_SETGID",
+    )
+    strangers.add_argument(
+        "--user",
+        metavar="USER",
+        help="started as root, run as USER once set up, keeping only CAP_SETUID, CAP_SETGID "
+        "and CAP_KILL when there is a --job-user",
+    )
+    for flag, key, what in _LIMIT_FLAGS:
+        strangers.add_argument(
+            flag, metavar=what, type=_limit(key), dest=key, help=_LIMIT_HELP[key]
+        )
     parser.add_argument(
         "--exit-with-parent",
         metavar="PID",
@@ -161,6 +183,61 @@ def build_parser(
         "stdout is the result (takes the rest of the line)",
     )
     return parser
+
+
+_LIMIT_FLAGS = (
+    ("--memory-max", "memory_max", "SIZE"),
+    ("--tasks-max", "tasks_max", "N"),
+    ("--cpu-time", "cpu_time", "SECONDS"),
+    ("--file-size", "file_size", "SIZE"),
+    ("--open-files", "open_files", "N"),
+    ("--cpu-quota", "cpu_quota", "FRACTION"),
+)
+_LIMIT_HELP = {
+    "memory_max": "a job's memory ceiling in bytes, or with K, M, G (1024-based): "
+    "RLIMIT_AS, and memory.max in a cgroup",
+    "tasks_max": "a job's processes and threads (RLIMIT_NPROC with --job-user; pids.max)",
+    "cpu_time": "a job's CPU seconds (RLIMIT_CPU: SIGXCPU, SIGKILL a second later)",
+    "file_size": "the size one file of a job may grow to (RLIMIT_FSIZE: SIGXFSZ)",
+    "open_files": "a job's open descriptors (RLIMIT_NOFILE)",
+    "cpu_quota": "a fraction of one CPU a job may use (cgroup v2 cpu.max only)",
+}
+
+
+def _limit(key: str) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            return parse_value(key, text)
+        except LimitError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _ceilings(args: argparse.Namespace) -> JobLimits:
+    return JobLimits(**{key: getattr(args, key) for _, key, _ in _LIMIT_FLAGS})
+
+
+def build_jail(args: argparse.Namespace) -> Jail:
+    """Who --exec jobs run as and under which limits; switches to --user on the way (after
+    it, the worker holds only what it needs). SetupError when it cannot be done."""
+    job_user = resolve_job_user(args.job_user) if args.job_user is not None else None
+    if args.user is not None:
+        become(args.user, keep_job_caps=job_user is not None)
+    elif job_user is not None and os.geteuid() == 0:
+        log.warning("running as root: give --user so that the worker itself is not root")
+    ceilings = _ceilings(args)
+    cgroup = None
+    if job_user is not None or not ceilings.is_empty():
+        try:
+            cgroup = Cgroup(Cgroup.find())
+            cgroup.setup()
+        except (SetupError, OSError) as exc:
+            log.info("no cgroup for jobs: %s", exc)
+            cgroup = None
+    jail = Jail(job_user, ceilings, cgroup)
+    jail.setup()
+    return jail
 
 
 def _pid(text: str) -> int:
@@ -221,10 +298,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SetupError("--exec needs a command")
         if args.ca_file is not None and args.hub is None:
             raise SetupError("--ca-file goes with an https --hub")
-        runner = build_runner(args.exec_argv, args.handler, config.max_extra_size)
+        jail = build_jail(args)
+        runner = build_runner(args.exec_argv, args.handler, config.max_extra_size, jail)
     except (ConfigError, SetupError, AffinityError) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
+    if args.exec_argv is not None:
+        log.info(jail.describe())
+        if jail.job_user is not None:
+            log.info("jobs run as %s (uid %d)", jail.job_user.name, jail.job_user.uid)
     if args.udp is not None:
         calculator = Calculator(
             args.udp,

@@ -19,6 +19,9 @@ from typing import Any
 
 import trio
 
+from controller.joblimits import NO_LIMITS, JobLimits
+from worker.limits import LIMIT, Jail
+from worker.limits import SetupError as SetupError  # bad --exec or --handler: exit 2
 from worker.output import SINK
 from worker.spawn import Finished, spawn_and_wait
 
@@ -31,11 +34,12 @@ READ_CHUNK = 256 * 1024
 
 
 class TaskFailed(Exception):
-    """The task did not produce a result; the message says why."""
+    """The task did not produce a result; the message says why, `reason` is "limit" when it
+    hit one of its limits (WorkerResponse.reason), else ""."""
 
-
-class SetupError(Exception):
-    """The runner cannot be built (bad --exec or --handler); exit status 2."""
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 async def echo(payload: bytes) -> bytes:
@@ -141,9 +145,9 @@ class ExecRunner:
     is the result). The local worker starts `Command`s itself (`program`, `env`, `outcome`);
     calling it runs one in the caller's trio task."""
 
-    __slots__ = ("argv", "environ", "max_output", "program")
+    __slots__ = ("argv", "environ", "jail", "max_output", "program")
 
-    def __init__(self, argv: list[str], max_output: int) -> None:
+    def __init__(self, argv: list[str], max_output: int, jail: Jail | None = None) -> None:
         if not argv:
             raise SetupError("--exec needs a command")
         program = shutil.which(argv[0])
@@ -154,19 +158,31 @@ class ExecRunner:
         # The worker's environment, read once: os.environ decodes every variable on each copy.
         self.environ = dict(os.environ)
         self.max_output = max_output
+        # The job user, limits and cgroup of its commands (worker/limits.py); None: plain.
+        self.jail = jail if jail is not None and jail.active else None
 
     async def __call__(self, task_id: int, payload: bytes) -> bytes:
+        if self.jail is not None:
+            self.jail.clean()
         return await run_command(
-            self.argv, task_id, payload, self.max_output, self.program, self.environ
+            self.argv,
+            task_id,
+            payload,
+            self.max_output,
+            self.program,
+            self.env(task_id) if self.jail is not None else self.environ,
+            jail=self.jail,
+            limits=self.jail.ceilings if self.jail is not None else NO_LIMITS,
         )
 
     def env(self, task_id: int) -> dict[str, str]:
-        return {**self.environ, "TASK_ID": str(task_id)}
+        env = {**self.environ, "TASK_ID": str(task_id)}
+        return self.jail.env(env) if self.jail is not None else env
 
 
-def exec_runner(argv: list[str], max_output: int) -> Runner:
+def exec_runner(argv: list[str], max_output: int, jail: Jail | None = None) -> Runner:
     """One process per task: payload on stdin, TASK_ID in the environment, stdout is the result."""
-    return ExecRunner(argv, max_output)
+    return ExecRunner(argv, max_output, jail)
 
 
 async def run_command(
@@ -176,6 +192,9 @@ async def run_command(
     max_output: int,
     program: str | None = None,
     environ: dict[str, str] | None = None,
+    *,
+    jail: Jail | None = None,
+    limits: JobLimits = NO_LIMITS,
 ) -> bytes:
     """Run one `--exec` job (`program`: argv[0]'s path, looked up here when not given;
     `environ`: the command's environment before TASK_ID, os.environ when not given)."""
@@ -193,6 +212,8 @@ async def run_command(
             stderr_keep=STDERR_TAIL,
             read_chunk=READ_CHUNK,
             on_stderr=sink.write if sink is not None else None,
+            jail=jail,
+            limits=limits,
         )
     except OSError as exc:
         raise TaskFailed(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
@@ -201,26 +222,35 @@ async def run_command(
 
 def command_outcome(name: str, done: Finished, max_output: int) -> bytes:
     """A finished command's result (its stdout); TaskFailed for a non-zero exit, a signal
-    (with the tail of its stderr) or output over the limit."""
+    (with the tail of its stderr) or output over the limit; one that hit a limit names it
+    first ("CPU time limit 60 s: spin killed by SIGKILL"), with reason "limit"."""
     if done.too_big:
         raise TaskFailed(f"output exceeded max_extra_size ({max_output} bytes); command killed")
     code = done.code
-    if code != 0:
+    if code != 0 or done.limit:
         if code < 0:
-            how = f"killed by {signal.Signals(-code).name}"
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
         else:
             how = f"exited with status {code}"
         tail = bytes(done.stderr[-STDERR_TAIL:]).decode("utf-8", "replace").strip()
-        raise TaskFailed(f"{name} {how}" + (f": {tail}" if tail else ""))
+        text = f"{name} {how}" + (f": {tail}" if tail else "")
+        if done.limit:
+            raise TaskFailed(f"{done.limit}: {text}", LIMIT)
+        raise TaskFailed(text)
     return bytes(done.stdout)
 
 
-def build_runner(exec_argv: list[str] | None, handler: str | None, max_output: int) -> Runner:
+def build_runner(
+    exec_argv: list[str] | None, handler: str | None, max_output: int, jail: Jail | None = None
+) -> Runner:
     """The runner the flags ask for; SetupError when they are unusable."""
     if exec_argv is not None and handler is not None:
         raise SetupError("--exec and --handler cannot be used together")
     if exec_argv is not None:
-        return exec_runner(exec_argv, max_output)
+        return exec_runner(exec_argv, max_output, jail)
     if handler is not None:
         return handler_runner(load_handler(handler), max_output)
     return handler_runner(echo, max_output)

@@ -6,35 +6,48 @@ and its stdin, stdout, stderr and pidfd in an epoll set: `Command` in the
 local worker's own loop (worker/lean.py), `spawn_and_wait` in a trio task
 (calculators, pollers). No process object, no task per pipe. Stopping a job
 early (RESTART, task_timeout, SIGTERM past the drain) kills the whole
-process group and reaps it.
+process group (and the job's cgroup, if it has one) and reaps it; so does the end of its
+main process, for whatever it left behind. With a `Jail` (worker/limits.py) the command
+runs as the slot's job user under its limits, and its usage and any limit it hit come back
+in `Finished`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 
+from controller.joblimits import NO_LIMITS, JobLimits
+from gen import worker_protocol_pb2 as pb
+from worker.limits import Jail
+
 # Signals Python ignores that a command expects at their default (as subprocess does).
-_DEFAULT_SIGNALS = {signal.SIGPIPE, signal.SIGXFSZ}
+_DEFAULT_SIGNALS = {signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU}
 _IN = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _OUT = select.EPOLLOUT | select.EPOLLERR
 
 
 class Finished:
-    """What a command did: exit code (negative: killed by that signal), stdout, stderr tail."""
+    """What a command did: exit code (negative: killed by that signal), stdout, stderr tail,
+    what it used, and the limit it hit ("" if none)."""
 
-    __slots__ = ("code", "stderr", "stdout", "too_big")
+    __slots__ = ("code", "limit", "stderr", "stdout", "too_big", "usage")
 
     def __init__(self) -> None:
         self.code = 0
         self.stdout = bytearray()
         self.stderr = bytearray()
         self.too_big = False
+        self.usage: pb.Usage | None = None
+        self.limit = ""
 
 
 class Command:
@@ -48,12 +61,16 @@ class Command:
     """
 
     __slots__ = (
+        "_cgroup",
         "_epoll",
         "_exited",
+        "_jail",
+        "_limits",
         "_max_output",
         "_on_stderr",
         "_open",
         "_read_chunk",
+        "_started",
         "_stderr_keep",
         "_view",
         "done",
@@ -76,9 +93,16 @@ class Command:
         stderr_keep: int,
         read_chunk: int,
         on_stderr: Callable[[bytes], None] | None = None,
+        jail: Jail | None = None,
+        limits: JobLimits = NO_LIMITS,
     ) -> None:
         self._epoll = epoll
-        self.pid, self.in_w, self.out_r, self.err_r = _start(program, argv, env)
+        self._jail = jail
+        self._limits = limits
+        self._started = time.perf_counter()
+        self.pid, self.in_w, self.out_r, self.err_r, self._cgroup = _start(
+            program, argv, env, jail, limits
+        )
         self._open = {self.in_w, self.out_r, self.err_r}
         try:
             self.pidfd = os.pidfd_open(self.pid)
@@ -128,6 +152,9 @@ class Command:
             if not self._exited:
                 self._exited = True
                 self._epoll.unregister(fd)
+                # Whatever it left in its process group goes with it (its pid, a zombie
+                # until reaped, still names the group).
+                _kill_group(self.pid)
         elif fd == self.in_w:
             self._feed()
         elif fd == self.out_r:
@@ -144,17 +171,35 @@ class Command:
                 del done.stderr[: -self._stderr_keep]
 
     def reap(self) -> Finished:
-        """Once it is no longer `running`: its exit code, and its descriptors closed."""
-        self.done.code = _reap(self.pid)
+        """Once it is no longer `running`: its exit code, what it used, and its descriptors
+        closed."""
+        done = self.done
+        done.code, rusage = _reap(self.pid)
+        wall = time.perf_counter() - self._started
+        if self._jail is not None:
+            ended = self._jail.finish(
+                done.code, rusage, wall, bytes(done.stderr), self._limits, self._cgroup
+            )
+            done.usage, done.limit = ended.usage, ended.limit
+        else:
+            done.usage = pb.Usage(
+                wall=wall,
+                cpu=rusage.ru_utime + rusage.ru_stime,
+                max_rss=rusage.ru_maxrss * 1024,
+            )
         self._release()
-        return self.done
+        return done
 
     def kill(self) -> None:
-        """Kill its process group, wait for it and reap it (no zombie left)."""
+        """Kill its process group (and cgroup), wait for it and reap it (no zombie left)."""
         _kill_group(self.pid)
+        if self._jail is not None and self._jail.cgroup is not None and self._cgroup is not None:
+            self._jail.cgroup.kill(self._cgroup)
         select.select([self.pidfd], [], [])  # SIGKILL: it exits at its next instruction
         with contextlib.suppress(ChildProcessError):
             _reap(self.pid)
+        if self._jail is not None and self._jail.cgroup is not None and self._cgroup is not None:
+            self._jail.cgroup.remove(self._cgroup)
         self._release()
 
     def _release(self) -> None:
@@ -217,6 +262,8 @@ async def spawn_and_wait(
     stderr_keep: int,
     read_chunk: int,
     on_stderr: Callable[[bytes], None] | None = None,
+    jail: Jail | None = None,
+    limits: JobLimits = NO_LIMITS,
 ) -> Finished:
     """Run `program` (a path) as `argv` with `payload` on its stdin, in the calling trio
     task; OSError if it cannot be started."""
@@ -232,6 +279,8 @@ async def spawn_and_wait(
             stderr_keep=stderr_keep,
             read_chunk=read_chunk,
             on_stderr=on_stderr,
+            jail=jail,
+            limits=limits,
         )
         try:
             while command.running:
@@ -250,14 +299,17 @@ async def spawn_and_wait(
         epoll.close()
 
 
-def _start(program: str, argv: list[str], env: dict[str, str]) -> tuple[int, int, int, int]:
+def _start(
+    program: str, argv: list[str], env: dict[str, str], jail: Jail | None, limits: JobLimits
+) -> tuple[int, int, int, int, Path | None]:
     """Start it (posix_spawn returns as soon as the child has exec'd: no blocking wait);
-    (pid, its stdin, its stdout, its stderr)."""
+    (pid, its stdin, its stdout, its stderr, its cgroup)."""
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    try:
-        pid = os.posix_spawn(
+
+    def spawn(resetids: bool = False) -> int:
+        return os.posix_spawn(
             program,
             argv,
             env,
@@ -269,21 +321,29 @@ def _start(program: str, argv: list[str], env: dict[str, str]) -> tuple[int, int
             setsid=True,  # its own process group, so RESTART can kill it all
             setsigdef=_DEFAULT_SIGNALS,
             setsigmask=set(),
+            resetids=resetids,  # the job user's: see worker/limits.py
         )
+
+    cgroup = None
+    try:
+        if jail is None:
+            pid = spawn()
+        else:
+            pid, cgroup = jail.spawn(spawn, limits)
     except BaseException:
         for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
             os.close(fd)
         raise
     for fd in (in_r, out_w, err_w):
         os.close(fd)
-    return pid, in_w, out_r, err_r
+    return pid, in_w, out_r, err_r, cgroup
 
 
-def _reap(pid: int) -> int:
-    """Its exit code (negative: the signal); called once its pidfd says it has exited, so
-    waitpid returns at once."""
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+def _reap(pid: int) -> tuple[int, resource.struct_rusage]:
+    """Its exit code (negative: the signal) and what it used (with the descendants it
+    waited for); called once its pidfd says it has exited, so wait4 returns at once."""
+    _, status, rusage = os.wait4(pid, 0)
+    return os.waitstatus_to_exitcode(status), rusage
 
 
 def _kill_group(pid: int) -> None:

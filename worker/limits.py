@@ -1,0 +1,653 @@
+"""Jobs as strangers (DESIGN.md section 15): the user a job runs as, its kernel limits, the
+cgroup it may get, and what it used.
+
+How an `--exec` job starts under a job user and limits, and why this way. Measured on a
+2-CPU VM (`--exec true`): `os.posix_spawn` (vfork semantics) costs about 0.6 ms a job,
+`os.fork` of the worker about 1.5 ms before the exec even starts (the copy of its page
+tables and the faults after it), an exec wrapper (`prlimit`, `setpriv`, even a static one)
+0.4 ms or more. So the job is started by posix_spawn and nothing else:
+
+- The user: for the moment of the spawn the worker takes the job user as its *real* uid and
+  gid (its effective ones stay its own), and posix_spawn's `resetids` makes the child's
+  effective ids the real ones before the exec, which then sets the saved ones: the job runs
+  with every uid and gid the job user's, no supplementary group (the worker drops its own),
+  and no capability. The worker takes its own real ids back right after, so a job can
+  signal neither its worker nor another slot's job.
+- The limits: set on the child with prlimit(2) right after posix_spawn returns, while the
+  worker's real ids still match the child's (what prlimit on another process asks). The
+  ceilings that cannot hurt the worker (`tasks_max` with a job user, `file_size`) are
+  also the worker's own hard limits from the start, so that even the first microseconds of
+  a job, before its own limits land, stay under them.
+- A cgroup v2 per job where the worker's subtree is delegated: the worker moves itself into
+  the job's cgroup for the spawn, so the child is born there, and back.
+
+Without a cgroup a hit is known from the kernel's signal (SIGXCPU, SIGKILL past the CPU
+time, SIGXFSZ), from the job's peak memory (its rusage) against `memory_max`, or, with a job
+user, from a fork refused for `tasks_max`; with one, from memory.events and pids.events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import math
+import os
+import pwd
+import resource
+import shutil
+import signal
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.joblimits import NO_LIMITS, JobLimits, describe_size
+from gen import worker_protocol_pb2 as pb
+
+log = logging.getLogger("worker")
+
+LIMIT = "limit"  # WorkerResponse.reason of a job that hit one of its limits
+# A job whose peak memory came this close to memory_max and failed hit it: RLIMIT_AS counts
+# the address space, which is always more than the resident memory rusage reports.
+MEMORY_SLACK = 64 * 1024 * 1024
+_EAGAIN_TEXT = os.strerror(errno.EAGAIN).encode()  # "Resource temporarily unavailable"
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class SetupError(Exception):
+    """A job user, a limit or --user that cannot be used; the worker exits 2."""
+
+
+# ------------------------------------------------------------------ users
+
+
+@dataclass(frozen=True, slots=True)
+class JobUser:
+    """Who a slot's jobs run as: a uid and its own gid, no supplementary group."""
+
+    uid: int
+    gid: int
+    name: str
+
+
+def resolve_job_user(text: str) -> JobUser:
+    """A user name, or a uid (digits); a uid with no passwd entry runs with gid = uid."""
+    text = text.strip()
+    if text.isdigit():
+        uid = int(text)
+        try:
+            entry = pwd.getpwuid(uid)
+        except KeyError:
+            return _checked(JobUser(uid, uid, text))
+        return _checked(JobUser(uid, entry.pw_gid, entry.pw_name))
+    try:
+        entry = pwd.getpwnam(text)
+    except KeyError:
+        raise SetupError(f"--job-user {text!r}: no such user") from None
+    return _checked(JobUser(entry.pw_uid, entry.pw_gid, entry.pw_name))
+
+
+def _checked(user: JobUser) -> JobUser:
+    if user.uid == 0 or user.gid == 0:
+        raise SetupError(f"--job-user {user.name!r}: a job never runs as root (uid or gid 0)")
+    if user.uid >= 2**32 - 1:
+        raise SetupError(f"--job-user {user.name!r}: not a valid uid")
+    return user
+
+
+# ------------------------------------------------------------------ capabilities (--user)
+
+_PR_SET_KEEPCAPS = 8
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_PR_SET_CHILD_SUBREAPER = 36
+_CAP_VERSION_3 = 0x20080522
+CAP_KILL, CAP_SETGID, CAP_SETUID = 5, 6, 7
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = (
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    )
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg: int, arg3: int = 0) -> None:
+    if _libc().prctl(option, arg, arg3, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def set_capabilities(caps: Sequence[int]) -> None:
+    """Keep exactly `caps` (effective and permitted; none inheritable, none ambient)."""
+    mask = 0
+    for cap in caps:
+        mask |= 1 << cap
+    header = _CapHeader(_CAP_VERSION_3, 0)
+    data = (_CapData * 2)(_CapData(mask, mask, 0), _CapData(0, 0, 0))
+    if _libc().capset(ctypes.byref(header), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
+    with contextlib.suppress(OSError):  # no ambient set before Linux 4.3: nothing to clear
+        _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+
+
+def capabilities() -> tuple[int, int]:
+    """(effective, permitted) capability masks of this process, from /proc."""
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return int(fields.get("CapEff", "0"), 16), int(fields.get("CapPrm", "0"), 16)
+
+
+def become(user: str, *, keep_job_caps: bool) -> None:
+    """`worker --user USER`: a worker started as root runs as USER from here on, keeping
+    CAP_SETUID, CAP_SETGID and CAP_KILL when it starts jobs as job users, nothing else."""
+    try:
+        entry = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+    except KeyError:
+        raise SetupError(f"--user {user!r}: no such user") from None
+    if os.geteuid() != 0:
+        if os.geteuid() == entry.pw_uid:
+            return  # already that user (started by systemd's User=, or by hand)
+        raise SetupError(f"--user {user!r}: only a worker started as root can switch users")
+    try:
+        if keep_job_caps:
+            _prctl(_PR_SET_KEEPCAPS, 1)
+            os.setgroups([])  # what a job would inherit: nothing
+        else:
+            os.initgroups(entry.pw_name, entry.pw_gid)
+        os.setresgid(entry.pw_gid, entry.pw_gid, entry.pw_gid)
+        os.setresuid(entry.pw_uid, entry.pw_uid, entry.pw_uid)
+        if keep_job_caps:
+            set_capabilities((CAP_KILL, CAP_SETGID, CAP_SETUID))
+            _prctl(_PR_SET_KEEPCAPS, 0)
+    except OSError as exc:
+        raise SetupError(f"--user {user!r}: cannot switch: {exc}") from None
+
+
+# ------------------------------------------------------------------ rlimits
+
+_RLIMITS: tuple[tuple[str, int], ...] = (
+    ("memory_max", resource.RLIMIT_AS),
+    ("cpu_time", resource.RLIMIT_CPU),
+    ("file_size", resource.RLIMIT_FSIZE),
+    ("open_files", resource.RLIMIT_NOFILE),
+    ("tasks_max", resource.RLIMIT_NPROC),
+)
+
+
+def rlimit_plan(
+    limits: JobLimits, hard: dict[int, int], *, per_user: bool
+) -> list[tuple[int, tuple[int, int]]]:
+    """The (resource, (soft, hard)) pairs a job gets; never above what the worker has
+    (`hard`: only a process with CAP_SYS_RESOURCE may raise a hard limit). RLIMIT_NPROC
+    counts every process of the job's real uid, so it is set only with a job user."""
+    plan: list[tuple[int, tuple[int, int]]] = []
+    for name, res in _RLIMITS:
+        value = getattr(limits, name)
+        if value is None or (res == resource.RLIMIT_NPROC and not per_user):
+            continue
+        cap = hard[res]
+        if res == resource.RLIMIT_CPU:
+            soft = max(1, math.ceil(value))
+            pair = (soft, soft + 1)  # SIGXCPU at the limit, SIGKILL a second later
+        else:
+            pair = (int(value), int(value))
+        if cap != resource.RLIM_INFINITY:
+            pair = (min(pair[0], cap), min(pair[1], cap))
+        plan.append((res, pair))
+    return plan
+
+
+# ------------------------------------------------------------------ cgroup v2
+
+
+class Cgroup:
+    """A delegated cgroup v2 subtree: the worker in a leaf of its own (`worker`), each job in
+    `job-N` beside it. Every path is under `root`, so a plain directory stands in for
+    cgroupfs in tests."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.home = root / "worker"
+        self._count = 0
+
+    @staticmethod
+    def find(proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = _CGROUP_ROOT) -> Path:
+        """This process's cgroup v2 directory, if it is delegated to us (writable, with the
+        memory and pids controllers available); SetupError saying why not."""
+        try:
+            lines = proc_cgroup.read_text().splitlines()
+        except OSError as exc:
+            raise SetupError(f"cannot read {proc_cgroup}: {exc.strerror}") from None
+        unified = [line[3:] for line in lines if line.startswith("0::")]
+        if not unified:
+            raise SetupError("no cgroup v2 hierarchy (cgroup v1 only)")
+        if not (mount / "cgroup.controllers").exists():
+            raise SetupError(f"{mount} is not a cgroup v2 mount")
+        path = mount / unified[0].lstrip("/")
+        try:
+            available = (path / "cgroup.controllers").read_text().split()
+        except OSError as exc:
+            raise SetupError(f"cannot read {path}/cgroup.controllers: {exc.strerror}") from None
+        missing = {"memory", "pids"} - set(available)
+        if missing:
+            raise SetupError(f"{path}: no {' or '.join(sorted(missing))} controller delegated")
+        if not os.access(path, os.W_OK) or not os.access(path / "cgroup.procs", os.W_OK):
+            raise SetupError(f"{path} is not delegated to this worker (not writable)")
+        try:
+            members = (path / "cgroup.procs").read_text().split()
+        except OSError as exc:
+            raise SetupError(f"cannot read {path}/cgroup.procs: {exc.strerror}") from None
+        if members != [str(os.getpid())]:
+            raise SetupError(f"{path} holds other processes than this worker: not its own")
+        return path
+
+    def setup(self) -> None:
+        """Move the worker into its own leaf and give job cgroups the controllers."""
+        self.home.mkdir(exist_ok=True)
+        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+        available = set((self.root / "cgroup.controllers").read_text().split())
+        wanted = [f"+{name}" for name in ("memory", "pids", "cpu") if name in available]
+        (self.root / "cgroup.subtree_control").write_text(" ".join(wanted))
+
+    def create(self, limits: JobLimits) -> Path:
+        """A new cgroup for one job, its limits written."""
+        self._count += 1
+        path = self.root / f"job-{self._count}"
+        path.mkdir(exist_ok=True)
+        if limits.memory_max is not None:
+            _write(path / "memory.max", str(limits.memory_max))
+            _write(path / "memory.swap.max", "0")
+            _write(path / "memory.oom.group", "1")
+        if limits.tasks_max is not None:
+            _write(path / "pids.max", str(limits.tasks_max))
+        if limits.cpu_quota is not None:
+            period = 100_000
+            _write(path / "cpu.max", f"{max(1000, round(limits.cpu_quota * period))} {period}")
+        return path
+
+    def enter(self, path: Path) -> None:
+        """Move the worker there (what it spawns is born there)."""
+        (path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def leave(self) -> None:
+        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+
+    @staticmethod
+    def events(path: Path, name: str) -> dict[str, int]:
+        """A flat keyed file (memory.events, pids.events) as numbers; {} if unreadable."""
+        counts: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            for line in (path / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if value.strip().isdigit():
+                    counts[key] = int(value)
+        return counts
+
+    @staticmethod
+    def peak(path: Path) -> int:
+        """memory.peak in bytes (0: unknown, before Linux 5.19)."""
+        with contextlib.suppress(OSError, ValueError):
+            return int((path / "memory.peak").read_text().split()[0])
+        return 0
+
+    @staticmethod
+    def kill(path: Path) -> None:
+        """Every process in it, at once (cgroup.kill, Linux 5.14), else one by one."""
+        try:
+            (path / "cgroup.kill").write_text("1")
+            return
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            for pid in (path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        """rmdir once it is empty (cgroupfs refuses before); a stand-in directory holds the
+        interface files the test wrote, which go first."""
+        with contextlib.suppress(OSError):
+            path.rmdir()
+            return
+        if not str(path).startswith(str(_CGROUP_ROOT)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
+
+
+# ------------------------------------------------------------------ the jail
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the jail says about one finished command: usage, and the limit it hit."""
+
+    usage: pb.Usage
+    limit: str = ""  # "CPU time limit 60 s", or "" when no limit was hit
+
+
+class Jail:
+    """How a worker's `--exec` jobs start: as whom, under which ceilings, in which cgroup.
+
+    `spawn` starts one job (posix_spawn under the job user, limits applied, its cgroup
+    entered); `finish` reads what it used and whether it hit a limit; `clean` empties the
+    slot's private TMPDIR before the next job. Without a job user, ceilings or cgroup it
+    does nothing a plain posix_spawn would not."""
+
+    def __init__(
+        self,
+        job_user: JobUser | None = None,
+        ceilings: JobLimits = NO_LIMITS,
+        cgroup: Cgroup | None = None,
+        tmp_base: str | None = None,
+    ) -> None:
+        self.job_user = job_user
+        self.ceilings = ceilings
+        self.cgroup = cgroup
+        self.tmpdir: str | None = None
+        self._hard = {res: resource.getrlimit(res)[1] for _, res in _RLIMITS}
+        self._own_uids = os.getresuid()  # real and saved taken back after each spawn
+        self._own_gids = os.getresgid()
+        self._tmp_base = tmp_base
+        self._dirty = False
+
+    @property
+    def active(self) -> bool:
+        return self.job_user is not None or not self.ceilings.is_empty() or self.cgroup is not None
+
+    def describe(self) -> str:
+        """The start line: `limits: setrlimit` or `limits: cgroup v2 PATH`."""
+        if self.cgroup is not None:
+            return f"limits: cgroup v2 {self.cgroup.root}"
+        return "limits: setrlimit"
+
+    def setup(self) -> None:
+        """Once, before any job: the worker's own groups and hard ceilings, its subreaper
+        role, and the job user's TMPDIR. SetupError when the job user cannot be taken."""
+        user = self.job_user
+        if user is not None:
+            if user.uid == os.geteuid() or user.uid == os.getuid():
+                raise SetupError(f"--job-user {user.name!r} is the worker's own user")
+            try:
+                if os.getgroups():
+                    os.setgroups([])  # a job inherits the worker's supplementary groups
+                os.setresgid(user.gid, -1, -1)
+                os.setresuid(user.uid, -1, -1)
+            except OSError as exc:
+                raise SetupError(
+                    f"--job-user {user.name!r}: cannot take its uid ({exc.strerror}); "
+                    "the worker needs root, or CAP_SETUID and CAP_SETGID"
+                ) from None
+            finally:
+                self._restore()
+            # Orphans a job leaves (a daemon that left its process group) come back to us.
+            with contextlib.suppress(OSError):
+                _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+            self._make_tmpdir(user)
+        # Ceilings the worker carries itself, so that a job's first moments stay under them.
+        own = [("file_size", resource.RLIMIT_FSIZE)]
+        if user is not None:
+            own.append(("tasks_max", resource.RLIMIT_NPROC))
+        for name, res in own:
+            value = getattr(self.ceilings, name)
+            if value is not None:
+                hard = resource.getrlimit(res)[1]
+                if hard == resource.RLIM_INFINITY or value < hard:
+                    with contextlib.suppress(OSError, ValueError):
+                        resource.setrlimit(res, (value, value))
+                        self._hard[res] = value
+        if user is None and self.ceilings.tasks_max is not None and self.cgroup is None:
+            log.warning(
+                "tasks_max is not enforced: without a job user RLIMIT_NPROC would count "
+                "every process of the worker's user, and there is no cgroup"
+            )
+
+    def limits_for(self, asked: JobLimits) -> JobLimits:
+        """The tighter of the worker's ceilings and what the job asked for."""
+        if asked.is_empty():
+            return self.ceilings
+        return self.ceilings.tighter(asked)
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        if self.tmpdir is not None:
+            env["TMPDIR"] = self.tmpdir
+        return env
+
+    def spawn(self, start: Callable[[bool], int], limits: JobLimits) -> tuple[int, Path | None]:
+        """Start one job with `start(resetids)` (a posix_spawn); (its pid, its cgroup)."""
+        user = self.job_user
+        cgroup_path = None
+        if self.cgroup is not None:
+            cgroup_path = self.cgroup.create(limits)
+            self.cgroup.enter(cgroup_path)
+        try:
+            if user is not None:
+                # Real and saved: posix_spawn may return while the child still has the
+                # worker's ids (its exec commits the job user's a moment later), and
+                # prlimit asks for the same real, effective and saved ids on both sides.
+                os.setresgid(user.gid, -1, user.gid)
+                os.setresuid(user.uid, -1, user.uid)
+            try:
+                pid = start(user is not None)
+                self._dirty = True
+                plan = rlimit_plan(limits, self._hard, per_user=user is not None)
+                try:
+                    for res, pair in plan:
+                        resource.prlimit(pid, res, pair)
+                except ProcessLookupError:
+                    pass  # it has already ended
+                except PermissionError:
+                    if not _ended(pid):
+                        _kill_now(pid)
+                        raise
+                except BaseException:
+                    _kill_now(pid)
+                    raise
+            finally:
+                if user is not None:
+                    self._restore()
+        finally:
+            if self.cgroup is not None:
+                self.cgroup.leave()
+        return pid, cgroup_path
+
+    def _restore(self) -> None:
+        ruid, _, suid = self._own_uids
+        rgid, _, sgid = self._own_gids
+        os.setresuid(ruid, -1, suid)
+        os.setresgid(rgid, -1, sgid)
+
+    def finish(
+        self,
+        code: int,
+        rusage: Any,
+        wall: float,
+        stderr: bytes,
+        limits: JobLimits,
+        cgroup_path: Path | None,
+    ) -> Outcome:
+        """What one ended job used, and the limit it hit ("" if none)."""
+        cpu = rusage.ru_utime + rusage.ru_stime if rusage is not None else 0.0
+        max_rss = rusage.ru_maxrss * 1024 if rusage is not None else 0
+        usage = pb.Usage(wall=wall, cpu=cpu, max_rss=max_rss)
+        limit = ""
+        if cgroup_path is not None and self.cgroup is not None:
+            usage.memory_peak = self.cgroup.peak(cgroup_path)
+            limit = cgroup_limit(cgroup_path, limits)
+            self.cgroup.kill(cgroup_path)
+            self.cgroup.remove(cgroup_path)
+        if not limit and code != 0:
+            limit = rlimit_hit(code, cpu, max_rss, stderr, limits, self.job_user is not None)
+        return Outcome(usage, limit)
+
+    # -------------------------------------------------------------- TMPDIR
+
+    def _make_tmpdir(self, user: JobUser) -> None:
+        base = self._tmp_base or tempfile.gettempdir()
+        try:
+            with self._as_job_user(user):
+                self.tmpdir = tempfile.mkdtemp(prefix=f"job-{user.uid}-", dir=base)
+        except OSError as exc:
+            log.warning("no private TMPDIR for jobs under %s: %s", base, exc)
+
+    @contextlib.contextmanager
+    def _as_job_user(self, user: JobUser) -> Any:
+        """File system access as the job user (effective ids), back to our own after."""
+        euid, egid = os.geteuid(), os.getegid()
+        os.setresgid(-1, user.gid, -1)
+        os.setresuid(-1, user.uid, -1)
+        try:
+            yield
+        finally:
+            os.setresuid(-1, euid, -1)
+            os.setresgid(-1, egid, -1)
+
+    def clean(self) -> None:
+        """Before the next job: empty the slot's TMPDIR (as the job user, which owns what is
+        in it), and stop whatever the last job left that came back to us as an orphan."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        reap_orphans()
+        if self.tmpdir is None or self.job_user is None:
+            return
+        with self._as_job_user(self.job_user):
+            _empty(self.tmpdir)
+
+    def close(self) -> None:
+        """At the worker's end: its TMPDIR goes."""
+        self.clean()
+        if self.tmpdir is not None and self.job_user is not None:
+            with contextlib.suppress(OSError), self._as_job_user(self.job_user):
+                os.rmdir(self.tmpdir)
+            self.tmpdir = None
+
+
+def _empty(directory: str) -> None:
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for name in entries:
+        path = os.path.join(directory, name)
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                _make_writable(path)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except OSError as exc:
+            log.warning("cannot remove %s a job left: %s", path, exc)
+
+
+def _make_writable(top: str) -> None:
+    """A job may leave directories it made unreadable or unwritable: open them up (their
+    owner may) so that rmtree can go through."""
+    with contextlib.suppress(OSError):
+        os.chmod(top, 0o700)
+    for root, dirs, _ in os.walk(top):
+        for name in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
+
+
+def reap_orphans() -> None:
+    """Kill and reap what came back to us as a subreaper: processes a job started and left
+    running outside its process group (its own processes are gone by now)."""
+    for _ in range(64):  # each round takes the orphans the last round's kills made
+        try:
+            children = Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()
+        except OSError:
+            return
+        if not children:
+            return
+        for pid in children:
+            _kill_now(int(pid))
+
+
+def _ended(pid: int) -> bool:
+    """Whether the child has already exited (left for its owner to reap)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill_now(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def cgroup_limit(path: Path, limits: JobLimits) -> str:
+    """The limit a job's cgroup says it hit ("" if none)."""
+    memory = Cgroup.events(path, "memory.events")
+    if limits.memory_max is not None and memory.get("oom_kill", 0) > 0:
+        return (
+            f"memory limit {describe_size(limits.memory_max)} reached: killed by the kernel (OOM)"
+        )
+    pids = Cgroup.events(path, "pids.events")
+    if limits.tasks_max is not None and pids.get("max", 0) > 0:
+        return f"process limit {limits.tasks_max}: {pids['max']} forks refused"
+    return ""
+
+
+def rlimit_hit(
+    code: int, cpu: float, max_rss: int, stderr: bytes, limits: JobLimits, per_user: bool
+) -> str:
+    """The limit a failed job hit, as far as setrlimit lets the worker know ("" if none)."""
+    # A signal ends the job itself (negative code) or a command its shell ran (128 + it).
+    signals = {-code, code - 128}
+    if limits.cpu_time is not None and (
+        signal.SIGXCPU in signals or (signal.SIGKILL in signals and cpu >= limits.cpu_time)
+    ):
+        return f"CPU time limit {limits.cpu_time:g} s"
+    if limits.file_size is not None and signal.SIGXFSZ in signals:
+        return f"file size limit {describe_size(limits.file_size)}"
+    if (
+        limits.memory_max is not None
+        and max_rss + min(MEMORY_SLACK, limits.memory_max // 4) >= limits.memory_max
+    ):
+        return (
+            f"memory limit {describe_size(limits.memory_max)} reached "
+            f"(peak {describe_size(max_rss)} resident)"
+        )
+    if limits.tasks_max is not None and per_user and _EAGAIN_TEXT in stderr:
+        return f"process limit {limits.tasks_max}: a fork was refused"
+    return ""
+
+
+def handler_usage(start_wall: float, start_cpu: float, cpu_now: Callable[[], float]) -> pb.Usage:
+    """A --handler job's usage: its wall and CPU time (the thread's, or the process's for an
+    async one) and the worker's peak resident memory."""
+    return pb.Usage(
+        wall=time.perf_counter() - start_wall,
+        cpu=max(0.0, cpu_now() - start_cpu),
+        max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
