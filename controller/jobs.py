@@ -50,6 +50,9 @@ class JobState(IdentityEnum):
 
 _LIVE = frozenset({JobState.SCHEDULED, JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
 
+# Task states of a job that waits for a worker: it names none.
+_WAITING = frozenset({TaskState.SCHEDULED, TaskState.QUEUED})
+
 _FROM_TASK = {
     TaskState.SCHEDULED: JobState.SCHEDULED,
     TaskState.QUEUED: JobState.PENDING,
@@ -263,12 +266,14 @@ class Job:
 
     @property
     def worker(self) -> int:
-        """The worker that holds it from `requested` on, else the one that held it last
-        (0: no worker ever had it)."""
+        """The worker that holds it from `requested` on; once it ended, the one that held it
+        last (0: none; a job back to pending or scheduled names none)."""
         task = self.task
-        if task is not None and task.worker_id:
+        if task is None:
+            return self.ran_on if self.final is not None else 0
+        if task.worker_id or task.state in _WAITING:
             return task.worker_id
-        return self.ran_on
+        return self.ran_on  # recovered after a restart: its holder has not spoken yet
 
 
 class JobBook:

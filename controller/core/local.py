@@ -43,9 +43,12 @@ from gen import worker_protocol_pb2 as pb
 log = logging.getLogger("controller.core")
 
 _REPLY_OK = Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK))
-# The longest silence a worker may promise (`next_pulse`, seconds): a longer promise is
-# held to this, so that a process that registers and goes quiet is forgotten within the hour.
+# The longest silence a worker may promise (`next_pulse`, seconds), so that a process that
+# registers and goes quiet is forgotten within the hour: a REGISTER promising more is
+# refused, a later pulse's promise is held to it.
 MAX_NEXT_PULSE = 3600
+# Local workers registered at once, at most: each costs a record and a socket to dial.
+MAX_LOCAL_WORKERS = 4096
 _REPLY_UNKNOWN_ID = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
 _REPLY_UNKNOWN_TYPE = Reply(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_TYPE))
 _REPLY_FAILED = Reply(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
@@ -147,6 +150,21 @@ class LocalWorkers:
             serves = declared.read(list(pulse.queues), list(pulse.labels))
         except declared.BadDeclaration as exc:
             log.warning("REGISTER from pid %s refused: %s", ev.pid, exc)
+            return [_REPLY_FAILED]
+        if pulse.next_pulse > MAX_NEXT_PULSE:
+            log.warning(
+                "REGISTER from pid %s refused: next_pulse %d is over the limit of %d s",
+                ev.pid,
+                pulse.next_pulse,
+                MAX_NEXT_PULSE,
+            )
+            return [_REPLY_FAILED]
+        if self.scheduler.live_by_kind.get(self.label, 0) >= MAX_LOCAL_WORKERS:
+            log.warning(
+                "REGISTER from pid %s refused: %d local workers are registered, the limit",
+                ev.pid,
+                MAX_LOCAL_WORKERS,
+            )
             return [_REPLY_FAILED]
         wid = self.next_worker_id
         self.next_worker_id += 1

@@ -80,6 +80,7 @@ class Scheduler:
             retry_delay=retry_delay,
         )
         self.workers: dict[int, Worker] = {}
+        self.live_by_kind: dict[str, int] = {}  # workers now, by their kind's label
         self.tasks: dict[int, Task] = {}  # live (unfinished) tasks by ref
         self.counters = Counters()
         self.deadlines: Deadlines[tuple[Handler, object]] = Deadlines()
@@ -220,6 +221,8 @@ class Scheduler:
 
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.worker_id] = worker
+        label = worker.kind.label
+        self.live_by_kind[label] = self.live_by_kind.get(label, 0) + 1
         self.serving_version += 1
         self.counters.registered += 1
 
@@ -283,6 +286,7 @@ class Scheduler:
         """Forget the worker; re-place its task (`blame`: the task counts it as an attempt;
         `failed`: as a failure too, so its retry_delay applies)."""
         del self.workers[worker.worker_id]
+        self.live_by_kind[worker.kind.label] -= 1
         self.serving_version += 1
         self._idle.pop(worker.worker_id, None)
         if cause != "shutdown":
