@@ -2,7 +2,7 @@
 # Install the job controller as systemd services; run as root from a clone. Safe to run again:
 # each step checks what is there, an existing /etc/controller/controller.json is kept.
 #
-#   packaging/install.sh [--workers N] [--wheels DIR] [--no-start] [--prefix DIR]
+#   packaging/install.sh [--workers N] [--job-users N] [--wheels DIR] [--no-start] [--prefix DIR]
 #
 # What it does, in order:
 #   1. copies the product (controller/, worker/, gen/, packaging/, pyproject.toml, README.md)
@@ -12,8 +12,15 @@
 #      product into it, from the package index or, with --wheels DIR, offline from a
 #      directory of wheels (PIP_* variables reach pip unchanged);
 #   3. creates the user and group `controller` (sysusers.d) and /run/controller (tmpfiles.d);
+#      and the job users controller-job-0 ... controller-job-N (sysusers.d: packaging/job-users.sh
+#      writes /etc/sysusers.d/controller-jobs.conf; N: --job-users, default the larger of the CPU
+#      count and --workers): worker@I runs its jobs as controller-job-I, `controller
+#      --workers N` its slots' as controller-job-0 ... N-1. Each has a group of its own and no
+#      other, no home (/) and no shell (nologin); none is ever removed;
 #   4. installs /etc/controller/controller.json, 0600 root (an existing one is kept, and made
-#      0600 root: it may hold a Redis password);
+#      0600 root: it may hold a Redis password), and writes /etc/controller/http-tokens (one
+#      random token, 0600 root) when it is missing: the packaged configuration names it as
+#      http_token_file, and jobctl reads it by default;
 #   5. installs controller.service, worker@.service and workers.target (with --prefix's
 #      path in them), reloads systemd;
 #   6. enables and starts controller.service and worker@1 ... worker@N (N: --workers, default
@@ -26,6 +33,7 @@ umask 022
 PREFIX=/opt/job-controller
 PYTHON=/usr/bin/python3
 WORKERS=
+JOB_USERS=
 WHEELS=
 START=yes
 
@@ -40,6 +48,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --workers) [ $# -ge 2 ] || die "--workers needs a number"; WORKERS=$2; shift 2 ;;
         --workers=*) WORKERS=${1#*=}; shift ;;
+        --job-users) [ $# -ge 2 ] || die "--job-users needs a number"; JOB_USERS=$2; shift 2 ;;
+        --job-users=*) JOB_USERS=${1#*=}; shift ;;
         --wheels) [ $# -ge 2 ] || die "--wheels needs a directory"; WHEELS=$2; shift 2 ;;
         --wheels=*) WHEELS=${1#*=}; shift ;;
         --prefix) [ $# -ge 2 ] || die "--prefix needs a directory"; PREFIX=$2; shift 2 ;;
@@ -57,6 +67,15 @@ fi
 case "$WORKERS" in
     ''|*[!0-9]*) die "--workers takes a whole number, got '$WORKERS'" ;;
 esac
+# Job users for slots 0 ... N: worker@1 ... worker@WORKERS and `controller --workers` (0 ...).
+if [ -z "$JOB_USERS" ]; then
+    JOB_USERS=$(nproc)
+    [ "$WORKERS" -le "$JOB_USERS" ] || JOB_USERS=$WORKERS
+fi
+case "$JOB_USERS" in
+    ''|*[!0-9]*) die "--job-users takes a whole number, got '$JOB_USERS'" ;;
+esac
+[ "$JOB_USERS" -ge "$WORKERS" ] || die "--job-users $JOB_USERS is below --workers $WORKERS: worker@$WORKERS needs controller-job-$WORKERS"
 if [ -n "$WHEELS" ]; then
     [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such directory"
     WHEELS=$(cd "$WHEELS" && pwd)
@@ -122,6 +141,21 @@ fi
 install -D -m 0644 "$SRC/packaging/controller.sysusers" /etc/sysusers.d/controller.conf
 systemd-sysusers /etc/sysusers.d/controller.conf
 getent group controller >/dev/null || die "systemd-sysusers did not create group controller"
+# The job users: a group of its own each and no other (never `controller`, whose group
+# reaches main.sock and the socket directory), no home, no shell.
+jobs_conf=/etc/sysusers.d/controller-jobs.conf
+sh "$SRC/packaging/job-users.sh" "$JOB_USERS" >"$jobs_conf.new"
+chmod 0644 "$jobs_conf.new"
+mv -f "$jobs_conf.new" "$jobs_conf"
+systemd-sysusers "$jobs_conf"
+i=0
+while [ "$i" -le "$JOB_USERS" ]; do
+    groups=$(id -nG "controller-job-$i" 2>/dev/null) || die "systemd-sysusers did not create user controller-job-$i"
+    [ "$groups" = "controller-job-$i" ] \
+        || die "user controller-job-$i is in the groups '$groups': a job user must be in its own group alone"
+    i=$((i + 1))
+done
+say "job users controller-job-0 ... controller-job-$JOB_USERS are there"
 install -D -m 0644 "$SRC/packaging/controller.tmpfiles" /etc/tmpfiles.d/controller.conf
 systemd-tmpfiles --create /etc/tmpfiles.d/controller.conf
 
@@ -134,6 +168,28 @@ if [ -e /etc/controller/controller.json ]; then
 else
     install -m 0600 -o root -g root "$SRC/packaging/controller.json" /etc/controller/controller.json
     say "installed /etc/controller/controller.json"
+fi
+# The HTTP API's token: one random token, root's alone, written only when there is none.
+TOKENS=/etc/controller/http-tokens
+if [ -e "$TOKENS" ] || [ -L "$TOKENS" ]; then
+    say "keeping the existing token file $TOKENS"
+else
+    token=$("$VENV/bin/python" -c 'import secrets; print(secrets.token_urlsafe(32))') \
+        || die "could not make a token"
+    (
+        umask 077
+        printf '# The HTTP API and console tokens, one a line (jobctl sends the first).\n%s\n' \
+            "$token" >"$TOKENS.new"
+    )
+    chown root:root "$TOKENS.new"
+    chmod 0600 "$TOKENS.new"
+    mv -f "$TOKENS.new" "$TOKENS"
+    say "wrote a new HTTP API token to $TOKENS (root's alone): jobctl reads it from there, the console asks for it"
+fi
+named=$("$VENV/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("http_token_file") or "")' \
+    /etc/controller/controller.json 2>/dev/null) || named=
+if [ "$named" != "$TOKENS" ]; then
+    say "note: /etc/controller/controller.json does not name $TOKENS as http_token_file (it names '${named:-nothing}')"
 fi
 
 # 5. The units; a running controller is restarted below, on what was just installed.

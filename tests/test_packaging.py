@@ -1,8 +1,13 @@
-"""The systemd units verify cleanly (`systemd-analyze verify`), with ExecStart pointed at this venv."""
+"""The packaging, read statically: the systemd units verify cleanly (`systemd-analyze verify`,
+with ExecStart pointed at this venv) and promise what the controller and section 15 need, the
+sysusers.d lines parse and make job users of their own, the packaged config names them and the
+token file."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,11 +64,9 @@ def test_units_promise_what_the_controller_needs():
     worker = (PACKAGING / "worker@.service").read_text()
     for line in [
         "Restart=always",
-        "User=controller",
         "ReadWritePaths=/run/controller",
         "StartLimitIntervalSec=0",
         "RestrictAddressFamilies=AF_UNIX\n",
-        "CapabilityBoundingSet=\n",
     ]:
         assert line in worker
     tmpfiles = (PACKAGING / "controller.tmpfiles").read_text()
@@ -89,6 +92,69 @@ def test_install_script_parses_and_answers_help_and_unknown_options():
     script = PACKAGING / "install.sh"
     assert subprocess.run(["sh", "-n", str(script)]).returncode == 0
     proc = subprocess.run(["sh", str(script), "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0 and "--workers N" in proc.stdout
+    assert proc.returncode == 0 and "--workers N" in proc.stdout and "--job-users N" in proc.stdout
     proc = subprocess.run(["sh", str(script), "--bogus"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
+
+
+def unit_lines(name: str, key: str) -> list[str]:
+    """Every value `key=` is given in unit file `name`, in order."""
+    prefix = key + "="
+    text = (PACKAGING / name).read_text()
+    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def test_socket_directory_stays_the_controllers_group_alone():
+    tmpfiles = (PACKAGING / "controller.tmpfiles").read_text()
+    (line,) = [x for x in tmpfiles.splitlines() if x.startswith("d /run/controller ")]
+    assert line.split()[2:5] == ["0770", "root", "controller"]
+    assert unit_lines("controller.service", "RuntimeDirectoryMode") == ["0770"]
+    assert unit_lines("controller.service", "Group") == ["controller"]
+
+
+def test_packaged_config_names_the_job_users_and_the_token_file():
+    packaged = json.loads((PACKAGING / "controller.json").read_text())
+    assert packaged["job_users"] == "controller-job-{slot}"
+    assert packaged["http_token_file"] == "/etc/controller/http-tokens"
+    dev = json.loads((PACKAGING / "dev.json").read_text())
+    # make run: jobs run as the developer's own user, no token needed.
+    assert dev.get("job_users") is None and dev.get("http_token_file") is None
+
+
+def job_users_text(highest: int) -> str:
+    proc = subprocess.run(
+        ["sh", str(PACKAGING / "job-users.sh"), str(highest)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_job_users_are_one_a_slot_with_no_home_no_shell_and_no_other_group():
+    text = job_users_text(3)
+    entries = [line.split('"') for line in text.splitlines() if not line.startswith("#")]
+    assert len(entries) == 4
+    for slot, (head, _gecos, tail) in enumerate(entries):
+        assert head.split() == ["u", f"controller-job-{slot}", "-"]
+        assert tail.split() == ["/", "/usr/sbin/nologin"]
+    # No membership lines: each job user is in its own group and no other.
+    assert not re.search(r"^[mr] ", text, re.MULTILINE)
+    # The packaged config's pattern names these users.
+    pattern = json.loads((PACKAGING / "controller.json").read_text())["job_users"]
+    assert f"u {pattern.replace('{slot}', '3')} " in text
+    for bad in ("", "x", "-1"):
+        proc = subprocess.run(["sh", str(PACKAGING / "job-users.sh"), bad], capture_output=True)
+        assert proc.returncode == 2
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-sysusers") is None, reason="systemd-sysusers not installed"
+)
+def test_job_users_entries_parse(tmp_path):
+    conf = tmp_path / "controller-jobs.conf"
+    conf.write_text(job_users_text(1))
+    proc = subprocess.run(
+        ["systemd-sysusers", "--dry-run", str(conf)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "not a valid" not in proc.stderr and "rror" not in proc.stderr
+    assert "Creating user 'controller-job-1'" in proc.stderr + proc.stdout

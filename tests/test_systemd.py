@@ -7,14 +7,17 @@ there offline from a wheelhouse built on the host side, and checks what an opera
 relies on: READY, workers registered, a job answered, STATUS= in `systemctl status`,
 the watchdog restarting a stopped controller without losing a job, a worker killed
 six times in ten seconds coming back, and the `systemd-analyze security` exposures
-(printed). Root only, and only where namespaces can be made; skipped with the reason
-otherwise.
+(printed). And section 15's packaging: the job users exist (a group of their own each,
+no other, no shell), the token file is 0600 root and `jobctl list` uses it by default
+while another user is refused. Root only, and only where namespaces can be made;
+skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import shutil
@@ -336,6 +339,7 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
     # Safe to run twice: the config is kept, nothing fails, the controller serves again.
     again = box.run(*install, bound=STEP_BOUND)
     assert "keeping the existing /etc/controller/controller.json" in again
+    assert "keeping the existing token file /etc/controller/http-tokens" in again
 
     def ready(want_workers: int = 2) -> bool:
         s = box.show("controller.service")
@@ -378,6 +382,9 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
     client = "/opt/job-controller/.venv/bin/udp-client"
     assert box.run(client, "--timeout", "20", "add", "5", "--payload", "hi").strip() == "hi"
 
+    check_job_users(box, highest=2)
+    check_token_file(box)
+
     # The watchdog: a stopped controller is killed and started again; a job submitted while it
     # is stopped is answered by the next one.
     before = box.show("controller.service")
@@ -389,7 +396,9 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
         timeout=60,
     )
     out, err = around.communicate(timeout=100)
-    assert around.returncode == 0 and out.strip() == "around", (out, err)
+    assert around.returncode == 0 and out.strip() == "around", (
+        out + err + box.journal("controller") + box.journal("worker@1")
+    )
     wait_for_condition(ready, timeout=30)
     after = box.show("controller.service")
     print(f"watchdog restart: job answered {time.monotonic() - t_stop:.1f} s after SIGSTOP")
@@ -422,3 +431,35 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
     )
     wait_for_condition(functools.partial(ready, 1), timeout=30)
     print(f"systemd test body: {time.monotonic() - t0:.1f} s")
+
+
+def check_job_users(box: Machine, highest: int) -> None:
+    """controller-job-0 ... controller-job-HIGHEST: system users, a group of their own and
+    no other (never `controller`), no home, no shell."""
+    for slot in range(highest + 1):
+        name = f"controller-job-{slot}"
+        entry = box.run("getent", "passwd", name).strip().split(":")
+        assert entry[0] == name and entry[5] == "/" and entry[6] == "/usr/sbin/nologin", entry
+        assert 0 < int(entry[2]) < 1000, entry
+        assert box.run("id", "-nG", name).split() == [name]
+    members = box.run("getent", "group", "controller").strip().split(":")[3]
+    assert "controller-job" not in members, members
+    print(f"job users controller-job-0 ... controller-job-{highest}: own group alone, nologin")
+
+
+def check_token_file(box: Machine) -> None:
+    """The packaged token file: 0600 root; jobctl as root reads it by default, another user
+    (who cannot read it) is refused."""
+    assert box.run("stat", "-c", "%a %U:%G", "/etc/controller/http-tokens").split() == [
+        "600",
+        "root:root",
+    ]
+    jobctl = "/opt/job-controller/.venv/bin/jobctl"
+    listed = json.loads(box.run(jobctl, "list", "--json"))
+    assert listed, listed
+    nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
+    refused = subprocess.run(
+        box.command((*nobody, jobctl, "queues"), 30), capture_output=True, text=True
+    )
+    assert refused.returncode == 1 and "401" in refused.stderr, refused
+    print("token file 0600 root:root; jobctl list as root: ok; as nobody: 401")
