@@ -284,10 +284,10 @@ class Console:
             self._queues_key = key
             self._queues = {job.options.queue for job in book}
             self._queues_next = now + QUEUES_EFFORT * (trio.current_time() - now)
-        names = self._queues.union(queue_report(self.core))
-        if chosen:
-            names.add(chosen)
-        return sorted(names)[:MAX_QUEUES_SHOWN]
+        shown = sorted(self._queues.union(queue_report(self.core)))[:MAX_QUEUES_SHOWN]
+        if chosen and chosen not in shown:
+            shown = sorted([*shown, chosen])
+        return shown
 
     async def job(self, request: Request, seen: Seen) -> Response:
         job = self._job(request)
