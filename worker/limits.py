@@ -625,7 +625,8 @@ def rlimit_hit(
     # A signal ends the job itself (negative code) or a command its shell ran (128 + it).
     signals = {-code, code - 128}
     if limits.cpu_time is not None and (
-        signal.SIGXCPU in signals or (signal.SIGKILL in signals and cpu >= limits.cpu_time)
+        # rusage counts CPU by ticks, a little short of the kernel's own limit check
+        signal.SIGXCPU in signals or (signal.SIGKILL in signals and cpu >= 0.75 * limits.cpu_time)
     ):
         return f"CPU time limit {limits.cpu_time:g} s"
     if limits.file_size is not None and signal.SIGXFSZ in signals:
