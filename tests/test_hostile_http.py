@@ -15,6 +15,7 @@ import subprocess
 import pytest
 import trio
 
+from controller.shell.asgi import error_response
 from tests.helpers import wait_until
 from tests.test_http import http_controller
 
@@ -240,3 +241,9 @@ async def test_one_address_cannot_take_every_place(sockdir):
             await stream.aclose()
         await wait_until(lambda: conns.open == 1)
         assert conns.by_client == {"127.0.0.1": 1}
+
+
+def test_an_error_object_never_has_an_empty_message():
+    assert json.loads(error_response(409, "").body)["message"] == "Conflict"
+    assert json.loads(error_response(499, "").body)["message"]
+    assert json.loads(error_response(404, "no job 'x'").body)["message"] == "no job 'x'"

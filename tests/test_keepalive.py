@@ -85,6 +85,21 @@ async def test_a_connection_that_ends_mid_request_leaves_no_task_behind(autojump
     assert conn.actions == 0
 
 
+async def test_a_connection_that_ended_lets_its_task_group_go_at_once(autojump_clock):
+    # The client closed an idle connection (or the server did, after its answer): hypercorn
+    # waits for the watcher before it lets the connection go, and its place with it.
+    for idle_for in (0.1, GRACE + 1.0):  # before hypercorn's wait, and during it
+        async with trio.open_nursery() as nursery:
+            conn = Connection(nursery)
+            await conn.idle()
+            await trio.sleep(idle_for)
+            ended = trio.current_time()
+            conn.timer.end()
+        assert trio.current_time() == ended and conn.closed_at == math.inf
+        await conn.idle()  # a restart after the end starts nothing
+        assert not conn.timer._watching
+
+
 async def test_one_watcher_however_many_requests(autojump_clock):
     async with trio.open_nursery() as nursery:
         conn = Connection(nursery)

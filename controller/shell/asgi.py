@@ -12,6 +12,7 @@ the lifespan protocol is answered so that hypercorn starts and stops cleanly.
 from __future__ import annotations
 
 import contextlib
+import http
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
@@ -158,7 +159,13 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 
 def error_response(status: int, message: str) -> Response:
+    """The error object; its message is never empty (the status's phrase stands in)."""
+    if not message:
+        message = _PHRASES.get(status, "the request failed")
     return json_response({"code": status, "message": message}, status)
+
+
+_PHRASES = {status.value: status.phrase for status in http.HTTPStatus}
 
 
 def html_response(html: bytes) -> Response:
