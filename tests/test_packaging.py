@@ -104,6 +104,31 @@ def unit_lines(name: str, key: str) -> list[str]:
     return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
 
 
+def test_worker_unit_starts_as_root_and_runs_jobs_as_its_slots_user():
+    """Section 15: no User= (the worker switches itself with --user controller), each
+    instance's jobs as controller-job-%i, only the capabilities to switch and to stop its
+    jobs, a delegated cgroup that stays writable, and the system calls to switch allowed."""
+    assert unit_lines("worker@.service", "User") == []
+    assert unit_lines("worker@.service", "Group") == []
+    (exec_start,) = unit_lines("worker@.service", "ExecStart")
+    argv = exec_start.split()
+    assert argv[argv.index("--user") + 1] == "controller"
+    assert argv[argv.index("--job-user") + 1] == "controller-job-%i"
+    assert argv[argv.index("--socket-dir") + 1] == "/run/controller"
+    assert "--exec" not in argv and "--handler" not in argv
+    (caps,) = unit_lines("worker@.service", "CapabilityBoundingSet")
+    assert set(caps.split()) == {"CAP_SETUID", "CAP_SETGID", "CAP_KILL"}
+    assert unit_lines("worker@.service", "AmbientCapabilities") == []
+    assert unit_lines("worker@.service", "Delegate") == ["yes"]
+    # ProtectControlGroups= would make the delegated cgroup read-only.
+    assert unit_lines("worker@.service", "ProtectControlGroups") in ([], ["no"])
+    filters = unit_lines("worker@.service", "SystemCallFilter")
+    assert filters[:2] == ["@system-service", "~@privileged"]
+    allowed_again = {word for line in filters[2:] for word in line.split()}
+    assert {"@setuid", "capset"} <= allowed_again
+    assert unit_lines("worker@.service", "NoNewPrivileges") == ["yes"]
+
+
 def test_socket_directory_stays_the_controllers_group_alone():
     tmpfiles = (PACKAGING / "controller.tmpfiles").read_text()
     (line,) = [x for x in tmpfiles.splitlines() if x.startswith("d /run/controller ")]
@@ -158,3 +183,17 @@ def test_job_users_entries_parse(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "not a valid" not in proc.stderr and "rror" not in proc.stderr
     assert "Creating user 'controller-job-1'" in proc.stderr + proc.stdout
+
+
+def test_delegate_cgroup_hands_over_only_a_worker_units_own_cgroup():
+    """worker@.service's ExecStartPre= runs it as root; outside a worker@ unit's cgroup (here)
+    it changes nothing and succeeds, and it names what it needs when called wrong."""
+    script = PACKAGING / "delegate-cgroup.sh"
+    (pre,) = unit_lines("worker@.service", "ExecStartPre")
+    assert pre == "+/bin/sh /opt/job-controller/packaging/delegate-cgroup.sh controller"
+    own = Path("/proc/self/cgroup").read_text()
+    if "/worker@" not in own:
+        proc = subprocess.run(["sh", str(script), "controller"], capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout == proc.stderr == ""
+    proc = subprocess.run(["sh", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr

@@ -9,13 +9,15 @@ the watchdog restarting a stopped controller without losing a job, a worker kill
 six times in ten seconds coming back, and the `systemd-analyze security` exposures
 (printed). And section 15's packaging: the job users exist (a group of their own each,
 no other, no shell), the token file is 0600 root and `jobctl list` uses it by default
-while another user is refused. Root only, and only where namespaces can be made;
-skipped with the reason otherwise.
+while another user is refused, an `--exec` job runs as its slot's user and can neither
+list /run/controller nor reach main.sock. Root only, and only where namespaces can be
+made; skipped with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -28,7 +30,7 @@ import tempfile
 import time
 import tomllib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -430,6 +432,8 @@ def test_installed_units_serve_under_real_systemd(machine: Machine):
         "disabled"
     )
     wait_for_condition(functools.partial(ready, 1), timeout=30)
+
+    check_jobs_run_as_the_slots_user(box, lambda: ready(1))
     print(f"systemd test body: {time.monotonic() - t0:.1f} s")
 
 
@@ -463,3 +467,98 @@ def check_token_file(box: Machine) -> None:
     )
     assert refused.returncode == 1 and "401" in refused.stderr, refused
     print("token file 0600 root:root; jobctl list as root: ok; as nobody: 401")
+
+
+# An --exec job that reports who it runs as and whether it reaches the socket directory.
+WHOAMI = """\
+import os, socket, sys
+sys.stdin.buffer.read()
+out = [f"uid={os.getuid()}", f"euid={os.geteuid()}", f"gid={os.getgid()}"]
+out.append("groups=" + ",".join(str(g) for g in sorted(os.getgroups())))
+try:
+    os.listdir("/run/controller")
+    out.append("list=ok")
+except OSError as exc:
+    out.append(f"list={exc.errno}")
+try:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect("/run/controller/main.sock")
+    out.append("connect=ok")
+except OSError as exc:
+    out.append(f"connect={exc.errno}")
+writable = []
+for d in ("/tmp", "/var/tmp", "/dev/shm", "/opt", "/etc", "/var/lib", "/run", "/usr", "/"):
+    probe = os.path.join(d, f"jc-probe-{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+        writable.append(d)
+    except OSError:
+        pass
+out.append("writable=" + ",".join(writable))
+others = 0
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        others += os.stat(f"/proc/{pid}").st_uid != os.getuid()
+    except OSError:
+        pass
+out.append(f"others_seen={others}")
+try:
+    socket.socket(socket.AF_INET).close()
+    out.append("inet=ok")
+except OSError as exc:
+    out.append(f"inet={exc.errno}")
+print(" ".join(out))
+"""
+
+EXEC_DROP_IN = """\
+[Service]
+ExecStart=
+ExecStart=/opt/job-controller/.venv/bin/worker --socket-dir /run/controller --user controller \
+--job-user controller-job-%i --exec /usr/bin/python3 /opt/jc-whoami.py
+"""
+
+
+def check_jobs_run_as_the_slots_user(box: Machine, ready: Callable[[], bool]) -> None:
+    """With the documented drop-in giving worker@1 an --exec command, a job runs as
+    controller-job-1 (uid and gid, no supplementary group) and cannot list /run/controller or
+    connect to main.sock (EACCES)."""
+    box.run("sh", "-c", f"cat > /opt/jc-whoami.py <<'EOF'\n{WHOAMI}EOF\n")
+    box.run("chmod", "0644", "/opt/jc-whoami.py")
+    box.run("mkdir", "-p", "/etc/systemd/system/worker@.service.d")
+    box.run(
+        "sh",
+        "-c",
+        f"cat > /etc/systemd/system/worker@.service.d/exec.conf <<'EOF'\n{EXEC_DROP_IN}EOF\n",
+    )
+    box.run("systemctl", "daemon-reload")
+    box.run("systemctl", "restart", "worker@1.service")
+    try:
+        wait_for_condition(ready, timeout=30)
+    except AssertionError:
+        raise AssertionError(box.journal("worker@1")) from None
+    client = "/opt/job-controller/.venv/bin/udp-client"
+    try:
+        answer = box.run(client, "--timeout", "20", "add", "9", "--payload", "who").strip()
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{box.journal('worker@1')}") from None
+    print(f"an --exec job of worker@1 says: {answer}")
+    journal = box.journal("worker@1")
+    assert "jobs run as controller-job-1" in journal, journal
+    assert re.search(r"limits: (setrlimit|cgroup v2 /)", journal), journal
+    # The delegated cgroup is the worker's (delegate-cgroup.sh), as with User=.
+    own = box.run("systemctl", "show", "-p", "ControlGroup", "--value", "worker@1.service")
+    owner = box.run("stat", "-c", "%U", f"/sys/fs/cgroup{own.strip()}").strip()
+    assert owner == "controller", (own, owner)
+    seen = dict(item.split("=", 1) for item in answer.split())
+    uid = box.run("id", "-u", "controller-job-1").strip()
+    gid = box.run("id", "-g", "controller-job-1").strip()
+    assert seen["uid"] == seen["euid"] == uid, answer
+    assert seen["gid"] == gid and seen["groups"] in ("", gid), answer
+    assert seen["list"] == str(errno.EACCES) and seen["connect"] == str(errno.EACCES), answer
+    # The unit's sandbox holds for its jobs: a private /tmp, no other user's process, no
+    # network socket.
+    assert set(seen["writable"].split(",")) <= {"/tmp", "/var/tmp", "/dev/shm"}, answer
+    assert seen["others_seen"] == "0", answer
+    assert seen["inet"] != "ok", answer
