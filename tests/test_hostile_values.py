@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import redis
+import trio
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -41,8 +42,10 @@ from gen import worker_protocol_pb2 as pb
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
+    exchange,
     live_controller,
     redis_server,
+    running_controller,
     wait_for_condition,
 )
 
@@ -264,6 +267,20 @@ def test_register_past_4096_workers_or_an_hour_of_silence_is_refused(
     core.handle(PulseReceived(shutdown, pid=8, uid=1000), 1.0)
     assert register(core, 99999) == pb.CTRL_ERR_OK
     assert register(core, 100000) == pb.CTRL_ERR_FAILED
+
+
+async def test_register_promising_more_than_an_hour_is_refused_on_main_sock(
+    sockdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running_controller(sockdir) as (shell, _):
+        for next_pulse, answer in ((MAX_NEXT_PULSE + 1, pb.CTRL_ERR_FAILED), (2, pb.CTRL_ERR_OK)):
+            msg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=next_pulse)
+            with trio.fail_after(5):
+                resp, _ = await exchange(sockdir / "main.sock", msg, pb.PulseResponse)
+            assert resp.error == answer
+        assert len(shell.core.workers) == 1
+    [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert f"pid {os.getpid()} " in line and str(MAX_NEXT_PULSE) in line
 
 
 # ---------------------------------------------------------------- the worker a waiting job names
