@@ -25,6 +25,27 @@ from tests.helpers import worker_argv
 
 # The target for `--exec true`: this share of a bare subprocess.run(["true"]) loop.
 EXEC_TARGET = 0.8
+# `--exec true` as a job user (root only) and under every limit: at most this much more a job.
+JAILED_TARGET = 1.10
+JAILED_FLAGS = [
+    "--memory-max",
+    "1G",
+    "--tasks-max",
+    "256",
+    "--cpu-time",
+    "60",
+    "--file-size",
+    "1G",
+    "--open-files",
+    "1024",
+]
+JOB_USER = "61001"  # a uid with no passwd entry runs with gid = uid
+
+
+def jailed_args() -> list[str]:
+    """--exec true as the jobs of a packaged slot run: a job user (when root) and limits."""
+    user = ["--job-user", JOB_USER] if os.geteuid() == 0 else []
+    return [*user, *JAILED_FLAGS, "--exec", "true"]
 
 
 class MiniController:
@@ -148,11 +169,14 @@ def main(rounds: int = 4) -> dict[str, Any]:
         "async_noop_old_controller": [],
         "async_stderr_line": [],
         "exec_true_old_controller": [],
+        "exec_true_base": [],
+        "exec_true_jailed": [],
     }
     anoop = ["--handler", "worker.runner:anoop"]
     line = ["--handler", "worker.runner:anoop_line"]
     cpu: dict[str, list[float]] = {
-        name: [] for name in ("takes", "old", "line", "exec", "exec_old")
+        name: []
+        for name in ("takes", "old", "line", "exec", "exec_old", "exec_base", "exec_jailed")
     }
     exec_true = ["--exec", "true"]
     for round_ in range(rounds):
@@ -166,7 +190,11 @@ def main(rounds: int = 4) -> dict[str, Any]:
             ("exec_true", exec_true, 300, True, "exec"),
             ("exec_true_old_controller", exec_true, 300, False, "exec_old"),
         ]
-        pairs = [noop_pair, exec_pair]
+        jailed_pair = [
+            ("exec_true_base", exec_true, 300, True, "exec_base"),
+            ("exec_true_jailed", jailed_args(), 300, True, "exec_jailed"),
+        ]
+        pairs = [noop_pair, exec_pair, jailed_pair]
         for pair in pairs:
             for name, args, tasks, takes, where in pair if round_ % 2 == 0 else pair[::-1]:
                 runs[name].append(drive(args, tasks, takes_output=takes, cpu=cpu[where]))
@@ -212,6 +240,14 @@ def main(rounds: int = 4) -> dict[str, Any]:
         f"{c['line']:.1f} us of the worker's CPU per task ({c['line'] - c['takes']:+.1f} us "
         f"beside one that writes nothing: the write, and one PULSE_OUTPUT exchange before its "
         f"FETCH_ME), {us['async_stderr_line'] - us['async_noop']:+.0f} us of wall clock"
+    )
+    base_us, jailed_us = us["exec_true_base"], us["exec_true_jailed"]
+    who = f"as job user {JOB_USER} and " if os.geteuid() == 0 else "(not root: no job user) "
+    print(
+        f"--exec true {who}under every limit ({' '.join(JAILED_FLAGS)}): {jailed_us:.0f} us a "
+        f"task beside {base_us:.0f} us without: {jailed_us / base_us:.2f}x "
+        f"[target <= {JAILED_TARGET:.2f}x]; the worker's CPU per task {c['exec_jailed']:.1f} us "
+        f"beside {c['exec_base']:.1f} us"
     )
     r.update({f"cpu_us_{name}": round(value, 1) for name, value in c.items()})
     return r

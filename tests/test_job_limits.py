@@ -453,3 +453,33 @@ def test_cgroup_find_says_why_there_is_none(tmp_path):
         Cgroup.find(proc, mount)
     (mount / "svc" / "cgroup.procs").write_text(f"{os.getpid()}\n")
     assert Cgroup.find(proc, mount) == mount / "svc"
+
+
+@root_only
+def test_user_keeps_only_the_capabilities_jobs_need(sockdir):
+    """`worker --user U` started as root runs as U with CAP_SETUID, CAP_SETGID and CAP_KILL
+    alone (it starts jobs as their users and stops them), and its jobs still run as the job
+    user."""
+    worker_uid = 61005
+    os.chown(sockdir, worker_uid, 0)  # it binds its own socket there
+    ctl = MiniController(sockdir)
+    (sockdir / "main.sock").chmod(0o777)  # the worker, uid 61005, dials it
+    ctl.listener.settimeout(30)
+    argv = worker_argv(sockdir, "--user", str(worker_uid), "--job-user", str(JOB_UID))
+    proc = subprocess.Popen([*argv, "--exec", "id", "-u"], stderr=subprocess.PIPE)
+    try:
+        ctl.wait_for(pb.PULSE_OK)
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        assert fields["Uid"].split() == [str(worker_uid)] * 4
+        assert fields["Groups"].split() == []
+        assert int(fields["CapEff"], 16) == int(fields["CapPrm"], 16) == 0b11100000
+        assert int(fields["CapInh"], 16) == 0
+        answer, text = Driver(ctl, proc).run()
+        assert (answer.error, text) == (pb.WORKER_ERR_OK, f"{JOB_UID}\n".encode())
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+        ctl.listener.close()

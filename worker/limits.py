@@ -159,22 +159,29 @@ def capabilities() -> tuple[int, int]:
 def become(user: str, *, keep_job_caps: bool) -> None:
     """`worker --user USER`: a worker started as root runs as USER from here on, keeping
     CAP_SETUID, CAP_SETGID and CAP_KILL when it starts jobs as job users, nothing else."""
+    name: str | None = None
     try:
         entry = pwd.getpwnam(user) if not user.isdigit() else pwd.getpwuid(int(user))
+        uid, gid, name = entry.pw_uid, entry.pw_gid, entry.pw_name
     except KeyError:
-        raise SetupError(f"--user {user!r}: no such user") from None
+        if not user.isdigit():
+            raise SetupError(f"--user {user!r}: no such user") from None
+        uid = gid = int(user)  # a uid with no passwd entry: gid = uid, no groups
     if os.geteuid() != 0:
-        if os.geteuid() == entry.pw_uid:
+        if os.geteuid() == uid:
             return  # already that user (started by systemd's User=, or by hand)
         raise SetupError(f"--user {user!r}: only a worker started as root can switch users")
+    if uid == 0:
+        raise SetupError(f"--user {user!r} is root: give the user the worker runs as")
     try:
         if keep_job_caps:
             _prctl(_PR_SET_KEEPCAPS, 1)
+        if keep_job_caps or name is None:
             os.setgroups([])  # what a job would inherit: nothing
         else:
-            os.initgroups(entry.pw_name, entry.pw_gid)
-        os.setresgid(entry.pw_gid, entry.pw_gid, entry.pw_gid)
-        os.setresuid(entry.pw_uid, entry.pw_uid, entry.pw_uid)
+            os.initgroups(name, gid)
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
         if keep_job_caps:
             set_capabilities((CAP_KILL, CAP_SETGID, CAP_SETUID))
             _prctl(_PR_SET_KEEPCAPS, 0)
@@ -375,6 +382,11 @@ class Jail:
         self._own_gids = os.getresgid()
         self._tmp_base = tmp_base
         self._dirty = False
+        self._tmp_ctime = 0  # the TMPDIR's ctime once emptied: unchanged means still empty
+        self._children = -1  # /proc/self/task/PID/children, kept open: re-read per job
+        # What a job inherits from the worker as it is (set on the worker itself in setup):
+        # no prlimit needed for those.
+        self._inherited: dict[int, tuple[int, int]] = {}
 
     @property
     def active(self) -> bool:
@@ -408,6 +420,9 @@ class Jail:
             # Orphans a job leaves (a daemon that left its process group) come back to us.
             with contextlib.suppress(OSError):
                 _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+                self._children = os.open(
+                    f"/proc/self/task/{os.getpid()}/children", os.O_RDONLY | os.O_CLOEXEC
+                )
             self._make_tmpdir(user)
         # Ceilings the worker carries itself, so that a job's first moments stay under them.
         own = [("file_size", resource.RLIMIT_FSIZE)]
@@ -421,6 +436,7 @@ class Jail:
                     with contextlib.suppress(OSError, ValueError):
                         resource.setrlimit(res, (value, value))
                         self._hard[res] = value
+                        self._inherited[res] = (value, value)
         if user is None and self.ceilings.tasks_max is not None and self.cgroup is None:
             log.warning(
                 "tasks_max is not enforced: without a job user RLIMIT_NPROC would count "
@@ -456,9 +472,11 @@ class Jail:
                 pid = start(user is not None)
                 self._dirty = True
                 plan = rlimit_plan(limits, self._hard, per_user=user is not None)
+                inherited = self._inherited
                 try:
                     for res, pair in plan:
-                        resource.prlimit(pid, res, pair)
+                        if inherited.get(res) != pair:
+                            resource.prlimit(pid, res, pair)
                 except ProcessLookupError:
                     pass  # it has already ended
                 except PermissionError:
@@ -533,15 +551,29 @@ class Jail:
         if not self._dirty:
             return
         self._dirty = False
-        reap_orphans()
+        if self._children >= 0:
+            reap_orphans(self._children)
         if self.tmpdir is None or self.job_user is None:
             return
+        try:  # ctime: a job may set its directory's mtime back, never its ctime
+            ctime = os.stat(self.tmpdir).st_ctime_ns
+        except OSError:
+            ctime = -1
+        if ctime == self._tmp_ctime:
+            return  # nothing made or removed in it since it was emptied
         with self._as_job_user(self.job_user):
             _empty(self.tmpdir)
+        with contextlib.suppress(OSError):
+            self._tmp_ctime = os.stat(self.tmpdir).st_ctime_ns
 
     def close(self) -> None:
         """At the worker's end: its TMPDIR goes."""
+        self._dirty = True
+        self._tmp_ctime = 0
         self.clean()
+        if self._children >= 0:
+            os.close(self._children)
+            self._children = -1
         if self.tmpdir is not None and self.job_user is not None:
             with contextlib.suppress(OSError), self._as_job_user(self.job_user):
                 os.rmdir(self.tmpdir)
@@ -576,12 +608,13 @@ def _make_writable(top: str) -> None:
                 os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
 
 
-def reap_orphans() -> None:
+def reap_orphans(children_fd: int) -> None:
     """Kill and reap what came back to us as a subreaper: processes a job started and left
-    running outside its process group (its own processes are gone by now)."""
+    running outside its process group (its own processes are gone by now). `children_fd`:
+    /proc/self/task/PID/children, read again from its start."""
     for _ in range(64):  # each round takes the orphans the last round's kills made
         try:
-            children = Path(f"/proc/self/task/{os.getpid()}/children").read_text().split()
+            children = os.pread(children_fd, 65536, 0).split()
         except OSError:
             return
         if not children:
