@@ -139,7 +139,7 @@ class Gate:
             return None
         path: str = scope["path"]
         health = path.rstrip("/") == "/health"
-        if self.strikes.blocked and not (health and scope["method"] in ("GET", "HEAD")):
+        if self.strikes.blocked and not (health and scope.get("method") in ("GET", "HEAD")):
             until = self.strikes.until(host, self.clock())
             if until:
                 self.refused += 1
