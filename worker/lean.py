@@ -53,7 +53,6 @@ import random
 import select
 import signal
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -71,7 +70,7 @@ from controller.joblimits import NO_LIMITS, from_proto
 from controller.transport import accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
-from worker.limits import handler_usage
+from worker.limits import handler_usage, peer_uid
 from worker.output import BATCH_SECONDS, CHUNK, SINK, OutputSink
 from worker.runner import (
     READ_CHUNK,
@@ -106,19 +105,6 @@ _OUT = select.EPOLLOUT
 Outcome = tuple[bool, bytes, pb.Usage | None, str]
 # A refused peer on the control socket is logged at most this often (a count in between).
 REFUSED_LOG_SECONDS = 30.0
-
-
-_PEERCRED = struct.Struct("3i")
-
-
-def _peer_uid(sock: _socket.socket) -> int:
-    """The uid of the process at the other end of an accepted Unix connection."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    except OSError:
-        return -2  # no credentials: nobody's
-    uid: int = _PEERCRED.unpack(raw)[1]
-    return uid
 
 
 def _parked_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
@@ -619,7 +605,7 @@ class LeanWorker:
             sock = accept_unix(self._listener)
         except BlockingIOError:
             return
-        uid = _peer_uid(sock)
+        uid = peer_uid(sock)
         if uid != self._controller_uid:  # only the controller may ask anything of us
             sock.close()
             self._refused(uid)

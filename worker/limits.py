@@ -28,6 +28,7 @@ user, from a fork refused for `tasks_max`; with one, from memory.events and pids
 
 from __future__ import annotations
 
+import _socket
 import contextlib
 import ctypes
 import errno
@@ -38,7 +39,9 @@ import pwd
 import resource
 import shutil
 import signal
+import socket
 import stat
+import struct
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +64,22 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 class SetupError(Exception):
     """A job user, a limit or --user that cannot be used; the worker exits 2."""
+
+
+# ------------------------------------------------------------------ who may talk to us
+
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_uid(sock: _socket.socket) -> int:
+    """The uid of the process at the other end of an accepted Unix connection (SO_PEERCRED;
+    -2, nobody's, when the kernel gives none)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return -2
+    uid: int = _PEERCRED.unpack(raw)[1]
+    return uid
 
 
 # ------------------------------------------------------------------ users
@@ -521,6 +540,8 @@ class Jail:
             self.cgroup.remove(cgroup_path)
         if not limit and code != 0:
             limit = rlimit_hit(code, cpu, max_rss, stderr, limits, self.job_user is not None)
+        if self._children >= 0:
+            reap_orphans(self._children)  # those already back; the rest before the next job
         return Outcome(usage, limit)
 
     # -------------------------------------------------------------- TMPDIR

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import random
 import select
 import signal
@@ -36,6 +37,7 @@ from controller.reactor import Reactor
 from controller.transport import Incoming, Outgoing, Result, accept_unix, exchange, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
+from worker.limits import peer_uid
 from worker.output import BATCH_SECONDS, CHUNK, SINK, OutputSink
 from worker.parent import PARENT_DEATH_SIGNAL, parent_alive
 from worker.runner import Runner, TaskFailed
@@ -89,6 +91,7 @@ class WorkerShell:
         self._controller_ok = True
         self._reactor = Reactor()
         self._main_socket = str(socket_dir / "main.sock")
+        self._controller_uid = -1  # main.sock's owner, known once registered
         self._next_task: collections.deque[tuple[int, bytes]] = collections.deque()
         self._task_arrived = trio.lowlevel.ParkingLot()
         # Job output, for a controller that takes it (its REGISTER answer says so): sent in
@@ -210,6 +213,11 @@ class WorkerShell:
                 self.registrations += 1
                 self.takes_output = resp.takes_output
                 log.info("registered as worker %d", resp.worker_id)
+                # The controller is main.sock's owner: the one uid the control socket answers.
+                try:
+                    self._controller_uid = os.stat(self._main_socket).st_uid
+                except OSError:
+                    self._controller_uid = 0
                 return resp.worker_id
             if resp is not None:
                 log.warning(
@@ -275,6 +283,11 @@ class WorkerShell:
         try:
             conn = accept_unix(listener)
         except BlockingIOError:
+            return
+        uid = peer_uid(conn)
+        if uid != self._controller_uid:  # only the controller may ask anything of us
+            conn.close()
+            log.warning("control socket: refused a connection from uid %d", uid)
             return
         Incoming(
             self._reactor,
@@ -398,11 +411,12 @@ class WorkerShell:
         with trio.CancelScope() as scope:
             self._task_scope = scope
             SINK.set(self._sink if self.takes_output else None)  # its stderr and logging
+            reason = ""
             try:
                 result = await self.runner(task_id, payload)
                 ok = True
             except TaskFailed as exc:
-                result, ok = str(exc).encode(), False
+                result, ok, reason = str(exc).encode(), False, exc.reason
                 SINK.set(None)  # the worker's own line, not the job's
                 log.info("task %d failed: %s", task_id, exc)
             except Exception as exc:  # a bug in a runner must not kill the worker
@@ -412,7 +426,7 @@ class WorkerShell:
             SINK.set(None)
             if len(self._sink):
                 await self._send_output(everything=True)  # all its output before its outcome
-            self.session.finished(task_id, ok, result)
+            self.session.finished(task_id, ok, result, reason=reason)
             self._fetch_me()
         if self._task_scope is scope:
             self._task_scope = None
