@@ -12,6 +12,7 @@ import pytest
 import redis
 import trio
 
+from controller.jobs import JobState
 from controller.options import JobOptions
 from controller.shell import redis_door
 from tests.helpers import REDIS_SERVER, RedisServer, wait_until
@@ -120,3 +121,33 @@ async def test_the_door_reads_no_more_entries_than_max_pending_leaves_room_for(
         await here.finished("waits-0")
         await here.finished("waits-1")
         assert (desk.live_jobs, desk.live_bytes) == (2, 2)
+
+
+async def test_a_held_entrys_stream_replaced_leaves_its_job_running_and_the_keeper_going(
+    tmp_path: Path,
+    sockdir: Path,
+    server: RedisServer,  # noqa: F811
+    r: redis.Redis,  # noqa: F811
+) -> None:
+    release = tmp_path / "release"
+    async with controller_here(sockdir, server.url) as here:
+        handler = ("--handler", "tests.worker_handlers:wait_for_file")
+        await here.worker(*handler, queues={"q2"})
+        await here.worker(queues={"default"})
+        await wait_until(lambda: here.door.status()["streams"] == ["jobs", "jobs.q2"])
+        r.xadd("jobs.q2", {"id": "held-q2", "payload": str(release)})
+        await wait_until(lambda: here.job_state("held-q2") is JobState.WORKING, 20)
+        r.delete("jobs.q2")
+        r.set("jobs.q2", "replaced while its entry is held")
+        # The keeper, keeping its held entries fresh, finds that stream's key replaced: that
+        # lane alone stops, and the keeper goes on with the others (their counts below).
+        await wait_until(lambda: here.door.status()["failing_streams"] == ["jobs.q2"], 20)
+        for n in range(2):
+            r.xadd("jobs", {"id": f"parks-{n}", "requires": "nobody-has-it"})
+        await wait_until(lambda: here.door.pending == 2, 10)  # those of `jobs` alone
+        r.xadd("jobs", {"id": "runs", "payload": "on default"})
+        assert (await here.finished("runs")).result == b"on default"
+        # The held job ends as usual: its outcome is written (its entry is gone with the key).
+        release.write_bytes(b"done")
+        assert (await here.finished("held-q2")).result == b"plain:done"
+        await wait_until(lambda: r.hget("job:held-q2", "state") == b"finished")
