@@ -143,22 +143,23 @@ class JobDesk:
             self.live_jobs < self.max_pending and self.live_bytes + size <= self.max_pending_bytes
         )
 
-    def busy(self) -> str:
-        """Why a new job does not fit now (the message of a door's refusal)."""
+    def busy(self, size: int) -> str:
+        """Why a new job with a payload of `size` bytes does not fit now (the message of a
+        door's refusal)."""
         if self.live_jobs >= self.max_pending:
             return (
                 f"{self.live_jobs} jobs are not yet ended, max_pending is {self.max_pending}: "
                 f"try again in a while"
             )
         return (
-            f"the payloads of the jobs not yet ended take {self.live_bytes} bytes, "
-            f"max_pending_bytes is {self.max_pending_bytes}: try again in a while"
+            f"a payload of {size} bytes beside the {self.live_bytes} bytes of the jobs not "
+            f"yet ended is over max_pending_bytes ({self.max_pending_bytes}): try again in a while"
         )
 
     def refusal_for(self, size: int) -> str:
         """Why a new job with a payload of `size` bytes is refused for want of room ("" when
         it fits)."""
-        return "" if self.room(size) else self.busy()
+        return "" if self.room(size) else self.busy(size)
 
     def entries_room(self) -> int:
         """How many jobs whose sizes are not known yet may be asked for (the Redis door's

@@ -299,7 +299,7 @@ class HttpDoor:
         if refusal:
             raise ApiError(503, f"the journal cannot record new jobs now: {refusal}")
         if not desk.room(len(new.payload)):
-            raise ApiError(503, desk.busy())
+            raise ApiError(503, desk.busy(len(new.payload)))
         now = trio.current_time()
         job = self.desk.submit(
             new.id or httpapi.new_job_id(),
