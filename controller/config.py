@@ -127,13 +127,15 @@ class Config:
     def job_options(self, door: str) -> JobOptions:
         """The options of a job from `door` that gives none: UDP jobs wait at most
         timeout_task_placement for a worker, the others without limit; the owner is the
-        door's name (the UDP door puts its client's address instead)."""
+        door's name (the UDP door puts its client's address instead); the limits are
+        job_limits (a job may ask for less)."""
         return JobOptions(
             max_retries=self.max_retries,
             retry_delay=self.retry_delay,
             timeout=self.task_timeout,
             placement_timeout=self.timeout_task_placement if door == "udp" else 0.0,
             owner=door,
+            limits=self.job_limits,
         )
 
     # Periodic jobs (controller/schedules.py); names unique.

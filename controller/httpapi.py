@@ -296,6 +296,9 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
         "error": job.error,
         "failed_post": job.failed_post,
         **options.as_fields(job.options),
+        # What its latest attempt used, and why it failed (DESIGN.md section 15).
+        "usage": job.usage.to_json() if job.usage is not None else None,
+        "reason": job.reason or None,
     }
     task = job.task
     if task is not None and task.state is TaskState.SCHEDULED and task.attempts:

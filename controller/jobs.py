@@ -109,17 +109,61 @@ def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobN
     return JobNotes(name, info_url, download_url)
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one attempt used, as its worker measured it (DESIGN.md section 15): seconds of
+    wall clock and of CPU (user + system, the job and its children), its peak resident
+    memory in bytes, and under a cgroup the cgroup's peak (None: not measured)."""
+
+    wall: float
+    cpu: float
+    max_rss: int
+    memory_peak: int | None = None
+
+    def to_json(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"wall": self.wall, "cpu": self.cpu, "max_rss": self.max_rss}
+        if self.memory_peak is not None:
+            out["memory_peak"] = self.memory_peak
+        return out
+
+    def to_row(self) -> list[float | int | None]:
+        """As the journal keeps it: [wall, cpu, max_rss, memory_peak or null]."""
+        return [self.wall, self.cpu, self.max_rss, self.memory_peak]
+
+
+def usage_from_row(row: object) -> Usage | None:
+    """`Usage.to_row` read back (None for anything else: an older journal has none)."""
+    if not isinstance(row, list) or len(row) != 4:
+        return None
+    wall, cpu, max_rss, peak = row
+    return Usage(float(wall), float(cpu), int(max_rss), None if peak is None else int(peak))
+
+
+def usage_to_text(usage: Usage | None) -> str:
+    """The journal's column: JSON, or "" for none."""
+    return "" if usage is None else json.dumps(usage.to_row(), separators=(",", ":"))
+
+
+def usage_from_text(text: str) -> Usage | None:
+    return usage_from_row(json.loads(text)) if text else None
+
+
+# Why a job failed (the job object's `reason`); None while it has not failed.
+REASONS = ("limit", "error", "timeout", "lost", "placement")
+
+
 @dataclass(eq=False, slots=True)
 class Attempt:
     """One time a worker had the job: who, from when to when (trio clock; 0: unknown, or
-    not ended), how it ended (`finished`, `failed`, `canceled`, or "" while it runs) and the
-    error it gave."""
+    not ended), how it ended (`finished`, `failed`, `canceled`, or "" while it runs), the
+    error it gave and what it used (None: not measured)."""
 
     worker: int
     started: float
     ended: float = 0.0
     outcome: str = ""
     error: str = ""
+    usage: Usage | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +190,10 @@ class Job:
     started_at: float = 0.0  # when its latest attempt started (0: none, or unknown)
     # Its attempts that ended without ending the job (None for most jobs: kept only then).
     history: list[Attempt] | None = None
+    # What its latest attempt used, once its worker said (None: not measured, or none ran).
+    usage: Usage | None = None
+    # Why it failed: one of REASONS; "" while it has not (the job object shows null).
+    reason: str = ""
 
     def attempts_made(self) -> list[Attempt]:
         """Every attempt, oldest first: the ended ones, then the latest (running, or the one
@@ -157,13 +205,21 @@ class Job:
             elif self.final is not JobState.DELETED or self.ran_on:
                 outcome = self.final.value
                 made.append(
-                    Attempt(self.ran_on, self.started_at, self.updated_at, outcome, self.error)
+                    Attempt(
+                        self.ran_on,
+                        self.started_at,
+                        self.updated_at,
+                        outcome,
+                        self.error,
+                        self.usage,
+                    )
                 )
         return made
 
     def attempt_started(self, worker: int, now: float) -> None:
         self.ran_on = worker
         self.started_at = now
+        self.usage = None  # this attempt's comes with its outcome
 
     def attempt_ended(self, error: str, now: float) -> None:
         """Its running attempt ended without ending the job (it failed, or its worker was
@@ -172,7 +228,7 @@ class Job:
             return
         if self.history is None:
             self.history = []
-        self.history.append(Attempt(self.ran_on, self.started_at, now, "failed", error))
+        self.history.append(Attempt(self.ran_on, self.started_at, now, "failed", error, self.usage))
         self.started_at = 0.0
 
     @property
@@ -343,6 +399,7 @@ class JobBook:
         job.task = task
         job.result = b""
         job.error = ""
+        job.reason = ""
         job.failed_post = False
         job.delivered = False
         job.expires_at = 0.0  # a retention deadline already in the heap is skipped
@@ -424,6 +481,7 @@ def history_to_json(history: list[Attempt], wall_offset: float) -> str:
                 a.ended + wall_offset,
                 a.outcome,
                 a.error,
+                *([a.usage.to_row()] if a.usage is not None else []),
             ]
             for a in history
         ],
@@ -443,6 +501,7 @@ def history_from_json(text: str, wall_offset: float) -> list[Attempt] | None:
             float(ended) - wall_offset,
             str(outcome),
             str(error),
+            usage_from_row(usage[0]) if usage else None,  # (journals before usage: none)
         )
-        for worker, started, ended, outcome, error in rows
+        for worker, started, ended, outcome, error, *usage in rows
     ] or None

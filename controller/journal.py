@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import journal_sql as sql
-from controller.jobs import Job
+from controller.jobs import Job, usage_to_text
 from controller.options import to_json
 
 log = logging.getLogger("controller.journal")
@@ -74,6 +74,8 @@ class JobRow:
     base: int = 0
     history: str = ""  # JSON: its attempts that ended without ending it
     ran_on: int = 0
+    usage: str = ""  # JSON: what its latest attempt used ("": not measured)
+    reason: str = ""  # why it failed ("": it has not)
     output: bytes = b""  # what it wrote to stderr (the newest output_retention bytes)
 
 
@@ -220,7 +222,7 @@ class Journal:
         db.execute(f"PRAGMA synchronous={self._sync}")
         db.execute("BEGIN IMMEDIATE")
         version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, 1, 2, 3, sql.SCHEMA_VERSION):
+        if version not in (0, 1, 2, 3, 4, sql.SCHEMA_VERSION):
             db.execute("ROLLBACK")
             raise JournalError(
                 f"journal {self.path}: schema version {version} is not {sql.SCHEMA_VERSION}"
@@ -236,6 +238,10 @@ class Journal:
             if version == 3:
                 log.info("journal %s: upgrading from schema version 3", self.path)
             _run_script(db, sql.MIGRATE_3_TO_4)
+        if version in (1, 2, 3, 4):
+            if version == 4:
+                log.info("journal %s: upgrading from schema version 4", self.path)
+            _run_script(db, sql.MIGRATE_4_TO_5)
         _run_script(db, sql.SCHEMA)
         db.execute(f"PRAGMA application_id={sql.APPLICATION_ID}")
         db.execute(f"PRAGMA user_version={sql.SCHEMA_VERSION}")
@@ -279,8 +285,8 @@ class Journal:
             for r in db.execute(
                 "SELECT ref, id, door, host, port, task_id, name, payload, state, attempts,"
                 " failed_on, queued_at, added_at, result, error, failed_post, notified,"
-                " expires_at, info_url, download_url, log, options, base, history, ran_on"
-                " FROM jobs ORDER BY ref"
+                " expires_at, info_url, download_url, log, options, base, history, ran_on,"
+                " usage, reason FROM jobs ORDER BY ref"
             ):
                 out.jobs.append(
                     JobRow(
@@ -310,6 +316,8 @@ class Journal:
                         base=int(r[22]),
                         history=str(r[23]),
                         ran_on=int(r[24]),
+                        usage=str(r[25]),
+                        reason=str(r[26]),
                         output=outputs.get(r[0], b""),
                     )
                 )
@@ -368,7 +376,10 @@ class Journal:
         kept = to_json(options)
         self._inserted[job.ref] = len(self._staged)
         self._stage(
-            (sql.INSERT, (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0, 0))
+            (
+                sql.INSERT,
+                (*row, state, 0, "[]", due, wall, None, None, False, *links, kept, 0, 0, "", ""),
+            )
         )
 
     def job_progress(
@@ -395,7 +406,16 @@ class Journal:
     def job_finished(self, job: Job) -> None:
         ref = job.ref
         error = stored_text(job.error)
-        values = (job.state.value, job.attempts, job.result, error, job.failed_post, job.ran_on)
+        values = (
+            job.state.value,
+            job.attempts,
+            job.result,
+            error,
+            job.failed_post,
+            job.ran_on,
+            usage_to_text(job.usage),
+            job.reason,
+        )
         keep = job.state.value != "finished"  # failed or canceled: it may be retried
         if keep:
             if self._fold(ref, sql.FINISH_IN_INSERT, values):
@@ -415,7 +435,7 @@ class Journal:
         """A user put the failed or canceled job back: pending, max_retries counted anew
         from `base` attempts."""
         self._progressed.pop(ref, None)
-        if not self._fold(ref, sql.RETRIED_IN_INSERT, ("pending", base, None, None, False)):
+        if not self._fold(ref, sql.RETRIED_IN_INSERT, ("pending", base, None, None, False, "")):
             self._stage((sql.RETRIED, (base, time.time(), ref)))
 
     def queue_paused(self, queue: str, paused: bool) -> None:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 # "JCTL": marks the file as ours, so a foreign SQLite file is refused, not altered.
 APPLICATION_ID = 0x4A43544C
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 -- The last columns have no comments, so that SQLite's DROP COLUMN can take them out in a
 -- test: log (its log lines, a JSON list), options (its options as JSON: queue, priority,
 -- times, retries, or empty for the configuration's) and base (its attempts when a user last
 -- retried it, from which max_retries counts), history (its attempts that ended without
--- ending it, a JSON list of [worker, started, ended, outcome, error]) and ran_on (the
--- worker of its latest attempt).
+-- ending it, a JSON list of [worker, started, ended, outcome, error, usage?]), ran_on (the
+-- worker of its latest attempt), usage (what its latest attempt used, JSON [wall, cpu,
+-- max_rss, memory_peak], or empty) and reason (why it failed: limit, error, timeout, lost,
+-- placement, or empty while it has not).
 CREATE TABLE IF NOT EXISTS jobs (
     ref INTEGER PRIMARY KEY,
     id TEXT NOT NULL,                 -- the job's id (udp-<host>-<port>-<task_id> for UDP jobs)
@@ -45,7 +47,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     options TEXT NOT NULL DEFAULT '',
     base INTEGER NOT NULL DEFAULT 0,
     history TEXT NOT NULL DEFAULT '',
-    ran_on INTEGER NOT NULL DEFAULT 0
+    ran_on INTEGER NOT NULL DEFAULT 0,
+    usage TEXT NOT NULL DEFAULT '',
+    reason TEXT NOT NULL DEFAULT ''
 );
 -- Queues whose jobs are not handed out until resumed.
 CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
@@ -87,46 +91,54 @@ ALTER TABLE jobs ADD COLUMN history TEXT NOT NULL DEFAULT '';
 ALTER TABLE jobs ADD COLUMN ran_on INTEGER NOT NULL DEFAULT 0
 """
 
+# Version 4 kept neither what a job's last attempt used nor why the job failed.
+MIGRATE_4_TO_5 = """
+ALTER TABLE jobs ADD COLUMN usage TEXT NOT NULL DEFAULT '';
+ALTER TABLE jobs ADD COLUMN reason TEXT NOT NULL DEFAULT ''
+"""
+
 INSERT = (
     "INSERT OR REPLACE INTO jobs (ref, id, door, host, port, task_id, name, payload, state,"
     " attempts, failed_on, queued_at, added_at, result, error, failed_post, info_url,"
-    " download_url, log, options, base, ran_on) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
-    " ?, ?, ?, ?, ?, ?, ?, ?)"
+    " download_url, log, options, base, ran_on, usage, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
+    " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 PROGRESS = "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ? WHERE ref = ?"
 FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?, ran_on = ?,"
-    " payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
+    " usage = ?, reason = ?, payload = x'', notified = 0, expires_at = NULL WHERE ref = ?"
 )
 # A failed or canceled job keeps its payload: a user may retry it.
 FINISH_KEEP = (
     "UPDATE jobs SET state = ?, attempts = ?, result = ?, error = ?, failed_post = ?, ran_on = ?,"
-    " notified = 0, expires_at = NULL WHERE ref = ?"
+    " usage = ?, reason = ?, notified = 0, expires_at = NULL WHERE ref = ?"
 )
 # Where PROGRESS's and FINISH's values (their parameters before the ref) sit among
 # INSERT's, so that a change to a job added in the same batch rewrites its insert; and
 # the payload, which FINISH empties.
 PROGRESS_IN_INSERT = (8, 9, 10, 11)  # state, attempts, failed_on, queued_at
-# state, attempts, result, error, failed_post, ran_on
-FINISH_IN_INSERT = (8, 9, 13, 14, 15, 21)
+# state, attempts, result, error, failed_post, ran_on, usage, reason
+FINISH_IN_INSERT = (8, 9, 13, 14, 15, 21, 22, 23)
 PAYLOAD_IN_INSERT = 7
 LOG_IN_INSERT = 18
-# state, base, result, error, failed_post: a retry of a job whose insert is in the batch.
-RETRIED_IN_INSERT = (8, 20, 13, 14, 15)
+# state, base, result, error, failed_post, reason: a retry of a job whose insert is in the
+# batch.
+RETRIED_IN_INSERT = (8, 20, 13, 14, 15, 23)
 # A job started and finished within one batch (most short jobs under load): one UPDATE
 # carrying both, written where the start's was.
 PROGRESS_FINISH = (
     "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
-    " error = ?, failed_post = ?, ran_on = ?, payload = x'', notified = 0, expires_at = NULL"
-    " WHERE ref = ?"
+    " error = ?, failed_post = ?, ran_on = ?, usage = ?, reason = ?, payload = x'',"
+    " notified = 0, expires_at = NULL WHERE ref = ?"
 )
 PROGRESS_FINISH_KEEP = (
     "UPDATE jobs SET state = ?, attempts = ?, failed_on = ?, queued_at = ?, result = ?,"
-    " error = ?, failed_post = ?, ran_on = ?, notified = 0, expires_at = NULL WHERE ref = ?"
+    " error = ?, failed_post = ?, ran_on = ?, usage = ?, reason = ?, notified = 0,"
+    " expires_at = NULL WHERE ref = ?"
 )
 RETRIED = (
     "UPDATE jobs SET state = 'pending', base = ?, queued_at = ?, result = NULL, error = NULL,"
-    " failed_post = 0, notified = 0, expires_at = NULL WHERE ref = ?"
+    " failed_post = 0, reason = '', notified = 0, expires_at = NULL WHERE ref = ?"
 )
 HISTORY = "UPDATE jobs SET history = ? WHERE ref = ?"
 PAUSED = "INSERT OR REPLACE INTO paused (queue) VALUES (?)"

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from controller.joblimits import NO_LIMITS, JobLimits, LimitError, parse_limits
+
 DEFAULT_QUEUE = "default"
 NAME_RULE = "[a-z0-9_.-]{1,64}"
 _NAME = re.compile(r"[a-z0-9_.-]{1,64}")
@@ -47,6 +49,7 @@ OPTIONS = (
     "timeout",
     "placement_timeout",
     "owner",
+    "limits",
 )
 OPTION_NAMES = frozenset(OPTIONS)
 
@@ -69,6 +72,9 @@ class JobOptions:
     timeout: float = 0.0  # 0: no limit
     placement_timeout: float = 0.0  # 0: no limit
     owner: str = ""
+    # Ceilings for each attempt (DESIGN.md section 15): the configuration's job_limits, lowered
+    # by what the job asked for.
+    limits: JobLimits = NO_LIMITS
 
     def retry_wait(self, failures: int, jitter: float) -> float:
         """Seconds before the retry that follows the `failures`-th failure: `retry_delay`
@@ -210,7 +216,34 @@ def parse(
                 f"owner must be 1 to {MAX_OWNER} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
             )
         changes["owner"] = owner
+    if "limits" in fields:
+        changes["limits"] = _limits(fields["limits"], defaults.limits, text)
     return replace(defaults, **changes)
+
+
+def _limits(value: Any, ceiling: JobLimits, text: bool) -> JobLimits:
+    """A job's `limits`: less than `ceiling` (the configuration's job_limits) may be asked
+    for, never more. As text (a Redis field, a command line) it is a JSON object."""
+    if text and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise BadOption(
+                f'limits must be a JSON object like {{"memory_max": "256M"}}, got {_shown(value)}'
+            ) from None
+    if isinstance(value, Mapping) and any(limit is None for limit in value.values()):
+        raise BadOption("limits: a limit may not be null (leave it out for none)")
+    try:
+        asked = parse_limits(value)
+    except LimitError as exc:
+        raise BadOption(f"limits: {str(exc)[:200]}") from None
+    over = asked.exceeding(ceiling)
+    if over is not None:
+        raise BadOption(
+            f"limits: {over} {getattr(asked, over):g} is more than the configuration's "
+            f"job_limits allow ({getattr(ceiling, over):g})"
+        )
+    return ceiling.tighter(asked)
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -250,6 +283,7 @@ def as_fields(options: JobOptions) -> dict[str, Any]:
         "timeout": options.timeout,
         "placement_timeout": options.placement_timeout,
         "owner": options.owner,
+        "limits": options.limits.to_json(),
     }
 
 
@@ -267,6 +301,7 @@ def to_json(options: JobOptions) -> str:
             "timeout": options.timeout,
             "placement_timeout": options.placement_timeout,
             "owner": options.owner,
+            **({"limits": options.limits.to_json()} if not options.limits.is_empty() else {}),
         },
         separators=(",", ":"),
     )
@@ -288,4 +323,15 @@ def from_json(text: str, defaults: JobOptions) -> JobOptions:
         timeout=float(data.get("timeout", defaults.timeout)),
         placement_timeout=float(data.get("placement_timeout", defaults.placement_timeout)),
         owner=str(data.get("owner", defaults.owner)),
+        limits=_kept_limits(data.get("limits"), defaults.limits),
     )
+
+
+def _kept_limits(value: Any, defaults: JobLimits) -> JobLimits:
+    """The limits a journal kept (none kept, or unreadable: the configuration's)."""
+    if value is None:
+        return defaults
+    try:
+        return parse_limits(value)
+    except LimitError:
+        return defaults

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sqlite3
@@ -13,7 +14,17 @@ import pytest
 import trio
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
-from controller.jobs import Job, JobState, notes_of, udp_job_id
+from controller.jobs import (
+    Attempt,
+    Job,
+    JobState,
+    Usage,
+    history_from_json,
+    history_to_json,
+    notes_of,
+    udp_job_id,
+    usage_from_text,
+)
 from controller.journal import SCHEMA_VERSION, WORKER_ID_BLOCK, Journal, JournalError
 from controller.shell import committer as committer_module
 from controller.shell.committer import Committer
@@ -604,7 +615,17 @@ def test_version_2_journal_gains_links_and_log(tmp_path):
     commit(journal)
     journal.close()
     with sqlite3.connect(path) as db:
-        for column in ("ran_on", "history", "base", "options", "log", "download_url", "info_url"):
+        for column in (
+            "reason",
+            "usage",
+            "ran_on",
+            "history",
+            "base",
+            "options",
+            "log",
+            "download_url",
+            "info_url",
+        ):
             db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
         db.execute("PRAGMA user_version = 2")
     (row,) = Journal.open(path).load().jobs
@@ -620,14 +641,14 @@ def test_version_3_journal_gains_options_and_its_jobs_take_the_configured_ones(t
     commit(journal)
     journal.close()
     with sqlite3.connect(path) as db:
-        for column in ("ran_on", "history", "base", "options"):
+        for column in ("reason", "usage", "ran_on", "history", "base", "options"):
             db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
         db.execute("DROP TABLE paused")
         db.execute("PRAGMA user_version = 3")
     recovered = Journal.open(path).load()
     (row,) = recovered.jobs
     assert (row.payload, row.options, row.base, recovered.paused) == (b"kept", "", 0, [])
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 4
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_journal_sync_defaults_to_full(tmp_path):
@@ -731,5 +752,65 @@ def test_a_version_4_journal_gains_the_output_table_without_a_new_version(tmp_pa
     again.job_output(1, b"hello\n", 100)
     commit(again)
     [row] = again.load().jobs
-    assert row.output == b"hello\n" and SCHEMA_VERSION == 4
+    assert row.output == b"hello\n" and SCHEMA_VERSION >= 4
     again.close()
+
+
+def _failed_with_usage(ref: int, usage: Usage, reason: str) -> Job:
+    job = Job("", ref, 0, "udp", None)
+    job.final, job.error, job.usage, job.reason = JobState.FAILED, "limit hit", usage, reason
+    return job
+
+
+@pytest.mark.parametrize("same_batch", [True, False, "started"])
+def test_a_jobs_usage_and_reason_are_kept(tmp_path, same_batch):
+    """What the last attempt used and why the job failed come back after a restart, whether
+    the end was folded into the job's insert, into its start, or written on its own."""
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    add(journal, 1, "h", 1, 1, b"p")
+    if same_batch is not True:
+        commit(journal)
+    if same_batch == "started":
+        journal.job_progress(1, "working", 1, ())
+    usage = Usage(wall=1.5, cpu=0.25, max_rss=4 << 20, memory_peak=8 << 20)
+    journal.job_finished(_failed_with_usage(1, usage, "limit"))
+    commit(journal)
+    journal.close()
+    (row,) = Journal.open(path).load().jobs
+    assert (row.state, row.reason) == ("failed", "limit")
+    assert usage_from_text(row.usage) == usage
+
+
+def test_ended_attempts_keep_their_usage_and_older_rows_read_without(tmp_path):
+    usage = Usage(wall=2.0, cpu=1.0, max_rss=1024)
+    history = [Attempt(3, 10.0, 12.0, "failed", "boom", usage), Attempt(4, 13.0, 14.0, "failed")]
+    text = history_to_json(history, 1000.0)
+    back = history_from_json(text, 1000.0)
+    assert back is not None
+    assert [(a.worker, a.usage) for a in back] == [(3, usage), (4, None)]
+    older = json.dumps([[3, 1010.0, 1012.0, "failed", "boom"]])  # a version 4 journal's
+    assert [a.usage for a in history_from_json(older, 1000.0) or []] == [None]
+
+
+def test_a_version_4_journal_gains_usage_and_reason(tmp_path):
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    journal.load()
+    add(journal, 1, "h", 1, 1, b"kept")
+    commit(journal)
+    journal.close()
+    with sqlite3.connect(path) as db:
+        for column in ("reason", "usage"):
+            db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+        db.execute("PRAGMA user_version = 4")
+    again = Journal.open(path)
+    (row,) = again.load().jobs
+    assert (row.payload, row.usage, row.reason) == (b"kept", "", "")
+    again.job_finished(_failed_with_usage(1, Usage(1.0, 0.5, 100), "error"))
+    commit(again)
+    (row,) = again.load().jobs
+    assert row.reason == "error" and usage_from_text(row.usage) == Usage(1.0, 0.5, 100)
+    again.close()
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 5

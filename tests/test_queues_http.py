@@ -37,6 +37,7 @@ async def test_a_job_without_options_shows_the_http_defaults(sockdir):
         job = (await http.post("/job/", json={"payload": "x"})).json()
     assert set(job) >= OPTION_FIELDS
     assert {name: job[name] for name in sorted(OPTION_FIELDS)} == {
+        "limits": {},  # the configuration's job_limits: none
         "max_retries": 2,
         "owner": "http",
         "placement_timeout": 0.0,  # HTTP jobs wait for a worker without limit

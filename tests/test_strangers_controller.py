@@ -15,24 +15,37 @@ import socket as stdsocket
 import stat
 import subprocess
 import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from controller import httpapi, options
 from controller.config import ConfigError, parse_config
 from controller.core import TaskState
 from controller.joblimits import JobLimits
-from controller.shell.core_shell import StartupError, answers_a_pulse, prepare_socket_dir
-from controller.shell.main import slot_job_users
-from controller.shell.supervisor import Supervisor
+from controller.jobs import Usage
+from controller.shell.core_shell import (
+    CoreShell,
+    StartupError,
+    answers_a_pulse,
+    prepare_socket_dir,
+)
+from controller.shell.desk import JobDesk
+from controller.shell.main import assemble, slot_job_users
+from controller.shell.supervisor import Supervisor, worker_command
 from controller.transport import chmod_socket_file, listen_unix
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeWorker
 from tests.helpers import (
     controller_argv,
     free_udp_port,
+    live_controller,
     reap,
     running_controller,
     wait_for_condition,
@@ -42,6 +55,7 @@ from tests.helpers import (
 )
 from tests.test_controller_shell import fresh_register_is_answered
 
+DEFAULT_OPTS = options.DEFAULT
 JOB_UID = 62001
 WORKERS_GID = 62100  # stands in for the packaged `controller` group
 ROOT = os.getuid() == 0
@@ -133,10 +147,14 @@ def test_the_controller_refuses_to_start_with_bad_job_settings(tmp_path, setting
 
 
 async def test_each_supervised_slot_gets_its_job_user(tmp_path):
-    """`controller --workers N` passes slot i's job user as `--job-user` to its worker."""
+    """`controller --workers N` passes slot i's job user as `--job-user` to its worker, before
+    the arguments after -- (where --exec takes every argument after it)."""
     script = 'printf "%s\\n" "$@" > "$0.$$"; exec sleep 30'
     argv = ["sh", "-c", script, str(tmp_path / "argv")]
-    supervisor = Supervisor(3, argv, job_users=["62001", "62002", "62003"])
+    command = worker_command("/run/x", ["--exec", "true"], "62001")
+    assert command[-4:] == ["--job-user", "62001", "--exec", "true"]
+    slots = [[*argv, "--job-user", f"6200{n}"] for n in (1, 2, 3)]
+    supervisor = Supervisor(3, argv, slot_argvs=slots)
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.run)
         await wait_until(lambda: len(list(tmp_path.glob("argv.*"))) == 3)
@@ -390,3 +408,259 @@ async def test_a_worker_socket_served_by_another_process_is_sent_nothing(sockdir
             assert "got" not in out or "got 0" in out  # connected, and was sent nothing
         finally:
             reap(impostor)
+
+
+# ---------------------------------------------------------------- limits, usage and reason
+
+
+def test_a_jobs_limits_may_ask_for_less_than_the_configuration_never_more():
+    config = parse_config({"job_limits": {"memory_max": "256M", "cpu_time": 60}})
+    defaults = config.job_options("http")
+    asked = options.parse({"limits": {"memory_max": "128M"}}, defaults, 0.0)
+    assert asked.limits == JobLimits(memory_max=128 << 20, cpu_time=60.0)
+    assert options.as_fields(asked)["limits"] == {"memory_max": 128 << 20, "cpu_time": 60.0}
+    as_text = options.parse({"limits": '{"tasks_max": 8}'}, defaults, 0.0, text=True)
+    assert as_text.limits == JobLimits(memory_max=256 << 20, tasks_max=8, cpu_time=60.0)
+    with pytest.raises(options.BadOption, match=r"memory_max .* more than the configuration"):
+        options.parse({"limits": {"memory_max": "1G"}}, defaults, 0.0)
+    for bad in ({"memory": 1}, {"cpu_time": -1}, "256M", [1]):
+        with pytest.raises(options.BadOption, match="limits"):
+            options.parse({"limits": bad}, defaults, 0.0)
+    with pytest.raises(options.BadOption, match="JSON object"):
+        options.parse({"limits": "{oops"}, defaults, 0.0, text=True)
+    kept = options.from_json(options.to_json(asked), config.job_options("http"))
+    assert kept.limits == asked.limits
+
+
+def _failing_fetch(
+    usage: pb.Usage, reason: str, error: bytes
+) -> Callable[[pb.ControlMsg, bytes], Awaitable[tuple[pb.WorkerResponse, bytes]]]:
+    async def answer(msg: pb.ControlMsg, extra: bytes) -> tuple[pb.WorkerResponse, bytes]:
+        resp = pb.WorkerResponse(error=pb.WORKER_ERR_TASK_FAILED, extra_size=len(error))
+        resp.usage.CopyFrom(usage)
+        resp.reason = reason
+        return resp, error
+
+    return answer
+
+
+def desk_options(desk: JobDesk, door: str) -> options.JobOptions:
+    """The options a job of `door` gets by default (the configuration's)."""
+    shell = desk.scheduling
+    assert isinstance(shell, CoreShell)
+    return shell.config.job_options(door)
+
+
+@asynccontextmanager
+async def _desk(sockdir: Path, **settings: Any) -> AsyncIterator[tuple[CoreShell, JobDesk]]:
+    """The controller's scheduler shell and job desk, wired as `controller` wires them."""
+    config = parse_config({"socket_dir": str(sockdir), "journal": None, **settings})
+    shell, desk, _door = assemble(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(desk.run)
+        await nursery.start(shell.serve)
+        yield shell, desk
+        nursery.cancel_scope.cancel()
+
+
+async def test_set_task_carries_the_jobs_limits_under_the_configurations(sockdir, nursery):
+    seen: list[pb.JobLimits] = []
+    async with _desk(sockdir, job_limits={"memory_max": "256M", "tasks_max": 64}) as (_, desk):
+        worker = FakeWorker(sockdir)
+
+        async def remember(msg: pb.ControlMsg, extra: bytes) -> tuple[pb.WorkerResponse, bytes]:
+            seen.append(msg.limits)
+            return worker.default(msg, extra)
+
+        worker.script[pb.CTRL_SET_TASK] = remember
+        await worker.start(nursery)
+        defaults = desk_options(desk, "http")
+        asked = options.parse({"limits": {"memory_max": "64M"}}, defaults, 0.0)
+        desk.submit("j1", "http", None, 1, b"p", trio.current_time(), options=asked)
+        await wait_until(lambda: len(seen) == 1)
+        await worker.pulse(pb.PULSE_FETCH_ME)
+        await wait_until(lambda: desk.book.get("j1").state.final)
+        desk.submit("j2", "http", None, 2, b"p", trio.current_time(), options=defaults)
+        await wait_until(lambda: len(seen) == 2)
+    assert (seen[0].memory_max, seen[0].tasks_max) == (64 << 20, 64)
+    assert (seen[1].memory_max, seen[1].tasks_max) == (256 << 20, 64)
+
+
+async def test_a_limit_failure_ends_the_job_at_once_with_its_usage_and_reason(sockdir, nursery):
+    """FETCH answers TASK_FAILED with reason "limit": no retry (it would hit the limit
+    again); the job object says `reason: limit` and what the attempt used."""
+    async with _desk(sockdir, max_retries=3) as (shell, desk):
+        worker = FakeWorker(sockdir)
+        usage = pb.Usage(wall=1.5, cpu=1.25, max_rss=12 << 20)
+        error = b"CPU time limit 1 s"
+        worker.script[pb.CTRL_FETCH] = _failing_fetch(usage, "limit", error)
+        await worker.start(nursery)
+        desk.submit("spin", "http", None, 9, b"p", trio.current_time())
+        await worker.wait_for(pb.CTRL_SET_TASK)
+        await worker.pulse(pb.PULSE_FETCH_ME)
+        job = desk.book.get("spin")
+        assert job is not None
+        await wait_until(lambda: job.state.final)
+        assert worker.kinds().count(pb.CTRL_SET_TASK) == 1  # never placed again
+        shown = httpapi.job_json(job, desk.book.wall_offset)
+        assert (shown["state"], shown["reason"], shown["error"]) == (
+            "failed",
+            "limit",
+            "CPU time limit 1 s",
+        )
+        assert shown["usage"] == {"wall": 1.5, "cpu": 1.25, "max_rss": 12 << 20}
+        assert shown["attempts"] == 1
+        [attempt] = job.attempts_made()
+        assert attempt.usage == Usage(1.5, 1.25, 12 << 20)
+        assert shell.core.counters.retries == 0
+
+
+async def test_other_failures_are_retried_and_each_attempt_keeps_its_usage(sockdir, nursery):
+    async with _desk(sockdir, max_retries=1) as (_, desk):
+        worker = FakeWorker(sockdir)
+        worker.script[pb.CTRL_FETCH] = _failing_fetch(pb.Usage(wall=0.5, cpu=0.25), "", b"exit 1")
+        await worker.start(nursery)
+        desk.submit("flaky", "http", None, 3, b"p", trio.current_time())
+        for attempt in (1, 2):
+            await worker.wait_for(pb.CTRL_SET_TASK, attempt)
+            worker.task_id = 0
+            await worker.pulse(pb.PULSE_FETCH_ME, task_id=3)
+        job = desk.book.get("flaky")
+        assert job is not None
+        await wait_until(lambda: job.state.final)
+        shown = httpapi.job_json(job, desk.book.wall_offset)
+        assert (shown["state"], shown["reason"], shown["attempts"]) == ("failed", "error", 2)
+        assert [a.usage for a in job.attempts_made()] == [Usage(0.5, 0.25, 0)] * 2
+
+
+async def test_a_finished_job_has_usage_and_no_reason_and_a_placement_failure_says_so(
+    sockdir, nursery
+):
+    async with _desk(sockdir) as (_, desk):
+        worker = FakeWorker(sockdir)
+
+        async def fetched(msg: pb.ControlMsg, extra: bytes) -> tuple[pb.WorkerResponse, bytes]:
+            resp, out = worker.default(msg, extra)
+            resp.usage.CopyFrom(pb.Usage(wall=0.25, cpu=0.125, max_rss=1024, memory_peak=2048))
+            return resp, out
+
+        worker.script[pb.CTRL_FETCH] = fetched
+        await worker.start(nursery)
+        desk.submit("ok", "http", None, 4, b"p", trio.current_time())
+        await worker.wait_for(pb.CTRL_SET_TASK)
+        await worker.pulse(pb.PULSE_FETCH_ME)
+        job = desk.book.get("ok")
+        assert job is not None
+        await wait_until(lambda: job.state.final)
+        shown = httpapi.job_json(job, desk.book.wall_offset)
+        assert (shown["state"], shown["reason"]) == ("finished", None)
+        assert shown["usage"] == {"wall": 0.25, "cpu": 0.125, "max_rss": 1024, "memory_peak": 2048}
+        waiting = options.parse({"placement_timeout": 0.1, "queue": "nobody"}, DEFAULT_OPTS, 0.0)
+        desk.submit("late", "http", None, 5, b"p", trio.current_time(), options=waiting)
+        late = desk.book.get("late")
+        assert late is not None
+        await wait_until(lambda: late.state.final)
+        assert httpapi.job_json(late, 0.0)["reason"] == "placement"
+        assert httpapi.job_json(late, 0.0)["usage"] is None
+
+
+async def test_a_usage_report_that_cannot_be_true_is_ignored(sockdir, nursery):
+    async with _desk(sockdir) as (_, desk):
+        worker = FakeWorker(sockdir)
+
+        async def lying(msg: pb.ControlMsg, extra: bytes) -> tuple[pb.WorkerResponse, bytes]:
+            resp, out = worker.default(msg, extra)
+            resp.usage.CopyFrom(pb.Usage(wall=float("nan"), cpu=-1.0, max_rss=2**64 - 1))
+            return resp, out
+
+        worker.script[pb.CTRL_FETCH] = lying
+        await worker.start(nursery)
+        desk.submit("lie", "http", None, 6, b"p", trio.current_time())
+        await worker.wait_for(pb.CTRL_SET_TASK)
+        await worker.pulse(pb.PULSE_FETCH_ME)
+        job = desk.book.get("lie")
+        assert job is not None
+        await wait_until(lambda: job.state.final)
+        assert (job.state.value, job.usage) == ("finished", None)
+
+
+# ---------------------------------------------------------------- with real workers
+
+# A job that spins when its payload says so, else prints the uid it runs as.
+_SPIN_OR_ID = ["--exec", "sh", "-c", 'read x; [ "$x" = spin ] && while :; do :; done; id -u']
+
+
+async def test_a_real_worker_reports_usage_and_a_cpu_limit_hit(sockdir):
+    """Through a real worker: the configuration's job_limits reach it in SET_TASK; a job
+    spinning past cpu_time fails with reason limit, not retried; the next job runs, and
+    both have their usage in the job object."""
+    async with _desk(sockdir, job_limits={"cpu_time": 1}, max_retries=3) as (shell, desk):
+        # Its own ceiling is higher: the configuration's, sent with the job, applies.
+        proc = _popen(worker_argv(sockdir, "--cpu-time", "100", *_SPIN_OR_ID))
+        try:
+            await wait_until(lambda: shell.core.idle_workers == 1, timeout=20)
+            desk.submit("spin", "http", None, 1, b"spin", trio.current_time())
+            spin = desk.book.get("spin")
+            assert spin is not None
+            await wait_until(lambda: spin.state.final, timeout=30)
+            shown = httpapi.job_json(spin, desk.book.wall_offset)
+            assert (shown["state"], shown["reason"], shown["attempts"]) == ("failed", "limit", 1)
+            assert shown["usage"] is not None and shown["usage"]["cpu"] >= 0.5
+            desk.submit("next", "http", None, 2, b"", trio.current_time())
+            after = desk.book.get("next")
+            assert after is not None
+            await wait_until(lambda: after.state.final, timeout=20)
+            shown = httpapi.job_json(after, desk.book.wall_offset)
+            assert (shown["state"], shown["reason"]) == ("finished", None)
+            assert set(shown["usage"]) >= {"wall", "cpu", "max_rss"}
+            assert shown["usage"]["max_rss"] > 0
+        finally:
+            reap(proc)
+
+
+@as_job_user
+def test_controller_workers_run_each_slots_jobs_as_its_job_user(tmp_path):
+    """`controller --workers 2` with job_users: a job prints `id -u`, and it is its slot's
+    job user's, never root."""
+    with live_controller(
+        tmp_path,
+        "--workers",
+        "2",
+        "--",
+        *_SPIN_OR_ID,
+        job_users=[JOB_UID, JOB_UID + 1],
+    ) as ctl:
+        seen = set()
+        for n in range(6):
+            job = _http_json(ctl.url, "POST", "/job/", {"payload": "", "id": f"who-{n}"})
+            deadline = time.monotonic() + 30
+            while job["state"] not in ("finished", "failed"):
+                assert time.monotonic() < deadline, job
+                job = _http_json(ctl.url, "GET", f"/job/who-{n}/?wait=5")
+            assert job["state"] == "finished", job
+            seen.add(int(job["result"]))
+    assert seen <= {JOB_UID, JOB_UID + 1} and seen
+
+
+def _http_json(url: str, method: str, path: str, body: object = None) -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def test_metrics_sum_what_attempts_used_and_count_failures_by_reason():
+    from controller.core import TaskFinished
+    from controller.shell.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.attempt_used(Usage(wall=2.0, cpu=1.5, max_rss=1))
+    metrics.attempt_used(Usage(wall=1.0, cpu=0.25, max_rss=1))
+    metrics.task_finished(TaskFinished(1, 1, None, TaskState.ERROR, error="x", reason="limit"))
+    metrics.task_finished(TaskFinished(2, 2, None, TaskState.SUCCESS))
+    sample = metrics.registry.get_sample_value
+    assert sample("controller_job_cpu_seconds_total") == 1.75
+    assert sample("controller_job_wall_seconds_total") == 3.0
+    assert sample("controller_job_failures_total", {"reason": "limit"}) == 1.0

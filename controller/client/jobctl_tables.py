@@ -86,6 +86,21 @@ def queues_table(queues: dict[str, Any]) -> str:
     )
 
 
+def usage_line(usage: dict[str, Any]) -> str:
+    """What a job's latest attempt used, in one line: 'wall 1.234 s, cpu 0.500 s, max_rss
+    12.0 MiB' (and memory_peak under a cgroup)."""
+    parts = []
+    for name, unit in (("wall", "s"), ("cpu", "s"), ("max_rss", ""), ("memory_peak", "")):
+        value = usage.get(name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if unit:
+            parts.append(f"{name} {value:.3f} s")
+        else:
+            parts.append(f"{name} {value / 1048576:.1f} MiB")
+    return ", ".join(parts) or "-"
+
+
 def job_details(job: dict[str, Any]) -> str:
     """Every field of a job, one a line; long texts cut, bytes as their size."""
     lines = []
@@ -94,6 +109,10 @@ def job_details(job: dict[str, Any]) -> str:
             shown = f"{when(value)}  ({value})"
         elif key in ("payload_b64", "result_b64") and isinstance(value, str):
             shown = f"{len(value) * 3 // 4 - value.count('=')} bytes (base64 in --json)"
+        elif key == "usage" and isinstance(value, dict):
+            shown = usage_line(value)
+        elif key == "limits" and isinstance(value, dict):
+            shown = ", ".join(f"{name} {limit}" for name, limit in value.items()) or "-"
         elif key == "log" and isinstance(value, list):
             lines.append(f"{'log':<18} {len(value)} line(s)")
             lines.extend(f"  {cut(entry, 200)}" for entry in value[-20:])

@@ -11,6 +11,7 @@ entry fields as text: `as_text` writes them so.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -66,6 +67,8 @@ def as_text(fields: Mapping[str, Any]) -> dict[str, str]:
     for name, value in fields.items():
         if isinstance(value, list):
             out[name] = ",".join(value)
+        elif isinstance(value, dict):  # limits: a JSON object
+            out[name] = json.dumps(value)
         elif isinstance(value, float):
             out[name] = repr(value)  # round-trips exactly through float()
         else:

@@ -288,7 +288,8 @@ class LocalWorkers:
         elif err in (pb.WORKER_ERR_NO_FETCH, pb.WORKER_ERR_BUSY):
             worker.advance(WorkerEvent.NOTHING_TO_FETCH)
         elif err == pb.WORKER_ERR_TASK_FAILED and resp.task_id in (0, task.task_id):
-            sched.failed(worker, ev.extra.decode("utf-8", "replace"), now, actions)
+            error = ev.extra.decode("utf-8", "replace")
+            sched.failed(worker, error, now, actions, limit=resp.reason == "limit")
         else:
             why = (
                 f"answered task {resp.task_id} for task {task.task_id}"

@@ -324,6 +324,8 @@ class TaskFinished:
     result: bytes = b""
     error: str = ""
     age: float = 0.0  # seconds since it was submitted (or recovered)
+    # Why it failed (DESIGN.md section 15): limit, error, timeout, lost, placement; "" else.
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -264,14 +264,23 @@ class Scheduler:
         self.counters.succeeded += 1
         self._finish(task, actions, now, result=result)
 
-    def failed(self, worker: Worker, error: str, now: float, actions: list[Action]) -> None:
+    def failed(
+        self, worker: Worker, error: str, now: float, actions: list[Action], *, limit: bool = False
+    ) -> None:
         """The task failed on the worker (which stays usable): retry it elsewhere, after its
-        retry_delay."""
+        retry_delay; one that hit a limit of its own (`limit`) ends now, since it would hit
+        it again."""
         task = self._release(worker)
         task.failed_on_worker(worker.worker_id)
         task.last_error = error
         log.info("task %d failed on worker %d: %s", task.task_id, worker.worker_id, error[-200:])
-        self.retry(task, now, actions, failed=True)
+        if limit:
+            task.worker_id = 0
+            task.advance(TaskEvent.FAIL)
+            self.counters.errors += 1
+            self._finish(task, actions, now, error=error, reason="limit")
+            return
+        self.retry(task, now, actions, failed=True, reason="error")
 
     def lost(
         self,
@@ -300,7 +309,8 @@ class Scheduler:
             task.failed_on_worker(worker.worker_id)
             if not task.last_error:
                 task.last_error = f"worker {worker.worker_id} lost ({cause})"
-            self.retry(task, now, actions, failed=failed)
+            reason = "timeout" if cause == "task timeout" else "lost"
+            self.retry(task, now, actions, failed=failed, reason=reason)
         else:
             self._requeue(task, now, actions)
 
@@ -419,9 +429,18 @@ class Scheduler:
 
     # ------------------------------------------------------------ endings and retries
 
-    def retry(self, task: Task, now: float, actions: list[Action], *, failed: bool = False) -> None:
+    def retry(
+        self,
+        task: Task,
+        now: float,
+        actions: list[Action],
+        *,
+        failed: bool = False,
+        reason: str = "lost",
+    ) -> None:
         """The task's attempt failed (`failed`) or its worker was lost: queue it again (a
-        failure after its retry_delay, a loss at once), or end it once retries are used up."""
+        failure after its retry_delay, a loss at once), or end it once retries are used up
+        (`reason`: why this attempt ended, the job's once it ends so)."""
         tries = task.attempts - task.base
         if tries > task.opts.max_retries:
             task.worker_id = 0
@@ -432,6 +451,7 @@ class Scheduler:
                 actions,
                 now,
                 error=f"failed {task.attempts} times; last error: {task.last_error}",
+                reason=reason,
             )
             return
         self.counters.retries += 1
@@ -467,6 +487,7 @@ class Scheduler:
         *,
         result: bytes = b"",
         error: str = "",
+        reason: str = "",
     ) -> None:
         del self.tasks[task.ref]
         if self.on_settled is not None:
@@ -481,6 +502,7 @@ class Scheduler:
                 result=result,
                 error=error,
                 age=now - task.created_at,
+                reason=reason,
             )
         )
 
@@ -497,7 +519,9 @@ class Scheduler:
             task.advance(TaskEvent.PLACEMENT_TIMEOUT)
             self.counters.failed_post += 1
             limit = f"{task.opts.placement_timeout:g}"
-            self._finish(task, actions, now, error=f"no free worker within {limit} s")
+            self._finish(
+                task, actions, now, error=f"no free worker within {limit} s", reason="placement"
+            )
 
     def _scheduled_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
         assert isinstance(obj, Task)

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import functools
 import logging
+import math
 import os
 import select
 import socket
@@ -41,6 +42,8 @@ from controller.core import (
     WorkerExited,
 )
 from controller.core.model import Task
+from controller.joblimits import JobLimits
+from controller.jobs import Usage
 from controller.options import JobOptions
 from controller.reactor import Reactor
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
@@ -69,6 +72,21 @@ _FAILED = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
 MAIN_SOCKET_CHECK = 0.25
 # How long a worker waits for an answer on main.sock by default (worker --dial-timeout).
 WORKER_DIAL_TIMEOUT = 2.0
+# The largest byte count a usage report may carry (a larger one is a lie, and SQLite's
+# integers stop here).
+_MAX_BYTES = 2**63 - 1
+# The SET_TASK limits of each distinct job `limits` seen, made once (most jobs share a few).
+_LIMITS_CACHE_SIZE = 256
+
+
+def usage_of(report: pb.Usage) -> Usage | None:
+    """A worker's usage report, checked (None: a value that cannot be true)."""
+    wall, cpu = report.wall, report.cpu
+    if not (math.isfinite(wall) and math.isfinite(cpu) and wall >= 0 and cpu >= 0):
+        return None
+    if report.max_rss > _MAX_BYTES or report.memory_peak > _MAX_BYTES:
+        return None
+    return Usage(wall, cpu, report.max_rss, report.memory_peak or None)
 
 
 class StartupError(Exception):
@@ -173,6 +191,11 @@ class CoreShell:
         self.on_progress = on_progress
         # Where a local worker's job output goes: (task ref, task owner, the bytes).
         self.on_output: Callable[[int, object, bytes], None] | None = None
+        # Where what an attempt used goes, just before its outcome: (task ref, owner, usage).
+        self.on_usage: Callable[[int, object, Usage], None] | None = None
+        # The limits each job's SET_TASK carries, by the job's own `limits` option (the
+        # configuration's job_limits, lowered by what the job asked for).
+        self._set_task_limits: dict[JobLimits, pb.JobLimits | None] = {}
         # Told after every batch of actions: a door that reads only what it can start soon
         # (Redis) looks whether there is room now.
         self.on_room: Callable[[], None] | None = None
@@ -457,13 +480,17 @@ class CoreShell:
                 self._report(DialDone(wid, action.kind, None, not_owned=True, error="not owned"))
                 return
         msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
+        worker = self.core.workers.get(wid)
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
+            if worker is not None and worker.task is not None:
+                limits = self._limits(worker.task.opts.limits)
+                if limits is not None:
+                    msg.limits.CopyFrom(limits)
         expect = None
         if action.uid is not None:
             # Whoever listens there now must be the worker that registered (its socket file
             # may have been swapped since the stat above).
-            worker = self.core.workers.get(wid)
             expect = (action.uid, worker.pid if worker is not None else None)
         try:
             Outgoing(
@@ -479,6 +506,37 @@ class CoreShell:
         except OSError as exc:  # no descriptor for the socket: the worker did not answer
             self._dial_failed(exc.strerror or exc, trio.current_time())
             self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
+
+    def _limits(self, asked: JobLimits) -> pb.JobLimits | None:
+        """What a job's SET_TASK carries: the configuration's job_limits lowered by the job's
+        own (None: no limit at all)."""
+        cache = self._set_task_limits
+        try:
+            return cache[asked]
+        except KeyError:
+            pass
+        merged = self.config.job_limits.tighter(asked)
+        made = None if merged.is_empty() else merged.to_proto()
+        if len(cache) >= _LIMITS_CACHE_SIZE:
+            cache.clear()
+        cache[asked] = made
+        return made
+
+    def _usage(self, wid: int, response: pb.WorkerResponse) -> None:
+        """A FETCH answer's usage report, kept with the attempt it ends (before its outcome
+        is acted on) and counted in the metrics."""
+        worker = self.core.workers.get(wid)
+        task = worker.task if worker is not None else None
+        if task is None or response.task_id not in (0, task.task_id):
+            return
+        usage = usage_of(response.usage)
+        if usage is None:
+            log.warning("worker %d: a usage report that cannot be true; ignored", wid)
+            return
+        if self.metrics is not None:
+            self.metrics.attempt_used(usage)
+        if self.on_usage is not None:
+            self.on_usage(task.ref, task.owner, usage)
 
     def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         try:
@@ -497,6 +555,8 @@ class CoreShell:
     def _answered(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         wid = action.worker_id
         if isinstance(result, tuple):
+            if action.kind == pb.CTRL_FETCH and result[0].HasField("usage"):
+                self._usage(wid, result[0])
             done = DialDone(wid, action.kind, result[0], result[1])
         elif isinstance(result, WrongPeer):
             log.warning("worker %d: %s; nothing sent", wid, result.strerror)

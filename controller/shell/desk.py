@@ -34,9 +34,11 @@ from controller.jobs import (
     Job,
     JobBook,
     JobState,
+    Usage,
     history_from_json,
     history_to_json,
     notes_of,
+    usage_from_text,
 )
 from controller.journal import Journal, Recovered, Rejected
 from controller.options import JobOptions, from_json
@@ -310,6 +312,13 @@ class JobDesk:
         if self.on_output is not None:
             self.on_output(job)
 
+    def task_usage(self, ref: int, owner: object, usage: Usage) -> None:
+        """What the running attempt of task `ref` used, as its worker reported with its outcome
+        (which follows): kept with that attempt."""
+        job = self.book.get(str(owner))
+        if job is not None and job.ref == ref:
+            job.usage = usage
+
     def task_output(self, ref: int, owner: object, data: bytes) -> None:
         """Output from the worker holding task `ref` (the scheduler's owner is the job's id)."""
         job = self.book.get(str(owner))
@@ -440,6 +449,7 @@ class JobDesk:
         )
         if job is None:
             return
+        job.reason = action.reason
         self._went(job)
         if self.journal is not None:
             self.journal.job_finished(job)
@@ -602,6 +612,8 @@ class JobDesk:
             job.final = JobState(row.state)
             job.result = row.result
             job.error = row.error
+            job.usage = usage_from_text(row.usage)
+            job.reason = row.reason
             job.failed_post = row.failed_post
             self.book.add(job)
             if row.notified:

@@ -166,6 +166,7 @@ def assemble(
     shell.write_ahead = desk.write_ahead
     shell.on_finished = desk.finished
     shell.on_output = desk.task_output
+    shell.on_usage = desk.task_usage  # each attempt's, before its outcome
     shell.on_progress = desk.progress  # each job's attempts, and the journal
     return shell, desk, UdpDoor(config, shell, desk)
 
@@ -284,8 +285,12 @@ async def run_controller(
                 async with trio.open_nursery() as local:
                     if workers:
                         argv = worker_command(str(config.socket_dir), worker_args)
+                        each = [
+                            worker_command(str(config.socket_dir), worker_args, user)
+                            for user in job_users
+                        ]
                         supervisor = Supervisor(
-                            workers, argv, cpus=worker_cpus, nice=worker_nice, job_users=job_users
+                            workers, argv, cpus=worker_cpus, nice=worker_nice, slot_argvs=each
                         )
                         await local.start(supervisor.run)
                         log.info("supervising %d local workers", workers)

@@ -14,6 +14,7 @@ import trio
 
 from controller.config import ClientAddress
 from controller.core import Core, TaskFinished, TaskProgress, TaskState
+from controller.jobs import Usage
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -78,6 +79,22 @@ class Metrics:
             buckets=BUCKETS,
             registry=r,
         )
+        self.job_cpu = Counter(
+            "controller_job_cpu_seconds",
+            "CPU seconds (user + system) jobs' attempts used, as local workers measured",
+            registry=r,
+        )
+        self.job_wall = Counter(
+            "controller_job_wall_seconds",
+            "Wall-clock seconds of jobs' attempts, as local workers measured",
+            registry=r,
+        )
+        self.job_failures = Counter(
+            "controller_job_failures",
+            "Jobs that failed, by reason (limit, error, timeout, lost, placement)",
+            ["reason"],
+            registry=r,
+        )
         self.redis_up = Gauge(
             "controller_redis_up", "1 while the Redis stream door reaches Redis", registry=r
         )
@@ -113,6 +130,13 @@ class Metrics:
     def task_finished(self, finished: TaskFinished) -> None:
         self.outcomes.labels(finished.state.value).inc()
         self.end_to_end.observe(finished.age)
+        if finished.reason:
+            self.job_failures.labels(finished.reason).inc()
+
+    def attempt_used(self, usage: Usage) -> None:
+        """What one attempt used (a local worker's report)."""
+        self.job_cpu.inc(usage.cpu)
+        self.job_wall.inc(usage.wall)
 
     def refresh(self, core: Core) -> None:
         self.queued.set(core.queued)

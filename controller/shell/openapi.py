@@ -66,6 +66,14 @@ _SHORT = {"type": "string", "maxLength": httpapi.MAX_TEXT}
 _NAME = {"type": "string", "pattern": "^" + options.NAME_RULE + "$"}
 _SECONDS = {"type": "number", "minimum": 0, "maximum": options.MAX_SECONDS}
 # The job options, as POST /job/ takes them.
+# A job's `limits` (DESIGN.md section 15): bytes, or a number with a K, M or G suffix.
+_LIMIT_SIZE: dict[str, Any] = {
+    "oneOf": [
+        {"type": "integer", "minimum": 1, "maximum": 2**62},
+        {"type": "string", "pattern": "^[1-9][0-9]{0,8}[KMG]?$"},
+    ]
+}
+_LIMIT_COUNT: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": 2**31 - 1}
 _OPTIONS_IN: dict[str, Any] = {
     "queue": _NAME,
     "priority": {
@@ -81,6 +89,18 @@ _OPTIONS_IN: dict[str, Any] = {
     "timeout": _SECONDS,
     "placement_timeout": _SECONDS,
     "owner": {"type": "string", "pattern": httpapi.ID_PATTERN},
+    "limits": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "memory_max": _LIMIT_SIZE,
+            "tasks_max": _LIMIT_COUNT,
+            "cpu_time": {"type": "number", "minimum": 0.001, "maximum": 365 * 86400},
+            "file_size": _LIMIT_SIZE,
+            "open_files": _LIMIT_COUNT,
+            "cpu_quota": {"type": "number", "minimum": 0.01, "maximum": 4096},
+        },
+    },
 }
 # The same in the job object (run_at: when it is or was due, or null).
 _OPTIONS_OUT: dict[str, Any] = {
@@ -90,6 +110,7 @@ _OPTIONS_OUT: dict[str, Any] = {
     "timeout": {"type": "number", "minimum": 0},
     "placement_timeout": {"type": "number", "minimum": 0},
     "owner": _TEXT,
+    "limits": {"type": "object", "additionalProperties": {"type": "number"}},
 }
 _QUEUE_NAME = {"name": "name", "in": "path", "required": True, "schema": _NAME}
 
@@ -418,6 +439,21 @@ OPENAPI: dict[str, Any] = {
                     "payload_b64": {"type": "string", "format": "byte"},
                     "result": _TEXT,
                     "result_b64": {"type": "string", "format": "byte"},
+                    "usage": {
+                        "type": "object",
+                        "nullable": True,
+                        "properties": {
+                            "wall": {"type": "number"},
+                            "cpu": {"type": "number"},
+                            "max_rss": {"type": "integer"},
+                            "memory_peak": {"type": "integer"},
+                        },
+                    },
+                    "reason": {
+                        "type": "string",
+                        "nullable": True,
+                        "enum": ["limit", "error", "timeout", "lost", "placement", None],
+                    },
                     **_OPTIONS_OUT,
                 },
             },

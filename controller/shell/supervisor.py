@@ -30,7 +30,9 @@ BACKOFF_MAX = 30.0
 STOP_GRACE = 10.0
 
 
-def worker_command(socket_dir: str, extra: list[str]) -> list[str]:
+def worker_command(socket_dir: str, extra: list[str], job_user: str | None = None) -> list[str]:
+    """A local worker's command line: `extra` (the arguments after --) last, since --exec
+    takes everything after it; `job_user` (the slot's, config job_users) before them."""
     return [
         sys.executable,
         "-m",
@@ -41,6 +43,7 @@ def worker_command(socket_dir: str, extra: list[str]) -> list[str]:
         # parent is then init or a subreaper) sees that and exits at once.
         "--exit-with-parent",
         str(os.getpid()),
+        *(["--job-user", job_user] if job_user is not None else []),
         *extra,
     ]
 
@@ -58,15 +61,16 @@ class Supervisor:
         argv: list[str],
         cpus: frozenset[int] | None = None,
         nice: int | None = None,
-        job_users: list[str | None] | None = None,
+        slot_argvs: list[list[str]] | None = None,
     ) -> None:
         """Slots 0..count-1. `cpus`: the CPUs workers may use when the controller pinned
         itself elsewhere (a worker given its own --cpus sets its own); `nice`: the nice value
         they run at when the controller changed its own (controller/priority.py);
-        `job_users`: each slot's job user (config `job_users`), passed as `--job-user`."""
+        `slot_argvs`: a command line per slot instead of `argv` (each with its --job-user,
+        config job_users)."""
         self.count = count
         self.argv = argv
-        self.job_users = job_users or []
+        self.slot_argvs = slot_argvs or []
         own = any(arg == "--cpus" or arg.startswith("--cpus=") for arg in argv)
         self.cpus = None if own else cpus
         self.nice = nice
@@ -82,8 +86,7 @@ class Supervisor:
 
     def slot_argv(self, slot: int) -> list[str]:
         """The command line of slot `slot`'s worker."""
-        user = self.job_users[slot] if slot < len(self.job_users) else None
-        return self.argv if user is None else [*self.argv, "--job-user", user]
+        return self.slot_argvs[slot] if slot < len(self.slot_argvs) else self.argv
 
     async def _keep_running(self, slot: int) -> None:
         delay = BACKOFF_START

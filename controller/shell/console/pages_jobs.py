@@ -16,7 +16,18 @@ TEXT_SHOWN = 100_000
 HEX_SHOWN = 64
 # The fields of the job object shown on their own, below its table.
 BODY_FIELDS = ("payload", "payload_b64", "result", "result_b64")
-ATTEMPT_HEADERS = ("#", "worker", "started", "ended", "outcome", "error")
+ATTEMPT_HEADERS = (
+    "#",
+    "worker",
+    "started",
+    "ended",
+    "outcome",
+    "error",
+    "wall",
+    "cpu",
+    "max rss",
+    "memory peak",
+)
 
 
 def bytes_view(data: bytes) -> str:
@@ -176,7 +187,10 @@ def job_page(
     attempt_rows = [
         f"<tr><td class=num>{n}</td><td>{e(a['worker'])}</td><td class=time>{e(a['started'])}</td>"
         f"<td class=time>{e(a['ended'])}</td><td class={e(a['outcome'] or 'working')}>"
-        f"{e(a['outcome'] or 'running')}</td><td>{e(a['error'])}</td></tr>"
+        f"{e(a['outcome'] or 'running')}</td><td>{e(a['error'])}</td>"
+        f"<td class=num>{e(a.get('wall', ''))}</td><td class=num>{e(a.get('cpu', ''))}</td>"
+        f"<td class=num>{e(a.get('max_rss', ''))}</td>"
+        f"<td class=num>{e(a.get('memory_peak', ''))}</td></tr>"
         for n, a in enumerate(attempts, 1)
     ]
     output = "/job/" + quote(job_id, safe="") + "/output"

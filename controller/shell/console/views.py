@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from controller.declared import shown
-from controller.jobs import Job, JobBook, JobState
+from controller.jobs import Job, JobBook, JobState, Usage
 from controller.options import rfc3339
 
 MAX_WORKERS_SHOWN = 200
@@ -93,7 +93,8 @@ def matching(
 def attempts_data(
     job: Job, wall_offset: float, name_of: Callable[[int], str]
 ) -> list[dict[str, str]]:
-    """Each attempt: worker, start and end (wall clock), outcome, error."""
+    """Each attempt: worker, start and end (wall clock), outcome, error, and what it used
+    (wall and CPU seconds, peak memory; "" where its worker did not say)."""
     out = []
     for attempt in job.attempts_made():
         out.append(
@@ -103,9 +104,33 @@ def attempts_data(
                 "ended": rfc3339(attempt.ended + wall_offset) if attempt.ended else "",
                 "outcome": attempt.outcome,
                 "error": attempt.error,
+                **usage_cells(attempt.usage),
             }
         )
     return out
+
+
+def usage_cells(usage: Usage | None) -> dict[str, str]:
+    """An attempt's usage as the attempts table shows it."""
+    if usage is None:
+        return {"wall": "", "cpu": "", "max_rss": "", "memory_peak": ""}
+    peak = usage.memory_peak
+    return {
+        "wall": f"{usage.wall:.3f} s",
+        "cpu": f"{usage.cpu:.3f} s",
+        "max_rss": size_text(usage.max_rss),
+        "memory_peak": size_text(peak) if peak is not None else "",
+    }
+
+
+def size_text(size: int) -> str:
+    """Bytes as a person reads them: 512 B, 12.3 KiB, 4.0 MiB, 1.5 GiB."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
 
 
 def actions_of(job: Job) -> list[str]:
