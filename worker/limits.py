@@ -508,9 +508,13 @@ class Jail:
             finally:
                 if user is not None:
                     self._restore()
-        finally:
-            if self.cgroup is not None:
+        except BaseException:
+            if self.cgroup is not None and cgroup_path is not None:
                 self.cgroup.leave()
+                self.cgroup.remove(cgroup_path)
+            raise
+        if self.cgroup is not None:
+            self.cgroup.leave()
         return pid, cgroup_path
 
     def _restore(self) -> None:

@@ -222,6 +222,8 @@ def build_jail(args: argparse.Namespace) -> Jail:
     """Who --exec jobs run as and under which limits; switches to --user on the way (after
     it, the worker holds only what it needs). SetupError when it cannot be done."""
     job_user = resolve_job_user(args.job_user) if args.job_user is not None else None
+    if args.exec_argv is None and (job_user is not None or not _ceilings(args).is_empty()):
+        log.warning("--job-user and the limits apply to --exec jobs; --handler code is trusted")
     if args.user is not None:
         become(args.user, keep_job_caps=job_user is not None)
     elif job_user is not None and os.geteuid() == 0:
