@@ -664,3 +664,27 @@ def test_metrics_sum_what_attempts_used_and_count_failures_by_reason():
     assert sample("controller_job_cpu_seconds_total") == 1.75
     assert sample("controller_job_wall_seconds_total") == 3.0
     assert sample("controller_job_failures_total", {"reason": "limit"}) == 1.0
+
+
+def test_the_console_and_jobctl_show_what_each_attempt_used():
+    from controller.client.jobctl_tables import job_details
+    from controller.jobs import Attempt, Job, JobState
+    from controller.shell.console import pages_jobs, views
+
+    job = Job("j", 1, 1, "http", None)
+    job.history = [Attempt(2, 10.0, 11.5, "failed", "boom", Usage(1.5, 0.75, 3 << 20))]
+    job.attempt_started(3, 12.0)
+    job.usage = Usage(0.5, 0.25, 5 << 20, 7 << 20)
+    job.final, job.updated_at = JobState.FINISHED, 12.5
+    attempts = views.attempts_data(job, 0.0, str)
+    assert [(a["wall"], a["cpu"], a["max_rss"], a["memory_peak"]) for a in attempts] == [
+        ("1.500 s", "0.750 s", "3.0 MiB", ""),
+        ("0.500 s", "0.250 s", "5.0 MiB", "7.0 MiB"),
+    ]
+    shown = httpapi.job_json(job, 0.0)
+    page = pages_jobs.job_page(shown, b"", b"", attempts, [], "csrf", False)
+    assert "max rss" in page and "7.0 MiB" in page and "1.500 s" in page
+    details = job_details(shown)
+    assert "usage              wall 0.500 s, cpu 0.250 s, max_rss 5.0 MiB, memory_peak 7.0 MiB" in (
+        details
+    )
