@@ -3,6 +3,7 @@ checked against the live server by tests/test_http_schema.py with schemathesis).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from controller import httpapi, options
@@ -65,6 +66,26 @@ def _declared(name: str, description: str) -> dict[str, Any]:
 _SHORT = {"type": "string", "maxLength": httpapi.MAX_TEXT}
 _NAME = {"type": "string", "pattern": "^" + options.NAME_RULE + "$"}
 _SECONDS = {"type": "number", "minimum": 0, "maximum": options.MAX_SECONDS}
+
+
+def _years_through(last: int) -> str:
+    """A pattern for an RFC 3339 time whose year is at most `last` (1000..9999)."""
+    digits = str(last)
+    parts = [
+        digits[:i] + f"[0-{int(digits[i]) - 1}]" + "[0-9]" * (3 - i)
+        for i in range(4)
+        if digits[i] != "0"
+    ]
+    return "^(?:" + "|".join([*parts, digits]) + ")-"
+
+
+# run_at: at most 3,650 days ahead, described by its year: until the end of the year 8 years
+# after the document was made (within those days, whatever the day it was made).
+_RUN_AT = {
+    "type": "string",
+    "format": "date-time",
+    "pattern": _years_through(datetime.now(UTC).year + 8),
+}
 # The job options, as POST /job/ takes them.
 # A job's `limits` (DESIGN.md section 15): bytes, or a number with a K, M or G suffix.
 _LIMIT_SIZE: dict[str, Any] = {
@@ -83,7 +104,7 @@ _OPTIONS_IN: dict[str, Any] = {
     },
     "requires": {"type": "array", "items": _NAME, "maxItems": options.MAX_LABELS},
     "delay": _SECONDS,
-    "run_at": {"type": "string", "format": "date-time"},
+    "run_at": _RUN_AT,
     "max_retries": {"type": "integer", "minimum": 0, "maximum": options.MAX_JOB_RETRIES},
     "retry_delay": {"type": "number", "minimum": 0, "maximum": options.MAX_RETRY_DELAY},
     "timeout": _SECONDS,
