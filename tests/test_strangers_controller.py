@@ -688,3 +688,37 @@ def test_the_console_and_jobctl_show_what_each_attempt_used():
     assert "usage              wall 0.500 s, cpu 0.250 s, max_rss 5.0 MiB, memory_peak 7.0 MiB" in (
         details
     )
+
+
+async def test_a_job_the_journal_cannot_record_fails_with_reason_error(
+    sockdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    from controller import journal as journal_module
+    from controller.config import Config
+    from controller.journal import Journal
+    from controller.shell.committer import Committer
+
+    real = journal_module.stored_text
+    monkeypatch.setattr(
+        journal_module, "stored_text", lambda text: object() if text == "canceled" else real(text)
+    )
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), journal)
+    desk.recover(journal.load(), trio.current_time())
+    committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(committer.run)
+        await nursery.start(shell.serve)
+        job = desk.submit("kept", "http", None, desk.pick_task_id(), b"p", trio.current_time())
+        await desk.write_ahead.committed()
+        desk.cancel(job, trio.current_time())
+        await desk.write_ahead.committed()  # the cancel's batch: its change refused
+        await desk.write_ahead.committed()  # the failure staged instead
+        assert (job.state.value, job.reason) == ("failed", "error")
+        nursery.cancel_scope.cancel()
+    journal.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT reason FROM jobs WHERE id = 'kept'").fetchone() == ("error",)

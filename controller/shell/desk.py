@@ -519,6 +519,7 @@ class JobDesk:
             job.result = b""
             job.error = error
             job.updated_at = now
+        job.reason = "error"
         actions: list[Any] = []
         if live and self.scheduling.core.scheduler.cancel(job.ref, now, actions):
             self.scheduling.execute(actions)  # a worker holding it gets it taken back
