@@ -510,3 +510,36 @@ def test_the_cgroup_half_runs_where_a_delegated_cgroup_v2_exists():
     except SetupError as exc:
         pytest.skip(f"no delegated cgroup v2 memory controller here: {exc}")
     pytest.skip("this test process's own cgroup is delegated: the worker's half needs a unit")
+
+
+def test_a_calculators_completed_task_carries_usage(tmp_path):
+    from controller import datagram as dg
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ctl:
+        ctl.bind(("127.0.0.1", 0))
+        ctl.settimeout(20)
+        port = ctl.getsockname()[1]
+        argv = [sys.executable, "-m", "worker", "--udp", f"127.0.0.1:{port}", "--log-level"]
+        proc = subprocess.Popen([*argv, "ERROR", "--exec", "cat"])
+        try:
+            while True:  # its first heartbeat says where it is
+                data, calculator = ctl.recvfrom(65536)
+                beat = dg.decode(data)
+                if beat is not None and beat.get("method") == "heartbeat":
+                    break
+            params: dict[str, object] = {"task_id": 9}
+            dg.put_bytes(params, "payload", b"hello")
+            ctl.sendto(dg.request("perform_task", params, 1), calculator)
+            while True:
+                data, _ = ctl.recvfrom(65536)
+                packet = dg.decode(data)
+                if packet and packet.get("method") == "completed_task":
+                    break
+            ctl.sendto(dg.ack(packet["transmission_id"]), calculator)  # nothing left to send
+            report = packet["params"]
+            assert report["status"] == "success" and dg.read_bytes(report, "result") == b"hello"
+            usage = report["usage"]
+            assert usage["wall"] > 0 and usage["max_rss"] > 0 and usage["cpu"] >= 0
+        finally:
+            proc.terminate()
+            proc.wait(10)

@@ -30,7 +30,7 @@ from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
 from worker.output import SINK, OutputSink
-from worker.runner import Runner, TaskFailed
+from worker.runner import USAGE, Runner, TaskFailed
 
 log = logging.getLogger("worker.calculator")
 
@@ -191,6 +191,10 @@ class Calculator:
             log.exception("job %d: runner crashed", task_id)
             params = {"task_id": task_id, "status": "error", "error": f"worker error: {exc}"}
         SINK.set(None)
+        usage = USAGE.get()
+        if usage is not None:  # what the job used, when it fits the datagram (below)
+            params["usage"] = {"wall": usage.wall, "cpu": usage.cpu, "max_rss": usage.max_rss}
+            USAGE.set(None)
         params, txid, data = self._completion(task_id, params, sink.take(len(sink)))
         if params["status"] == "success":
             self._succeeded[task_id] = params
@@ -211,6 +215,9 @@ class Calculator:
         as much of the end of the job's `output` as fits beside it."""
         txid = next(self._txid)
         data = dg.request("completed_task", params, txid)
+        if len(data) > dg.MAX_INLINE_RESULT and "usage" in params:
+            params = {name: value for name, value in params.items() if name != "usage"}
+            data = dg.request("completed_task", params, txid)
         if len(data) > dg.MAX_INLINE_RESULT:
             error = f"result of {len(data)} bytes encoded is too large for one datagram"
             params = {"task_id": task_id, "status": "error", "error": error}

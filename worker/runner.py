@@ -8,24 +8,32 @@ killed together with its whole process group.
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import inspect
 import os
+import resource
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
 from controller.joblimits import NO_LIMITS, JobLimits
+from gen import worker_protocol_pb2 as pb
 from worker.limits import LIMIT, Jail
 from worker.limits import SetupError as SetupError  # bad --exec or --handler: exit 2
 from worker.output import SINK
 from worker.spawn import Finished, spawn_and_wait
 
 Runner = Callable[[int, bytes], Awaitable[bytes]]
+
+# What the last job run in this context used (a runner called by a calculator or a poller,
+# which read it after the call); None when it was not measured.
+USAGE: contextvars.ContextVar[pb.Usage | None] = contextvars.ContextVar("usage", default=None)
 
 # How much of a failed command's stderr goes back as the error text.
 STDERR_TAIL = 4096
@@ -105,6 +113,7 @@ class HandlerRunner:
         self.max_output = max_output
 
     async def __call__(self, task_id: int, payload: bytes) -> bytes:
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             if self.is_async:
                 value = await self.func(payload)
@@ -114,6 +123,14 @@ class HandlerRunner:
             raise
         except Exception as exc:
             raise self.failure(exc) from None
+        finally:
+            USAGE.set(
+                pb.Usage(
+                    wall=time.perf_counter() - wall,
+                    cpu=max(0.0, time.process_time() - cpu),
+                    max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                )
+            )
         return self.result(value)
 
     @staticmethod
@@ -217,6 +234,7 @@ async def run_command(
         )
     except OSError as exc:
         raise TaskFailed(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    USAGE.set(done.usage)
     return command_outcome(argv[0], done, max_output)
 
 
