@@ -76,12 +76,15 @@ class Seen:
             self._turn_at = now + TRANSMISSION_MEMORY
         key = (addr, txid)
         if key not in self._new:
-            self._new_bytes += SEEN_OVERHEAD + (len(answer) if answer is not None else 0)
-        self._new[key] = answer
-        if len(self._new) >= MAX_TRANSMISSIONS // 2 or self._new_bytes >= self.memory / 2:
-            self._turn(now)
-            if self._old_bytes > self.memory:  # one answer larger than all of memory
+            size = SEEN_OVERHEAD + (len(answer) if answer is not None else 0)
+            if 2 * size > self.memory:  # more than a generation may hold: no copy is kept
+                return
+            if 2 * (self._new_bytes + size) > self.memory:  # the older generation goes
                 self._turn(now)
+            self._new_bytes += size
+        self._new[key] = answer
+        if len(self._new) >= MAX_TRANSMISSIONS // 2:
+            self._turn(now)
 
     def expire(self, now: float) -> None:
         if now >= self._turn_at:

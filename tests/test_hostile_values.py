@@ -38,6 +38,7 @@ from controller.core import Core, PulseReceived, Reply
 from controller.core.local import MAX_LOCAL_WORKERS, MAX_NEXT_PULSE
 from controller.core.model import TaskState
 from controller.jobs import Job
+from controller.transmissions import SEEN_OVERHEAD, Seen
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import (
     REDIS_SERVER,
@@ -574,3 +575,20 @@ def test_a_journal_holding_a_time_past_the_years_still_lists_shows_and_deletes(
         assert (status, job["state"]) == (200, "deleted")
         doors.every_view_answers("poison-1")
         doors.runs_a_normal_job()
+
+
+# ---------------------------------------------------------------- the UDP door's answer memory
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    memory=st.integers(min_value=0, max_value=200_000),
+    sizes=st.lists(st.integers(min_value=0, max_value=70_000), max_size=60),
+)
+def test_remembered_answers_never_hold_more_than_udp_memory(memory: int, sizes: list[int]) -> None:
+    seen = Seen(memory)
+    for txid, size in enumerate(sizes):
+        seen.remember(("127.0.0.1", 9), txid, b"a" * size, float(txid))
+        assert seen.held_bytes <= memory
+    if sizes and SEEN_OVERHEAD + sizes[-1] <= memory // 4:  # the newest is kept
+        assert seen.get(("127.0.0.1", 9), len(sizes) - 1) == (b"a" * sizes[-1],)
