@@ -10,11 +10,14 @@ controllers keep a periodic job every 2 s, and no due time may be made twice.
 Meanwhile this kills workers, calculators and pollers with SIGKILL, SIGSTOPs
 local workers for a while, kills either controller with SIGKILL and starts it
 again on its journal, restarts redis-server, holds slow and silent HTTP
-connections open, and throws garbage datagrams at the UDP door and garbage
+connections open, floods the HTTP door from one address with connections that
+trickle header bytes, opens one-request connections in a row, sends large payloads
+to a queue nobody serves, makes a served queue's Redis stream key a string for a
+while, throws garbage datagrams at the UDP door and garbage
 connections at main.sock, and hostile values at every door (task_ids over 63
 bits, nested objects where numbers or text belong, lone surrogates in text,
-ids of another door's jobs: see `hostile_datagrams`, `HOSTILE_BODIES` and
-`hostile_entries`). Every process is supervised the way systemd's
+times too far ahead, ids of another door's jobs: see `hostile_datagrams`,
+`HOSTILE_BODIES` and `hostile_entries`). Every process is supervised the way systemd's
 Restart=always would. At the end it waits for every acknowledged job to end
 and checks that each has exactly one final outcome at its door. Exit status 1
 when an acknowledged job was lost.
@@ -28,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket as stdsocket
 import sqlite3
@@ -60,12 +64,15 @@ NOT_ACKED = "add_task was not acknowledged"
 # with priorities and several owners, and every job has some worker that may take it.
 WORKER_SERVES = (
     ("--queues", "default,bulk", "--labels", "gpu"),
-    ("--queues", "default"),
+    ("--queues", "default,spare"),
     ("--queues", "default,urgent"),
 )
 CALCULATOR_SERVES = ("--queues", "bulk,urgent")
 POLLER_SERVES = ("--queues", "default,bulk", "--labels", "gpu")
 QUEUES = ("default", "bulk", "urgent")
+# Served by a worker but given no jobs: its Redis stream key is made a string for a while,
+# which must stop that queue's stream alone.
+SPARE_QUEUE = "spare"
 # A periodic job every 2 s in both controllers: with Redis, each due time is made once in all.
 SCHEDULE = {"name": "tick", "every": 2, "payload": "tick", "queue": "bulk"}
 
@@ -82,6 +89,10 @@ def job_options(rng: random.Random) -> dict[str, Any]:
     return options
 
 
+# Past year 9999 once in UTC: must be refused as too far ahead, never break an answer later.
+EXTREME_RUN_AT = "9999-12-31T23:59:59-23:59"
+# A queue no worker serves: large payloads sent there fill max_pending_bytes, not memory.
+NOBODYS_QUEUE = "chaos-nobody"
 # Seconds a hostile HTTP request may take (the door may be down: a SIGKILL, a restart).
 HOSTILE_HTTP_TIMEOUT = 5.0
 
@@ -124,6 +135,19 @@ def hostile_datagrams(n: int) -> list[bytes]:
             "transmission_id": n,
             "params": {"task_id": 1, "status": "success", "result_b64": {"x": "\udfff"}},
         },
+        # Times too far ahead (more than 3,650 days, or past year 9999 once in UTC).
+        {
+            "method": "add_task",
+            "packet_type": 1,
+            "transmission_id": n,
+            "params": {"task_id": big, "run_at": EXTREME_RUN_AT},
+        },
+        {
+            "method": "add_task",
+            "packet_type": 1,
+            "transmission_id": n,
+            "params": {"task_id": 1, "delay": 1e308},
+        },
     ]
     return [json.dumps(packet).encode() for packet in packets]
 
@@ -143,6 +167,13 @@ HOSTILE_BODIES: list[tuple[str, str, str]] = [
     ("PUT", "/job/{job}/", '{"log": "\\ud800"}'),
     ("PUT", "/job/{job}/", '{"state": "failed", "worker": "\\ud800", "error": "\\udfff"}'),
     ("POST", "/job/", "\xff\xfe not JSON"),
+    ("POST", "/job/", '{"id": "{job}-far", "run_at": "' + EXTREME_RUN_AT + '"}'),
+    ("POST", "/job/", '{"delay": "NaN"}'),
+    ("POST", "/job/", '{"delay": 1e308, "queue": "chaos-never"}'),
+    # No value accepted before may break a listing or a page afterwards (500 counts).
+    ("GET", "/job/?limit=1000", ""),
+    ("GET", "/job/?state=scheduled", ""),
+    ("GET", "/ui/jobs", ""),
 ]
 
 
@@ -153,6 +184,8 @@ def hostile_entries(n: int) -> list[dict[str, bytes]]:
         {"id": f"hostile-{n}".encode(), "payload": f"hostile-redis-twin-{n}".encode()},
         {"id": b"x" * 300, "payload": b"too long an id"},
         {"name": b"\xff\xfe\xed\xa0\x80", "payload": f"hostile-redis-{n}".encode()},
+        {"run_at": EXTREME_RUN_AT.encode(), "payload": b"too far ahead"},
+        {"delay": b"inf", "payload": b"never"},
     ]
 
 
@@ -179,15 +212,38 @@ def recording_job(execlog: Path) -> list[str]:
     return ["--exec", "sh", "-c", f'input=$(cat); echo "$input" >> {execlog}; printf %s "$input"']
 
 
+# Numeric uids for the local workers' job users (`--job-user`, one per slot; no passwd entry
+# needed): controller A's slots from the base, controller B's worker at the base less one.
+JOB_UID_BASE = 64100
+
+
+def shared_execlog() -> Path:
+    """A log every job user can append to: a directory of its own that others may enter but
+    not list, the file writable by all (the run's workdir may sit below directories job
+    users cannot enter)."""
+    directory = Path(tempfile.mkdtemp(prefix="chaos-exec-"))
+    directory.chmod(0o711)
+    execlog = directory / "executions.log"
+    execlog.touch()
+    execlog.chmod(0o666)
+    return execlog
+
+
 async def run(
-    seconds: float, seed: int, workers: int, workdir: Path, doors: set[str], journal_sync: str
+    seconds: float,
+    seed: int,
+    workers: int,
+    workdir: Path,
+    doors: set[str],
+    journal_sync: str,
+    job_users: bool = False,
 ) -> int:
     rng = random.Random(seed)
     port = free_udp_port()
     http_port = free_tcp_port()
     sockdir = workdir / "s"
     sockdir.mkdir(mode=0o750)
-    execlog = workdir / "executions.log"
+    execlog = shared_execlog() if job_users else workdir / "executions.log"
     execlog.touch()
     job = recording_job(execlog)
     server: RedisServer | None = None
@@ -214,7 +270,8 @@ async def run(
     commands = {"controller": controller_argv(config, log_level="WARNING")}
     for slot in range(workers):
         serves = WORKER_SERVES[slot % len(WORKER_SERVES)]
-        commands[f"worker{slot}"] = worker_argv(sockdir, "--pulse", "0.3", *serves, *job)
+        user = ("--job-user", str(JOB_UID_BASE + slot)) if job_users else ()
+        commands[f"worker{slot}"] = worker_argv(sockdir, "--pulse", "0.3", *serves, *user, *job)
     calc = [sys.executable, "-m", "worker", "--log-level", "ERROR", "--pulse", "0.3"]
     commands["calculator"] = [*calc, "--udp", f"127.0.0.1:{port}", *CALCULATOR_SERVES, *job]
     if "http" in doors:
@@ -238,7 +295,8 @@ async def run(
             schedules=[SCHEDULE],
         )
         commands["controller_b"] = controller_argv(b_config, log_level="WARNING")
-        commands["worker_b"] = worker_argv(b_sockets, "--pulse", "0.3", *job)
+        user = ("--job-user", str(JOB_UID_BASE - 1)) if job_users else ()
+        commands["worker_b"] = worker_argv(b_sockets, "--pulse", "0.3", *user, *job)
     controller_log = (workdir / "controller.log").open("ab")
     b_log = (workdir / "controller_b.log").open("ab")
     tally = Tally()
@@ -280,6 +338,73 @@ async def run(
                 with trio.move_on_after(0.5):
                     await conn.send_all(head)
             await trio.sleep(rng.uniform(1.0, 6.0))
+
+    async def slow_header_flood() -> None:
+        """Connections from one address, each sending a header byte now and then: they may
+        hold that address's places (max_connections_per_client), never everyone's."""
+
+        async def trickle() -> None:
+            try:
+                conn = await trio.open_tcp_stream("127.0.0.1", http_port)
+            except OSError:
+                return
+            async with conn:
+                with contextlib.suppress(OSError, trio.BrokenResourceError):
+                    for byte in b"GET /health/ HTTP/1.1\r\nHost: x\r\n":
+                        await conn.send_all(bytes([byte]))
+                        await trio.sleep(rng.uniform(0.5, 2.0))
+
+        with trio.move_on_after(8):
+            async with trio.open_nursery() as flood:
+                for _ in range(100):
+                    flood.start_soon(trickle)
+
+    async def one_request_connections() -> None:
+        """Many connections in a row, each one request with `Connection: close`."""
+        for _ in range(60):
+            tally.hostile += 1
+            if await raw_http("GET", "/health/", b"") == 500:
+                tally.hostile_internal += 1
+
+    async def oversized_queue(n: int) -> None:
+        """Large payloads to a queue nobody serves, deleted again a moment later."""
+        body = json.dumps({"queue": NOBODYS_QUEUE, "payload": "x" * (2 << 20)}).encode()
+        ids = []
+        for i in range(8):
+            tally.hostile += 1
+            job_id = f"oversized-{n}-{i}"
+            status = await raw_http(
+                "POST", "/job/", body.replace(b"{", b'{"id": "%s", ' % job_id.encode(), 1)
+            )
+            if status == 500:
+                tally.hostile_internal += 1
+            ids.append(job_id)
+        await trio.sleep(2)
+        for job_id in ids:
+            await raw_http("DELETE", f"/job/{job_id}/", b"")
+
+    async def wrong_typed_stream() -> None:
+        """The spare queue's stream key holds a string for a few seconds."""
+        assert server is not None
+
+        def set_key(present: bool) -> None:
+            r = redis.Redis.from_url(server.url, socket_timeout=HOSTILE_HTTP_TIMEOUT)
+            try:
+                key = f"jobs.{SPARE_QUEUE}"
+                if present:
+                    r.delete(key)
+                    r.set(key, "notastream")
+                else:
+                    r.delete(key)
+            except redis.RedisError:
+                pass  # restarting
+            finally:
+                r.close()
+
+        await trio.to_thread.run_sync(set_key, True)
+        await trio.sleep(rng.uniform(2.0, 5.0))
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(set_key, False)
 
     async def raw_http(method: str, path: str, body: bytes) -> int:
         """One request on a connection of its own: the answer's status (0: no answer)."""
@@ -344,9 +469,10 @@ async def run(
         rounds = 0
         actions.append("kill_calculator")
         if "http" in doors:
-            actions += ["kill_poller", "slow_http"]
+            actions += ["kill_poller", "slow_http", "slow_header_flood"]
+            actions += ["one_request_connections", "oversized_queue"]
         if server is not None:
-            actions += ["restart_redis", "kill_controller_b"]
+            actions += ["restart_redis", "kill_controller_b", "wrong_typed_stream"]
         while trio.current_time() < submit_until:
             await trio.sleep(rng.uniform(0.3, 1.2))
             action = rng.choice(actions)
@@ -382,6 +508,19 @@ async def run(
                     await trio.sleep(rng.uniform(0.2, 2.0))
                     await trio.to_thread.run_sync(server.start)
                 tally.kills["redis-server restart"] += 1
+            elif action == "slow_header_flood":
+                nursery.start_soon(slow_header_flood)
+                tally.kills["slow-header floods x100 from one address"] += 1
+            elif action == "one_request_connections":
+                nursery.start_soon(one_request_connections)
+                tally.kills["one-request connections x60 in a row"] += 1
+            elif action == "oversized_queue":
+                rounds += 1
+                nursery.start_soon(oversized_queue, rounds)
+                tally.kills["2 MiB payloads x8 to a queue nobody serves"] += 1
+            elif action == "wrong_typed_stream":
+                nursery.start_soon(wrong_typed_stream)
+                tally.kills["a queue's stream key made a string"] += 1
             elif action == "slow_http":
                 for _ in range(3):
                     nursery.start_soon(slow_http, rng.random() < 0.5)
@@ -511,7 +650,12 @@ async def run(
         b_log.close()
         sock.close()
     duplicates = client.duplicates if client is not None else 0
-    return report(tally, execlog, duplicates, workdir, redis_check)
+    try:
+        return report(tally, execlog, duplicates, workdir, redis_check)
+    finally:
+        if job_users:  # keep the log with the run's other files
+            shutil.copy(execlog, workdir / "executions.log")
+            shutil.rmtree(execlog.parent, ignore_errors=True)
 
 
 def check_redis(server: RedisServer, tally: Tally) -> dict[str, int]:
@@ -662,7 +806,15 @@ def main() -> None:
     parser.add_argument(
         "--workdir", metavar="DIR", help="where logs and the journal go (default: a new temp dir)"
     )
+    parser.add_argument(
+        "--job-users",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run each local worker's --exec jobs as a uid of its own (--job-user "
+        f"{JOB_UID_BASE}, {JOB_UID_BASE + 1}, ...); auto: when run as root (default)",
+    )
     args = parser.parse_args()
+    job_users = args.job_users == "on" or (args.job_users == "auto" and os.geteuid() == 0)
     seconds = min(args.seconds, 300.0)
     doors = {door.strip() for door in args.doors.split(",") if door.strip()}
     unknown = doors - set(DOORS)
@@ -679,10 +831,15 @@ def main() -> None:
         f"{args.workers} local workers + a calculator"
         + (" + a poller" if "http" in doors else "")
         + (" + controller B with one worker on the stream" if "redis" in doors else "")
+        + (", jobs of each local worker as a uid of their own" if job_users else "")
         + f", in {workdir}",
         flush=True,
     )
-    sys.exit(trio.run(run, seconds, args.seed, args.workers, workdir, doors, args.journal_sync))
+    sys.exit(
+        trio.run(
+            run, seconds, args.seed, args.workers, workdir, doors, args.journal_sync, job_users
+        )
+    )
 
 
 if __name__ == "__main__":
