@@ -406,6 +406,7 @@ class Jail:
         # What a job inherits from the worker as it is (set on the worker itself in setup):
         # no prlimit needed for those.
         self._inherited: dict[int, tuple[int, int]] = {}
+        self._plans: dict[JobLimits, list[tuple[int, tuple[int, int]]]] = {}
 
     @property
     def active(self) -> bool:
@@ -490,12 +491,12 @@ class Jail:
             try:
                 pid = start(user is not None)
                 self._dirty = True
-                plan = rlimit_plan(limits, self._hard, per_user=user is not None)
-                inherited = self._inherited
+                plan = self._plans.get(limits)
+                if plan is None:
+                    plan = self._plan(limits)
                 try:
                     for res, pair in plan:
-                        if inherited.get(res) != pair:
-                            resource.prlimit(pid, res, pair)
+                        resource.prlimit(pid, res, pair)
                 except ProcessLookupError:
                     pass  # it has already ended
                 except PermissionError:
@@ -516,6 +517,18 @@ class Jail:
         if self.cgroup is not None:
             self.cgroup.leave()
         return pid, cgroup_path
+
+    def _plan(self, limits: JobLimits) -> list[tuple[int, tuple[int, int]]]:
+        """The prlimit calls a job with these limits needs (what it inherits from the worker
+        left out), kept: most jobs have the same limits."""
+        plan = [
+            (res, pair)
+            for res, pair in rlimit_plan(limits, self._hard, per_user=self.job_user is not None)
+            if self._inherited.get(res) != pair
+        ]
+        if len(self._plans) < 64:
+            self._plans[limits] = plan
+        return plan
 
     def _restore(self) -> None:
         ruid, _, suid = self._own_uids
