@@ -74,3 +74,23 @@ def test_spawn_and_wait_runs_it_in_a_trio_task() -> None:
 
     done = trio.run(main)
     assert (done.code, bytes(done.stdout)) == (0, b"payload")
+
+
+def test_what_it_used_comes_back_with_its_exit() -> None:
+    with select.epoll() as epoll:
+        command = Command(epoll, CAT, ["cat"], dict(os.environ), b"x" * 100_000, **LIMITS)
+        done, _ = serve(epoll, command)
+    assert done.usage is not None
+    assert done.usage.wall > 0 and done.usage.max_rss > 0 and done.usage.cpu >= 0
+    assert done.limit == ""
+
+
+def test_its_end_stops_what_it_left_in_its_process_group() -> None:
+    """A background process holding its stdout no longer keeps the command running."""
+    sh = shutil.which("sh") or "/bin/sh"
+    with select.epoll() as epoll:
+        command = Command(
+            epoll, sh, ["sh", "-c", "sleep 30 & echo left"], dict(os.environ), b"", **LIMITS
+        )
+        done, _ = serve(epoll, command)  # serve() gives up after 5 s of silence
+    assert (done.code, bytes(done.stdout)) == (0, b"left\n")
