@@ -642,7 +642,7 @@ def _make_writable(top: str) -> None:
         os.chmod(top, 0o700)
     for root, dirs, _ in os.walk(top):
         for name in dirs:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, NotImplementedError):
                 os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
 
 

@@ -318,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             declared=declared,
         )
         log.info("calculator for %s:%d", *args.udp)
-        return trio.run(calculator.run)
+        try:
+            return trio.run(calculator.run)
+        finally:
+            jail.close()
     if args.hub is not None:
         try:
             poller = Poller(
@@ -335,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"worker: {exc}", file=sys.stderr)
             return 2
         log.info("poller %s for %s", poller.name, args.hub)
-        return trio.run(poller.run)
+        try:
+            return trio.run(poller.run)
+        finally:
+            jail.close()
     worker = LeanWorker(
         config.socket_dir,
         runner,
