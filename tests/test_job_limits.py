@@ -543,3 +543,12 @@ def test_a_calculators_completed_task_carries_usage(tmp_path):
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+@root_only
+def test_a_worker_leaving_stops_every_process_of_its_job_user(tmp_path):
+    """Its subreaper role ends with it: whatever still runs as its job user is stopped."""
+    with worker(tmp_path, "--job-user", str(JOB_UID), "--exec", "true") as w:
+        w.run()
+        stray = subprocess.Popen(["sleep", "30"], user=JOB_UID, group=JOB_UID, extra_groups=[])
+    assert stray.wait(10) == -signal.SIGKILL

@@ -605,7 +605,10 @@ class Jail:
             self._tmp_ctime = os.stat(self.tmpdir).st_ctime_ns
 
     def close(self) -> None:
-        """At the worker's end: its TMPDIR goes."""
+        """At the worker's end: every process of its job user is stopped (the worker is no
+        longer there to be their subreaper), and its TMPDIR goes."""
+        if self.job_user is not None:
+            kill_user(self.job_user.uid)
         self._dirty = True
         self._tmp_ctime = 0
         self.clean()
@@ -659,6 +662,25 @@ def reap_orphans(children_fd: int) -> None:
             return
         for pid in children:
             _kill_now(int(pid))
+
+
+def kill_user(uid: int) -> None:
+    """SIGKILL every process running as `uid` (a job user's: nothing else runs as it)."""
+    me = os.getpid()
+    for _ in range(8):  # a process forking meanwhile: its child is found next round
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if entry.stat().st_uid != uid:
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+                found = True
+            except OSError:
+                continue
+        if not found:
+            return
 
 
 def _ended(pid: int) -> bool:
