@@ -552,3 +552,10 @@ def test_a_worker_leaving_stops_every_process_of_its_job_user(tmp_path):
         w.run()
         stray = subprocess.Popen(["sleep", "30"], user=JOB_UID, group=JOB_UID, extra_groups=[])
     assert stray.wait(10) == -signal.SIGKILL
+
+
+def test_a_job_user_in_the_workers_own_group_is_refused():
+    from worker.limits import Jail, JobUser
+
+    with pytest.raises(SetupError, match="a group of its own"):
+        Jail(JobUser(61001, os.getegid(), "shares-my-group")).setup()

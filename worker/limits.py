@@ -425,6 +425,11 @@ class Jail:
         if user is not None:
             if user.uid == os.geteuid() or user.uid == os.getuid():
                 raise SetupError(f"--job-user {user.name!r} is the worker's own user")
+            if user.gid in (os.getegid(), os.getgid()):
+                raise SetupError(
+                    f"--job-user {user.name!r}: its group {user.gid} is the worker's own "
+                    "(the socket directory's): a job user needs a group of its own"
+                )
             try:
                 if os.getgroups():
                     os.setgroups([])  # a job inherits the worker's supplementary groups
