@@ -5,7 +5,9 @@ reproduces one finding."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -20,7 +22,9 @@ from tests.test_hostile_http import (  # noqa: F401 (the fixture closes what a t
     _get,
 )
 from tests.test_http import http_controller
-from tests.test_job_limits import PYTHON, worker
+from tests.test_job_limits import JOB_UID, PYTHON, root_only, worker
+
+SHM = Path("/dev/shm")
 
 
 def test_a_jobs_own_limits_hold_on_a_worker_without_job_users_or_ceilings(tmp_path):
@@ -63,3 +67,31 @@ async def test_one_host_cannot_take_every_place_by_changing_its_source_address(s
             assert answer.startswith(b"HTTP/1.1 200")
             return
         raise AssertionError(f"refused: {conns.open} open of {conns.limit}, {conns.by_client}")
+
+
+@root_only
+@pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm (tmpfs) on this host")
+@pytest.mark.xfail(
+    strict=True,
+    reason="only the slot's TMPDIR is emptied between jobs: files its job user leaves in "
+    "/dev/shm, /tmp or /var/tmp stay for the slot's next job (another owner's); reported",
+)
+def test_a_file_a_job_leaves_in_dev_shm_is_gone_before_the_slots_next_job(tmp_path):
+    """Job code of one owner leaves a private file (0600) where any program may write: the
+    slot's next job runs as the same user, so another owner's job reads it."""
+    name = f"probe-leftover-{os.getpid()}"
+    job = [
+        "sh",
+        "-c",
+        f'if [ "$(cat)" = leave ]; then echo secret > /dev/shm/{name}; fi; '
+        f"cat /dev/shm/{name} 2>/dev/null; true",
+    ]
+    try:
+        with worker(tmp_path, "--job-user", str(JOB_UID), "--exec", *job) as w:
+            answer, text = w.run(b"leave")
+            assert (answer.error, text) == (pb.WORKER_ERR_OK, b"secret\n")
+            answer, text = w.run(b"look")  # the next owner's job
+            assert (answer.error, text) == (pb.WORKER_ERR_OK, b"")
+    finally:
+        with contextlib.suppress(OSError):
+            (SHM / name).unlink()
