@@ -119,3 +119,17 @@ def test_memory_a_job_puts_in_tmpfs_counts_against_its_memory_max(tmp_path):
     finally:
         with contextlib.suppress(OSError):
             (SHM / name).unlink()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RLIMIT_CPU counts each process's CPU alone: a job's children, each under "
+    "cpu_time, add up past it; reported (a cgroup's cpu.stat, or the job's rusage, could tell)",
+)
+def test_a_job_whose_children_together_pass_cpu_time_fails_with_reason_limit(tmp_path):
+    spin = "import time\nwhile time.process_time() < 0.7: pass"
+    job = ["sh", "-c", f"for n in 1 2 3 4; do {PYTHON} -c '{spin}'; done; echo done"]
+    with worker(tmp_path, "--cpu-time", "1", "--exec", *job) as w:
+        answer, text = w.run()
+        assert answer.usage.cpu > 2.5, answer  # four children of 0.7 s each
+        assert answer.reason == "limit", (text, answer.usage.cpu)
