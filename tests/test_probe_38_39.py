@@ -5,8 +5,10 @@ reproduces one finding."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import trio
 
 from controller.joblimits import JobLimits
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import wait_until
+from tests.helpers import live_controller, wait_for_condition, wait_until
 from tests.test_hostile_http import (  # noqa: F401 (the fixture closes what a test opened)
     _answer,
     _close_what_the_test_opened,
@@ -133,3 +135,21 @@ def test_a_job_whose_children_together_pass_cpu_time_fails_with_reason_limit(tmp
         answer, text = w.run()
         assert answer.usage.cpu > 2.5, answer  # four children of 0.7 s each
         assert answer.reason == "limit", (text, answer.usage.cpu)
+
+
+def test_a_schedule_makes_no_job_past_max_pending(tmp_path):
+    """Every new job counts against max_pending: a schedule into a queue nobody serves used to
+    make a job each time it was due, past the limit and on without end."""
+    tick = {"name": "tick", "every": 1, "payload": "tock"}
+    with live_controller(tmp_path, schedules=[tick], max_pending=2) as ctl:
+        log = tmp_path / "controller.log"
+
+        def made() -> list[str]:
+            with urllib.request.urlopen(f"{ctl.url}/job/?limit=1000", timeout=10) as resp:
+                return [job for job in json.load(resp) if job.startswith("cron-tick-")]
+
+        def refused() -> bool:
+            return "max_pending" in log.read_text(errors="replace")
+
+        wait_for_condition(lambda: refused() or len(made()) > 2, 20)
+        assert len(made()) == 2 and refused(), made()
