@@ -82,10 +82,15 @@ def _split(data: bytes) -> tuple[pb.WorkerResponse, bytes]:
 
 
 @contextlib.contextmanager
-def worker(tmp: Path, *args: str) -> Iterator[Driver]:
+def worker(tmp: Path, *args: str, user: int | None = None) -> Iterator[Driver]:
+    """`user`: started as root with `--user` that uid (then `tmp` must be one it can reach)."""
     tmp.chmod(0o750)
     ctl = MiniController(tmp)
     ctl.listener.settimeout(30)
+    if user is not None:
+        os.chown(tmp, user, 0)  # it binds its own socket there
+        (tmp / "main.sock").chmod(0o777)  # and dials the controller
+        args = ("--user", str(user), *args)
     proc = subprocess.Popen(worker_argv(tmp, *args, log_level="INFO"), stderr=subprocess.PIPE)
     try:
         ctl.wait_for(pb.PULSE_OK)
@@ -665,10 +670,12 @@ int main(void) {
 
 @root_only
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the job")
-def test_processes_a_job_makes_before_its_limits_land_get_them_too(tmp_path):
+@pytest.mark.parametrize("worker_user", [None, 61005], ids=["root", "user"])
+def test_processes_a_job_makes_before_its_limits_land_get_them_too(sockdir, worker_user):
     """posix_spawn returns before the job's limits are set on it (prlimit); what it forks in
     that moment is found and limited as well: its threads' children and the orphans that
-    come back to the worker."""
+    come back to the worker; by a worker running as root, and by one that runs as its
+    `--user` with only CAP_SETUID, CAP_SETGID and CAP_KILL."""
     with tempfile.TemporaryDirectory() as build:  # under /tmp: the job user can run it
         os.chmod(build, 0o755)
         source, program = Path(build, "early.c"), Path(build, "early")
@@ -684,7 +691,7 @@ def test_processes_a_job_makes_before_its_limits_land_get_them_too(tmp_path):
         assert made.returncode == 0, made.stderr
         limited = f"{1 << 30} 60\n".encode()
         args = ["--job-user", str(JOB_UID), "--memory-max", "1G", "--cpu-time", "60"]
-        with worker(tmp_path, *args, "--exec", str(program)) as w:
+        with worker(sockdir, *args, "--exec", str(program), user=worker_user) as w:
             for _ in range(4):
                 for first in (b"child ", b"child ", b"grandchild "):
                     answer, text = w.run()
