@@ -73,11 +73,6 @@ async def test_one_host_cannot_take_every_place_by_changing_its_source_address(s
 
 @root_only
 @pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm (tmpfs) on this host")
-@pytest.mark.xfail(
-    strict=True,
-    reason="only the slot's TMPDIR is emptied between jobs: files its job user leaves in "
-    "/dev/shm, /tmp or /var/tmp stay for the slot's next job (another owner's); reported",
-)
 def test_a_file_a_job_leaves_in_dev_shm_is_gone_before_the_slots_next_job(tmp_path):
     """Job code of one owner leaves a private file (0600) where any program may write: the
     slot's next job runs as the same user, so another owner's job reads it."""

@@ -396,6 +396,8 @@ class Jail:
         self.ceilings = ceilings
         self.cgroup = cgroup
         self.tmpdir: str | None = None
+        # SHARED_TEMP_DIRS' mtimes when last looked at, and when (see _remove_owned).
+        self._shared_seen: dict[str, tuple[int, float] | None] = {}
         self._hard = {res: resource.getrlimit(res)[1] for _, res in _RLIMITS}
         self._own_uids = os.getresuid()  # real and saved taken back after each spawn
         self._own_gids = os.getresgid()
@@ -652,7 +654,9 @@ class Jail:
         with self._as_job_user(self.job_user):
             _empty(self.tmpdir)
             for shared in SHARED_TEMP_DIRS:
-                _remove_owned(shared, self.job_user.uid)
+                self._shared_seen[shared] = _remove_owned(
+                    shared, self.job_user.uid, self._shared_seen.get(shared)
+                )
 
     def ended(self, pid: int) -> None:
         """The job's main process `pid` has exited (not reaped yet): stop what it left that
@@ -689,14 +693,30 @@ class Jail:
 SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
-def _remove_owned(directory: str, uid: int) -> None:
+# Seconds a directory's mtime must be older than a look at it before an unchanged mtime
+# proves that nothing was made in it since (a timestamp moves in clock ticks, some coarse).
+SETTLED = 1.0
+
+
+def _remove_owned(
+    directory: str, uid: int, seen: tuple[int, float] | None
+) -> tuple[int, float] | None:
     """Remove the entries of `directory` that `uid` owns (run as that uid: in a sticky
-    directory it can remove only its own, and nothing is followed through a symlink)."""
+    directory it can remove only its own, and nothing is followed through a symlink).
+    `seen`: (its mtime, when we looked) at the last look, which is skipped when nothing was
+    made there since; returns what to pass next time."""
+    try:
+        mtime = os.stat(directory).st_mtime_ns
+    except OSError:
+        return None
+    if seen is not None and seen[0] == mtime and mtime / 1e9 < seen[1] - SETTLED:
+        return seen
+    looked = time.time()
     try:
         with os.scandir(directory) as entries:
             owned = [e for e in entries if e.stat(follow_symlinks=False).st_uid == uid]
     except OSError:
-        return
+        return None
     for entry in owned:
         try:
             if entry.is_dir(follow_symlinks=False):
@@ -706,6 +726,9 @@ def _remove_owned(directory: str, uid: int) -> None:
                 os.unlink(entry.path)
         except OSError as exc:
             log.warning("cannot remove %s a job left: %s", entry.path, exc)
+    if owned:  # removing changed the mtime: look again next time
+        return None
+    return mtime, looked
 
 
 def _empty(directory: str) -> None:
