@@ -20,7 +20,8 @@ tables and the faults after it), an exec wrapper (`prlimit`, `setpriv`, even a s
   a job, before its own limits land, stay under them. What the job forked or cloned in those
   microseconds (with the worker's limits) is found right after, from /proc (its threads'
   children, the orphans that came back to the worker, their children), and given the limits
-  too (`Jail._catch_up`: about 14 us of CPU a job that has not forked).
+  too (`Jail._catch_up`: about 14 us of CPU a job that has not forked, 20 with
+  memory_max).
 - A cgroup v2 per job where the worker's subtree is delegated: the worker moves itself into
   the job's cgroup for the spawn, so the child is born there, and back.
 
