@@ -675,7 +675,7 @@ class Jail:
             _empty(self.tmpdir)
             for shared in SHARED_TEMP_DIRS:
                 self._shared_seen[shared] = _remove_owned(
-                    shared, self.job_user.uid, self._shared_seen.get(shared)
+                    shared, self.job_user.uid, self._shared_seen.get(shared), self.tmpdir
                 )
 
     def ended(self, pid: int) -> None:
@@ -719,12 +719,13 @@ SETTLED = 1.0
 
 
 def _remove_owned(
-    directory: str, uid: int, seen: tuple[int, float] | None
+    directory: str, uid: int, seen: tuple[int, float] | None, keep: str | None = None
 ) -> tuple[int, float] | None:
     """Remove the entries of `directory` that `uid` owns (run as that uid: in a sticky
     directory it can remove only its own, and nothing is followed through a symlink).
     `seen`: (its mtime, when we looked) at the last look, which is skipped when nothing was
-    made there since; returns what to pass next time."""
+    made there since; returns what to pass next time. `keep`: a path left alone (the slot's
+    own TMPDIR, emptied apart)."""
     try:
         mtime = os.stat(directory).st_mtime_ns
     except OSError:
@@ -734,7 +735,9 @@ def _remove_owned(
     looked = time.time()
     try:
         with os.scandir(directory) as entries:
-            owned = [e for e in entries if e.stat(follow_symlinks=False).st_uid == uid]
+            owned = [
+                e for e in entries if e.path != keep and e.stat(follow_symlinks=False).st_uid == uid
+            ]
     except OSError:
         return None
     for entry in owned:
