@@ -25,9 +25,9 @@ from controller.client.http import (
     HttpPool,
     _peer_closed,
     http_address,
-    token_problem,
 )
 from controller.client.httpwire import MAX_HEAD, Exchange, StreamedAnswer
+from controller.tokens import token_problem
 from tests.helpers import free_tcp_port, wait_until
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'

@@ -543,3 +543,51 @@ def test_a_calculators_completed_task_carries_usage(tmp_path):
         finally:
             proc.terminate()
             proc.wait(10)
+
+
+@root_only
+def test_a_worker_leaving_stops_every_process_of_its_job_user(tmp_path):
+    """Its subreaper role ends with it: whatever still runs as its job user is stopped."""
+    with worker(tmp_path, "--job-user", str(JOB_UID), "--exec", "true") as w:
+        w.run()
+        stray = subprocess.Popen(["sleep", "30"], user=JOB_UID, group=JOB_UID, extra_groups=[])
+    assert stray.wait(10) == -signal.SIGKILL
+
+
+def test_a_job_user_in_the_workers_own_group_is_refused():
+    from worker.limits import Jail, JobUser
+
+    with pytest.raises(SetupError, match="a group of its own"):
+        Jail(JobUser(61001, os.getegid(), "shares-my-group")).setup()
+
+
+# A job that leaves a chain of processes, each in a session of its own and the parent of the
+# next, all holding its stdout: only its main process ends. The worker, their subreaper, gets
+# one link back for each link it stops.
+CHAIN = """
+import os, sys, time
+ready_r, ready_w = os.pipe()
+for level in range(int(sys.argv[2])):
+    if os.fork():
+        if level == 0:
+            os.read(ready_r, 1)  # the whole chain is there
+            print("started", flush=True)
+            os._exit(0)
+        while True:
+            time.sleep(60)
+    os.setsid()
+os.write(ready_w, b"x")
+os.execvp("sleep", ["sleep", sys.argv[1]])
+"""
+
+
+@root_only
+def test_a_chain_of_sessions_a_job_leaves_is_stopped_when_it_ends(tmp_path):
+    marker = "30.6262"
+    job = [PYTHON, "-c", CHAIN, marker, "100"]
+    with worker(tmp_path, "--job-user", str(JOB_UID), "--exec", *job) as w:
+        started = time.monotonic()
+        answer, text = w.run()
+        assert (answer.error, text) == (pb.WORKER_ERR_OK, b"started\n")
+        assert time.monotonic() - started < 20  # not held open by the chain
+        assert [p for p in _processes_named(marker) if _uid(p) == JOB_UID] == []

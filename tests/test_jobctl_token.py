@@ -12,6 +12,7 @@ import pytest
 from controller.client import jobctl
 from controller.shell.http_access import read_tokens
 from tests.helpers import live_controller
+from worker import poller
 
 
 def test_the_token_sent_is_one_the_controller_holds(tmp_path: Path) -> None:
@@ -29,6 +30,16 @@ def test_the_token_sent_is_one_the_controller_holds(tmp_path: Path) -> None:
         jobctl.read_token(tokens)
     with pytest.raises(ValueError, match="No such file"):
         jobctl.read_token(tmp_path / "missing")
+
+
+def test_a_poller_reads_its_token_file_as_the_controller_does(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# hub\n  p0ller-token  \n")
+    assert poller.read_token(str(tokens)) == "p0ller-token"
+    assert poller.read_token(str(tokens)) in read_tokens(tokens)
+    tokens.write_text("tok # note\n")  # one token to the controller: never sent cut
+    with pytest.raises(Exception, match="reads each line whole"):
+        poller.read_token(str(tokens))
 
 
 def test_a_note_after_the_token_is_refused_before_any_request(

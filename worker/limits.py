@@ -401,7 +401,6 @@ class Jail:
         self._own_gids = os.getresgid()
         self._tmp_base = tmp_base
         self._dirty = False
-        self._tmp_ctime = 0  # the TMPDIR's ctime once emptied: unchanged means still empty
         self._children = -1  # /proc/self/task/PID/children, kept open: re-read per job
         # What a job inherits from the worker as it is (set on the worker itself in setup):
         # no prlimit needed for those.
@@ -425,6 +424,11 @@ class Jail:
         if user is not None:
             if user.uid == os.geteuid() or user.uid == os.getuid():
                 raise SetupError(f"--job-user {user.name!r} is the worker's own user")
+            if user.gid in (os.getegid(), os.getgid()):
+                raise SetupError(
+                    f"--job-user {user.name!r}: its group {user.gid} is the worker's own "
+                    "(the socket directory's): a job user needs a group of its own"
+                )
             try:
                 if os.getgroups():
                     os.setgroups([])  # a job inherits the worker's supplementary groups
@@ -557,8 +561,7 @@ class Jail:
             self.cgroup.remove(cgroup_path)
         if not limit and code != 0:
             limit = rlimit_hit(code, cpu, max_rss, stderr, limits, self.job_user is not None)
-        if self._children >= 0:
-            reap_orphans(self._children)  # those already back; the rest before the next job
+        self._sweep()  # those already back; the rest before the next job
         return Outcome(usage, limit)
 
     # -------------------------------------------------------------- TMPDIR
@@ -589,25 +592,34 @@ class Jail:
         if not self._dirty:
             return
         self._dirty = False
-        if self._children >= 0:
-            reap_orphans(self._children)
+        self._sweep()
         if self.tmpdir is None or self.job_user is None:
             return
-        try:  # ctime: a job may set its directory's mtime back, never its ctime
-            ctime = os.stat(self.tmpdir).st_ctime_ns
-        except OSError:
-            ctime = -1
-        if ctime == self._tmp_ctime:
-            return  # nothing made or removed in it since it was emptied
+        # Looked at every time: a timestamp would not do (a file made within the same clock
+        # tick as the last cleaning leaves the directory's ctime as it was).
         with self._as_job_user(self.job_user):
             _empty(self.tmpdir)
-        with contextlib.suppress(OSError):
-            self._tmp_ctime = os.stat(self.tmpdir).st_ctime_ns
+
+    def ended(self, pid: int) -> None:
+        """The job's main process `pid` has exited (not reaped yet): stop what it left that
+        came back to us, so that nothing of it holds its stdout open."""
+        self._sweep(keep=pid)
+
+    def _sweep(self, keep: int = 0) -> None:
+        """Stop the orphans a job left (not `keep`, its main process); if they keep coming
+        faster than they are stopped, every process of the job user."""
+        if self._children >= 0 and not reap_orphans(self._children, keep):
+            log.warning("a job's processes outran the cleaning: stopping all of its user's")
+            if self.job_user is not None:
+                kill_user(self.job_user.uid)
+            reap_orphans(self._children, keep)
 
     def close(self) -> None:
-        """At the worker's end: its TMPDIR goes."""
+        """At the worker's end: every process of its job user is stopped (the worker is no
+        longer there to be their subreaper), and its TMPDIR goes."""
+        if self.job_user is not None:
+            kill_user(self.job_user.uid)
         self._dirty = True
-        self._tmp_ctime = 0
         self.clean()
         if self._children >= 0:
             os.close(self._children)
@@ -646,19 +658,46 @@ def _make_writable(top: str) -> None:
                 os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
 
 
-def reap_orphans(children_fd: int) -> None:
+# Rounds of reap_orphans before it gives up: a chain of processes, each the parent of the
+# next, comes back one link a round (a kill reaped, its child is ours).
+ORPHAN_ROUNDS = 20_000
+
+
+def reap_orphans(children_fd: int, keep: int = 0) -> bool:
     """Kill and reap what came back to us as a subreaper: processes a job started and left
     running outside its process group (its own processes are gone by now). `children_fd`:
-    /proc/self/task/PID/children, read again from its start."""
-    for _ in range(64):  # each round takes the orphans the last round's kills made
+    /proc/self/task/PID/children, read again from its start; `keep`: a child left alone.
+    False if some were still coming after ORPHAN_ROUNDS."""
+    mine = str(keep).encode()
+    for _ in range(ORPHAN_ROUNDS):  # each round takes the orphans the last round's kills made
         try:
-            children = os.pread(children_fd, 65536, 0).split()
+            children = [pid for pid in os.pread(children_fd, 65536, 0).split() if pid != mine]
         except OSError:
-            return
+            return True
         if not children:
-            return
+            return True
         for pid in children:
             _kill_now(int(pid))
+    return False
+
+
+def kill_user(uid: int) -> None:
+    """SIGKILL every process running as `uid` (a job user's: nothing else runs as it)."""
+    me = os.getpid()
+    for _ in range(8):  # a process forking meanwhile: its child is found next round
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                if entry.stat().st_uid != uid:
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+                found = True
+            except OSError:
+                continue
+        if not found:
+            return
 
 
 def _ended(pid: int) -> bool:

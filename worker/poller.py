@@ -27,7 +27,7 @@ from urllib.parse import quote
 import trio
 
 from controller import datagram as dg
-from controller.client import http
+from controller import tokens
 from controller.client.http import AsyncHttpPool, Endpoint, endpoint
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
@@ -48,7 +48,7 @@ RETRY_MAX = 5.0
 
 def read_token(path: str) -> str:
     try:
-        return http.read_token(path)
+        return tokens.read_token(path)
     except ValueError as exc:
         raise SetupError(f"--token-file {exc}") from None
 

@@ -153,8 +153,11 @@ class Command:
                 self._exited = True
                 self._epoll.unregister(fd)
                 # Whatever it left in its process group goes with it (its pid, a zombie
-                # until reaped, still names the group).
+                # until reaped, still names the group), and what left the group for a
+                # session of its own and came back to the worker (job users' jobs).
                 _kill_group(self.pid)
+                if self._jail is not None:
+                    self._jail.ended(self.pid)
         elif fd == self.in_w:
             self._feed()
         elif fd == self.out_r:

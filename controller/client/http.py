@@ -39,7 +39,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
@@ -58,6 +57,7 @@ from controller.client.httpwire import (
     head_lines,
     target,
 )
+from controller.tokens import token_problem
 
 __all__ = ["Answer", "AsyncHttpPool", "HttpPool", "Streamed"]
 
@@ -79,31 +79,6 @@ def _peer_closed(fd: int) -> bool:
         return bool(poller.poll(0))
     except OSError:
         return True
-
-
-def token_problem(token: str) -> str:
-    """Why `token` cannot be sent as a bearer token ("" when it can): it goes in a header."""
-    if not (token.isascii() and token.isprintable()) or " " in token:
-        return "a token is printable ASCII without spaces"
-    return ""
-
-
-def read_token(path: str) -> str:
-    """The bearer token in a token file: its first word (a line of its own in the
-    controller's http_token_file, where #-comment lines are skipped here too). ValueError
-    naming the file when it cannot be read or holds no usable token."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValueError(f"{path}: {why}") from None
-    words = [line.split()[0] for line in lines if line.split() and line.split()[0][0] != "#"]
-    if not words:
-        raise ValueError(f"{path}: it holds no token")
-    why = token_problem(words[0])
-    if why:
-        raise ValueError(f"{path}: {why}")
-    return words[0]
 
 
 def url_port(parts: SplitResult, default: int | None = None) -> int | None:

@@ -24,9 +24,10 @@ from urllib.parse import quote, urlsplit
 
 from controller.cli import add_common_flags, positive_seconds, quiet_pipe
 from controller.client.engine import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
-from controller.client.http import HttpPool, token_problem
+from controller.client.http import HttpPool
 from controller.client.httpwire import Answer
 from controller.client.jobctl_tables import job_details, jobs_table, queues_table
+from controller.tokens import read_token
 
 # The packaged controller's http_token_file (packaging/controller.json): read when no
 # --token-file is given, the URL is on this host and the file can be read (as root).
@@ -216,31 +217,6 @@ def _message(answer: Answer) -> str:
     if isinstance(data, dict) and isinstance(data.get("message"), str):
         return str(data["message"])
     return answer.text.strip()[:200] or "(no message)"
-
-
-def read_token(path: Path) -> str:
-    """The token jobctl sends from a token file: its first line that is not blank or a
-    #-comment, whole and stripped, as the controller reads each line of its http_token_file
-    (controller/shell/http_access.py), so a line the controller holds as one token is never
-    sent cut. ValueError naming the file when it cannot be read, holds no token, or that line
-    cannot go in a header (a note after a token belongs on a #-comment line of its own)."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValueError(f"{path}: {why}") from None
-    for number, line in enumerate(lines, 1):
-        token = line.strip()
-        if not token or token.startswith("#"):
-            continue
-        why = token_problem(token)
-        if why:
-            raise ValueError(
-                f"{path}: line {number}: {why}, and the controller reads each line whole as one "
-                "token (put a note on a #-comment line of its own)"
-            )
-        return token
-    raise ValueError(f"{path}: it holds no token")
 
 
 def on_this_host(url: str) -> bool:

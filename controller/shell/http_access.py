@@ -36,6 +36,7 @@ from controller.shell.asgi import JOB_PREFIX, Response, Scope, error_response
 from controller.shell.console.session import TokenFile
 from controller.shell.console.web import is_console_path
 from controller.shell.core_shell import StartupError
+from controller.tokens import read_file, token_lines
 
 # Refused tokens from one address within STRIKE_WINDOW seconds that make it wait (429) ...
 STRIKES = 10
@@ -51,15 +52,11 @@ BEARER = "controller.bearer"
 
 
 def read_tokens(path: Path) -> frozenset[str]:
-    """One bearer token a line (blank lines and #-comments ignored); StartupError if unusable."""
+    """Every token of the file (controller/tokens.py); StartupError if unusable."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise StartupError(f"http_token_file {path}: {reason}") from None
-    tokens = frozenset(
-        line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")
-    )
+        tokens = frozenset(token for _, token in token_lines(read_file(path)))
+    except ValueError as exc:
+        raise StartupError(f"http_token_file {exc}") from None
     if not tokens:
         raise StartupError(f"http_token_file {path}: no token in it (one a line)")
     return tokens

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from itsdangerous import BadSignature, Signer, URLSafeTimedSerializer
 
+from controller.tokens import read_file, token_lines
+
 BROWSER_COOKIE = "console_browser"
 SESSION_COOKIE = "console_session"
 # How long a login lasts.
@@ -72,14 +74,10 @@ class TokenFile:
 
     def _read(self) -> tuple[str, ...]:
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):
+            text = read_file(self.path)
+        except ValueError:
             return ()
-        return tuple(
-            token_hash(line.strip())
-            for line in lines
-            if line.strip() and not line.lstrip().startswith("#")
-        )
+        return tuple(token_hash(token) for _, token in token_lines(text))
 
     def holds(self, hashed: str, now: float) -> bool:
         return any(hmac.compare_digest(hashed, known) for known in self.hashes(now))
