@@ -169,20 +169,20 @@ async def _read_frame(sock, msg_type, timeout: float = 5.0):
     return await wire.recv_frame(sock, msg_type, timeout=timeout)
 
 
-async def fake_channel(sockdir, pulse_task: int = 0):
+async def fake_channel(sockdir, pulse_task: int = 0, next_pulse: int = 30):
     """Register asking for a channel and open it, as a worker would: (worker id, the channel's
     socket)."""
     main = sockdir / "main.sock"
     sock = await connect_unix(main, 5)
     with sock:
-        register = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=30, channel=True)
+        register = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=next_pulse, channel=True)
         await wire.send_frame(sock, register, timeout=5)
         answer, _ = await _read_frame(sock, pb.PulseResponse)
     assert answer.error == pb.CTRL_ERR_OK and answer.channel
     wid = answer.worker_id
     chan = await connect_unix(main, 5)
     opening = pb.WorkerPulse(
-        type=pb.PULSE_OK, worker_id=wid, task_id=pulse_task, next_pulse=30, channel=True
+        type=pb.PULSE_OK, worker_id=wid, task_id=pulse_task, next_pulse=next_pulse, channel=True
     )
     await wire.send_frame(chan, opening, timeout=5)
     # The answer is read byte by byte: what follows it is the channel's.
@@ -250,6 +250,18 @@ async def test_a_fake_worker_speaks_the_channel_and_its_end_re_places_the_job(so
         await wait_until(lambda: wid not in shell.core.workers, timeout=1)
         assert task.state is TaskState.QUEUED and task.attempts == 1
         assert shell.core.counters.worker_losses == {"channel ended": 1}
+
+
+async def test_a_silent_channel_worker_is_dropped_and_its_channel_told_so(sockdir):
+    """The pulse deadline holds on a channel: past it the worker is dropped, and its channel
+    gets CTRL_ERR_UNKNOWN_ID and is closed (a live worker registers again)."""
+    async with running_controller(sockdir) as (shell, _outcomes):
+        wid, chan = await fake_channel(sockdir, next_pulse=1)
+        with chan:
+            data = await recv_all(chan, timeout=5)
+        assert wid not in shell.core.workers
+        [(frame, _)] = wire.StreamDecoder(pb.ChannelFrame).feed(data)
+        assert frame.pulse_response.error == pb.CTRL_ERR_UNKNOWN_ID
 
 
 HOSTILE = {

@@ -283,6 +283,16 @@ class CoreShell:
             await trio.sleep(MAIN_SOCKET_CHECK)
             if self._sock is not None and file_identity(path) != self._sock_identity:
                 self._rebind_main_socket(path)
+            self._close_forgotten_channels()
+
+    def _close_forgotten_channels(self) -> None:
+        """A channel whose worker was dropped (its pulse deadline passed) is told
+        CTRL_ERR_UNKNOWN_ID and closed: a worker still alive registers again."""
+        workers = self.core.workers
+        for wid in [wid for wid in self._channels if wid not in workers]:
+            channel = self._channels.pop(wid)
+            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _UNKNOWN_ID_RESPONSE))
+            channel.close_after_send()
 
     def _rebind_main_socket(self, path: Path) -> None:
         found = "removed" if not os.path.lexists(path) else "replaced by another file"
