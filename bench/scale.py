@@ -55,7 +55,7 @@ def worker_counts(cpus: int) -> list[int]:
 
 def jobs_for(workers: int, length: float, seconds: float) -> int:
     """About `seconds` of jobs at the ideal rate (no-op jobs: as if 0.2 ms each)."""
-    return max(300, min(50_000, int(seconds * workers / max(length, 0.0002))))
+    return max(200, min(50_000, int(seconds * workers / max(length, 0.0002))))
 
 
 @contextlib.contextmanager
