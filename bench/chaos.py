@@ -272,9 +272,9 @@ async def run(
         serves = WORKER_SERVES[slot % len(WORKER_SERVES)]
         user = ("--job-user", str(JOB_UID_BASE + slot)) if job_users else ()
         # The last slot speaks the seed's exchange, the others their channels (section 16).
-        seed = ("--seed-protocol",) if slot == workers - 1 and workers > 1 else ()
+        protocol = ("--seed-protocol",) if slot == workers - 1 and workers > 1 else ()
         commands[f"worker{slot}"] = worker_argv(
-            sockdir, "--pulse", "0.3", *seed, *serves, *user, *job
+            sockdir, "--pulse", "0.3", *protocol, *serves, *user, *job
         )
     calc = [sys.executable, "-m", "worker", "--log-level", "ERROR", "--pulse", "0.3"]
     commands["calculator"] = [*calc, "--udp", f"127.0.0.1:{port}", *CALCULATOR_SERVES, *job]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from controller import wire
 from controller.channel import MAX_FRAMES_PER_SECOND
-from controller.core import TaskState
+from controller.core import Action, TaskFinished, TaskState
 from controller.joblimits import JobLimits
 from controller.jobs import Usage
 from gen import worker_protocol_pb2 as pb
@@ -87,10 +87,12 @@ async def test_output_and_usage_arrive_before_the_outcome(sockdir):
             seen: list[tuple[str, object]] = []
             shell.on_output = lambda ref, owner, data: seen.append(("output", data))
             shell.on_usage = lambda ref, owner, usage: seen.append(("usage", usage))
-            shell.on_finished = lambda finished: (
-                seen.append(("outcome", finished.result)),
-                outcomes(finished),
-            )
+
+            def finished(done: TaskFinished) -> None:
+                seen.append(("outcome", done.result))
+                outcomes(done)
+
+            shell.on_finished = finished
             await wait_until(lambda: shell.core.idle_workers == 1)
             shell.submit(1, b"")
             await outcomes.wait(1)
@@ -112,9 +114,9 @@ async def test_a_canceled_job_restarts_its_worker_over_the_channel(sockdir):
             await wait_until(lambda: shell.core.idle_workers == 1)
             task = shell.submit(1, b"")
             await wait_until(lambda: task.state is TaskState.RUNNING)
-            actions: list[object] = []
-            assert shell.core.scheduler.cancel(task.ref, trio.current_time(), actions)  # type: ignore[arg-type]
-            shell.execute(actions)  # type: ignore[arg-type]
+            actions: list[Action] = []
+            assert shell.core.scheduler.cancel(task.ref, trio.current_time(), actions)
+            shell.execute(actions)
             await wait_until(lambda: proc.poll() is not None, timeout=5)
             assert proc.returncode == 75
             assert not shell._channels
@@ -210,8 +212,8 @@ async def _recv_exactly(sock, n: int) -> bytes:
     return out
 
 
-async def _frames(sock, decoder, count: int) -> list:
-    got: list = []
+async def _frames(sock, decoder, count: int) -> list[tuple[pb.ChannelFrame, bytes]]:
+    got: list[tuple[pb.ChannelFrame, bytes]] = []
     with trio.fail_after(5):
         while len(got) < count:
             try:
