@@ -124,6 +124,27 @@ async def test_a_canceled_job_restarts_its_worker_over_the_channel(sockdir):
         reap(proc)
 
 
+async def test_a_draining_worker_hands_over_its_job_then_shuts_down(sockdir):
+    marker = sockdir / "go"
+    script = f"while [ ! -e {marker} ]; do sleep 0.02; done; echo finished"
+    proc = spawn(sockdir, "--exec", "sh", "-c", script)
+    try:
+        async with running_controller(sockdir) as (shell, outcomes):
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            task = shell.submit(1, b"")
+            await wait_until(lambda: task.state is TaskState.RUNNING)
+            proc.send_signal(signal.SIGTERM)
+            marker.touch()
+            [done] = await outcomes.wait(1)
+            assert (done.state, done.result) == (TaskState.SUCCESS, b"finished\n")
+            await wait_until(lambda: proc.poll() is not None, timeout=10)
+            assert proc.returncode == 0
+            await wait_until(lambda: not shell.core.workers and not shell._channels)
+            assert shell.core.counters.worker_losses == {}
+    finally:
+        reap(proc)
+
+
 async def test_the_worker_registers_again_after_a_controller_restart(sockdir):
     proc = spawn(sockdir, "--pulse", "0.2")
     try:
