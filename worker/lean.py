@@ -5,8 +5,12 @@ How this works. A local worker runs one job at a time, so its hot path
 level-triggered epoll set holds everything the worker waits for, and one
 loop serves it in plain Python:
 
-- the listening socket `<worker_id>.sock` and the control connections
-  accepted from it (one frame in, one answer out, close);
+- its channel (docs/protocol.md, "The channel"): one connection to main.sock
+  for the worker's life, asked for at REGISTER, on which tasks come in and
+  outcomes, output and pulses go out; or, with `channel=False`
+  (`worker --seed-protocol`) or a controller that does not grant it, the
+  listening socket `<worker_id>.sock` and the control connections accepted
+  from it (one frame in, one answer out, close);
 - the exchanges on main.sock (REGISTER, the periodic pulse, FETCH_ME the
   moment a job ends, SHUTDOWN), dialled without blocking, so that a
   controller that dials us while we wait for its answer is served;
