@@ -22,6 +22,7 @@ from controller import datagram as dg
 from controller import declared
 from controller.datagram import BadPacket
 from controller.deadlines import Deadlines
+from controller.jobs import Usage, usage_from_json
 
 Address = tuple[str, int]
 
@@ -44,6 +45,7 @@ class Completed:
     output: bytes
     error: str
     job_output: bytes = b""  # what the job wrote to stderr (params.output: its tail)
+    usage: Usage | None = None  # what the attempt used (params.usage), when it says
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +109,20 @@ class CalculatorLink:
         if not isinstance(printed, str):
             raise BadPacket("bad_output", "params.output must be text")
         job_output = printed.encode("utf-8", "surrogatepass")
+        usage = None
+        if "usage" in params:
+            try:
+                usage = usage_from_json(params["usage"])
+            except ValueError as exc:
+                raise BadPacket("bad_usage", f"params.{exc}") from None
         if status == "success":
             output = dg.bytes_param(params, "result", self.max_result) or b""
-            return [Completed(address, task_id, True, output, "", job_output)]
+            return [Completed(address, task_id, True, output, "", job_output, usage)]
         if status == "error":
             error = params.get("error", "")
             if not isinstance(error, str):
                 raise BadPacket("bad_error", "params.error must be text")
-            return [Completed(address, task_id, False, b"", error, job_output)]
+            return [Completed(address, task_id, False, b"", error, job_output, usage)]
         raise BadPacket("bad_status", "params.status must be success or error")
 
     def acked(self, txid: int, address: Address, refused: bool) -> PerformAcked | None:

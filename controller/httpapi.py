@@ -20,7 +20,7 @@ from controller import datagram as dg
 from controller import declared, options
 from controller.core.model import TaskState
 from controller.datagram import BadPacket
-from controller.jobs import Job, JobState
+from controller.jobs import Job, JobState, Usage, usage_from_json
 from controller.options import JobOptions, rfc3339
 
 # ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
@@ -42,7 +42,9 @@ NEW_JOB_FIELDS = frozenset(
     {"name", "info_url", "download_url", "payload", "payload_b64", "id", *options.OPTION_NAMES}
 )
 QUEUE_FIELDS = frozenset({"paused"})
-UPDATE_FIELDS = frozenset({"state", "log", "worker", "lease", "result", "result_b64", "error"})
+UPDATE_FIELDS = frozenset(
+    {"state", "log", "worker", "lease", "result", "result_b64", "error", "usage"}
+)
 # A poller's lease is a token the controller made (about 22 characters); anything longer is not one.
 MAX_LEASE = 200
 USER_STATES = frozenset({"canceled"})
@@ -79,6 +81,7 @@ class Update:
     result: bytes | None
     error: str | None
     lease: str | None = None
+    usage: Usage | None = None  # a poller's report of what its attempt used
 
 
 def max_body(max_payload: int) -> int:
@@ -188,10 +191,20 @@ def parse_update(body: bytes, max_result: int) -> Update:
         result=_bytes(data, "result", max_result),
         error=_text(data, "error", MAX_ERROR),
         lease=_text(data, "lease", MAX_LEASE),
+        usage=_usage(data),
     )
     if update.state is None and update.log is None:
         raise ApiError(400, "give state and/or log")
     return update
+
+
+def _usage(data: dict[str, Any]) -> Usage | None:
+    if "usage" not in data:
+        return None
+    try:
+        return usage_from_json(data["usage"])
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 def parse_queue(value: str | None) -> str | None:

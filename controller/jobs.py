@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -129,6 +130,51 @@ class Usage:
     def to_row(self) -> list[float | int | None]:
         """As the journal keeps it: [wall, cpu, max_rss, memory_peak or null]."""
         return [self.wall, self.cpu, self.max_rss, self.memory_peak]
+
+
+# The largest byte count a usage report may carry (a larger one is a lie, and SQLite's
+# integers stop here).
+MAX_USAGE_BYTES = 2**63 - 1
+
+
+def checked_usage(wall: object, cpu: object, max_rss: object, peak: object = None) -> Usage | None:
+    """A worker's report of what an attempt used, from any kind of worker; None when a value
+    cannot be true (not a number, NaN, negative, too large)."""
+    if not (
+        _seconds(wall) and _seconds(cpu) and _bytes(max_rss) and (peak is None or _bytes(peak))
+    ):
+        return None
+    assert isinstance(wall, int | float) and isinstance(cpu, int | float)
+    assert isinstance(max_rss, int) and (peak is None or isinstance(peak, int))
+    return Usage(float(wall), float(cpu), max_rss, peak or None)
+
+
+def _seconds(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _bytes(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_USAGE_BYTES
+
+
+def usage_from_json(value: object) -> Usage | None:
+    """A remote worker's `usage` object ({"wall", "cpu", "max_rss"[, "memory_peak"]}):
+    ValueError when it is not one."""
+    if (
+        not isinstance(value, dict)
+        or not {"wall", "cpu", "max_rss"} <= set(value)
+        or (set(value) - {"wall", "cpu", "max_rss", "memory_peak"})
+    ):
+        raise ValueError("usage must be {wall, cpu, max_rss[, memory_peak]}")
+    usage = checked_usage(value["wall"], value["cpu"], value["max_rss"], value.get("memory_peak"))
+    if usage is None:
+        raise ValueError("usage holds a value that cannot be true")
+    return usage
 
 
 def usage_from_row(row: object) -> Usage | None:

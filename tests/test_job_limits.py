@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,10 +82,15 @@ def _split(data: bytes) -> tuple[pb.WorkerResponse, bytes]:
 
 
 @contextlib.contextmanager
-def worker(tmp: Path, *args: str) -> Iterator[Driver]:
+def worker(tmp: Path, *args: str, user: int | None = None) -> Iterator[Driver]:
+    """`user`: started as root with `--user` that uid (then `tmp` must be one it can reach)."""
     tmp.chmod(0o750)
     ctl = MiniController(tmp)
     ctl.listener.settimeout(30)
+    if user is not None:
+        os.chown(tmp, user, 0)  # it binds its own socket there
+        (tmp / "main.sock").chmod(0o777)  # and dials the controller
+        args = ("--user", str(user), *args)
     proc = subprocess.Popen(worker_argv(tmp, *args, log_level="INFO"), stderr=subprocess.PIPE)
     try:
         ctl.wait_for(pb.PULSE_OK)
@@ -591,3 +598,104 @@ def test_a_chain_of_sessions_a_job_leaves_is_stopped_when_it_ends(tmp_path):
         assert (answer.error, text) == (pb.WORKER_ERR_OK, b"started\n")
         assert time.monotonic() - started < 20  # not held open by the chain
         assert [p for p in _processes_named(marker) if _uid(p) == JOB_UID] == []
+
+
+# A job that forks as its very first instruction (a static binary: no dynamic loader before
+# it), before the worker's prlimit of its main process can land: by TASK_ID, a child of its
+# main thread (1), of a thread it makes first (2), or a grandchild whose parent exits at once,
+# so that it comes back to the worker as an orphan (0). Each process reports the RLIMIT_AS
+# and RLIMIT_CPU it runs under after a 50 ms spin (the worker has caught up by then).
+EARLY_FORK = r"""
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static void spin(void) {
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    do clock_gettime(CLOCK_MONOTONIC, &now);
+    while ((now.tv_sec - start.tv_sec) * 1000000000L + (now.tv_nsec - start.tv_nsec)
+           < 50000000L);
+}
+
+static void report(const char *who) {
+    struct rlimit as, cpu;
+    getrlimit(RLIMIT_AS, &as);
+    getrlimit(RLIMIT_CPU, &cpu);
+    char line[128];
+    int n = snprintf(line, sizeof line, "%s %lld %lld\n", who, (long long)as.rlim_cur,
+                     (long long)cpu.rlim_cur);
+    if (write(1, line, n) != n) _exit(1);
+}
+
+static void *forker(void *arg) {
+    (void)arg;
+    pid_t pid = fork();
+    if (pid == 0) { spin(); report("child"); _exit(0); }
+    waitpid(pid, NULL, 0);
+    return NULL;
+}
+
+int main(void) {
+    const char *task = getenv("TASK_ID");
+    int how = task ? atoi(task) % 3 : 1;
+    if (how == 2) {
+        pthread_t thread;
+        pthread_create(&thread, NULL, forker, NULL);
+        pthread_join(thread, NULL);
+    } else if (how == 0) {
+        int done[2];
+        if (pipe(done) != 0) return 1;
+        pid_t pid = fork();
+        if (pid == 0) {
+            if (fork() == 0) { close(done[0]); spin(); report("grandchild"); _exit(0); }
+            _exit(0);
+        }
+        close(done[1]);
+        char c;
+        while (read(done[0], &c, 1) > 0) {}  /* until the grandchild has ended */
+        waitpid(pid, NULL, 0);
+    } else {
+        forker(NULL);
+    }
+    report("main");
+    return 0;
+}
+"""
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the job")
+@pytest.mark.parametrize("worker_user", [None, 61005], ids=["root", "user"])
+def test_processes_a_job_makes_before_its_limits_land_get_them_too(sockdir, worker_user):
+    """posix_spawn returns before the job's limits are set on it (prlimit); what it forks in
+    that moment is found and limited as well: its threads' children and the orphans that
+    come back to the worker; by a worker running as root, and by one that runs as its
+    `--user` with only CAP_SETUID, CAP_SETGID and CAP_KILL."""
+    with tempfile.TemporaryDirectory() as build:  # under /tmp: the job user can run it
+        os.chmod(build, 0o755)
+        source, program = Path(build, "early.c"), Path(build, "early")
+        source.write_text(EARLY_FORK)
+        made = subprocess.run(
+            ["cc", "-O1", "-static", "-pthread", "-o", str(program), str(source)],
+            capture_output=True,
+        )
+        if made.returncode != 0:  # no static libc: dynamic, so a little later to fork
+            made = subprocess.run(
+                ["cc", "-O1", "-pthread", "-o", str(program), str(source)], capture_output=True
+            )
+        assert made.returncode == 0, made.stderr
+        limited = f"{1 << 30} 60\n".encode()
+        args = ["--job-user", str(JOB_UID), "--memory-max", "1G", "--cpu-time", "60"]
+        with worker(sockdir, *args, "--exec", str(program), user=worker_user) as w:
+            for _ in range(4):
+                for first in (b"child ", b"child ", b"grandchild "):
+                    answer, text = w.run()
+                    assert answer.error == pb.WORKER_ERR_OK, text
+                    lines = text.splitlines(keepends=True)
+                    assert [line.split()[0] + b" " for line in lines] == [first, b"main "]
+                    assert [line.split(b" ", 1)[1] for line in lines] == [limited] * 2, text

@@ -398,3 +398,42 @@ def test_each_job_runs_only_on_a_worker_of_its_queue_with_its_labels(tmp_path: P
         finally:
             reap(calc)
             reap(poll)
+
+
+@pytest.mark.parametrize("kind", ["calculator", "poller"])
+def test_a_remote_workers_usage_reaches_the_job(tmp_path: Path, kind: str) -> None:
+    """What an attempt used travels with its outcome from calculators (`params.usage`) and
+    pollers (`usage` in the final PUT), as from local workers."""
+    with live_controller(tmp_path, max_retries=0) as ctl:
+        where = (
+            ["--udp", f"127.0.0.1:{ctl.udp_port}"] if kind == "calculator" else ["--hub", ctl.url]
+        )
+        busy = ["--exec", "sh", "-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; cat"]
+        worker = remote_worker(*where, "--pulse", "0.2", *busy)
+        try:
+            wait_for_condition(lambda: health(ctl.url)["workers"] == 1, 20)
+            with Client(ctl.url) as client:
+                job = client.submit("counted", id=f"used-{kind}")
+                assert job.result(timeout=30) == b"counted"
+                usage = client.get(f"used-{kind}").info["usage"]
+        finally:
+            reap(worker)
+    assert usage is not None and usage["wall"] > 0 and usage["cpu"] > 0, usage
+    assert usage["max_rss"] > 100_000, usage
+
+
+def test_a_pollers_usage_that_cannot_be_true_is_a_bad_field(tmp_path: Path) -> None:
+    with live_controller(tmp_path) as ctl, Client(ctl.url) as client:
+        client.submit("x", id="x")
+        for usage in (
+            {"wall": -1, "cpu": 0, "max_rss": 1},
+            {"wall": 1},
+            [1, 2, 3],
+            {"wall": 1, "cpu": 1, "max_rss": 2**64},
+        ):
+            body = json.dumps({"state": "finished", "worker": "w", "usage": usage}).encode()
+            request = urllib.request.Request(f"{ctl.url}/job/x/", data=body, method="PUT")
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(request, timeout=10)
+            assert info.value.code == 400, usage
+            assert "usage" in json.loads(info.value.read())["message"]

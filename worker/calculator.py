@@ -30,7 +30,7 @@ from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
 from worker.output import SINK, OutputSink
-from worker.runner import USAGE, Runner, TaskFailed
+from worker.runner import Runner, TaskFailed, take_usage
 
 log = logging.getLogger("worker.calculator")
 
@@ -191,10 +191,9 @@ class Calculator:
             log.exception("job %d: runner crashed", task_id)
             params = {"task_id": task_id, "status": "error", "error": f"worker error: {exc}"}
         SINK.set(None)
-        usage = USAGE.get()
+        usage = take_usage()
         if usage is not None:  # what the job used, when it fits the datagram (below)
-            params["usage"] = {"wall": usage.wall, "cpu": usage.cpu, "max_rss": usage.max_rss}
-            USAGE.set(None)
+            params["usage"] = usage
         params, txid, data = self._completion(task_id, params, sink.take(len(sink)))
         if params["status"] == "success":
             self._succeeded[task_id] = params

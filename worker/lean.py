@@ -994,9 +994,11 @@ class LeanWorker:
 
     def _start_command(self, runner: ExecRunner, task_id: int, payload: bytes) -> None:
         jail, limits = runner.jail, NO_LIMITS
+        asked = self.session.limits
+        if jail is None and asked.ListFields():
+            jail = runner.plain_jail  # the job asked for limits of its own: they hold
         if jail is not None:
             jail.clean()  # what the last job left: its TMPDIR files, its orphans
-            asked = self.session.limits
             limits = jail.limits_for(from_proto(asked) if asked.ListFields() else NO_LIMITS)
         try:
             command = Command(

@@ -396,6 +396,8 @@ class Jail:
         self.ceilings = ceilings
         self.cgroup = cgroup
         self.tmpdir: str | None = None
+        # SHARED_TEMP_DIRS' mtimes when last looked at, and when (see _remove_owned).
+        self._shared_seen: dict[str, tuple[int, float] | None] = {}
         self._hard = {res: resource.getrlimit(res)[1] for _, res in _RLIMITS}
         self._own_uids = os.getresuid()  # real and saved taken back after each spawn
         self._own_gids = os.getresgid()
@@ -501,6 +503,8 @@ class Jail:
                 try:
                     for res, pair in plan:
                         resource.prlimit(pid, res, pair)
+                    if plan:
+                        self._catch_up(pid, plan)
                 except ProcessLookupError:
                     pass  # it has already ended
                 except PermissionError:
@@ -521,6 +525,56 @@ class Jail:
         if self.cgroup is not None:
             self.cgroup.leave()
         return pid, cgroup_path
+
+    def _catch_up(self, pid: int, plan: list[tuple[int, tuple[int, int]]]) -> None:
+        """The limits of `plan` on every process the job made before they landed on its main
+        process `pid` (a fork in its first microseconds inherits the worker's): its threads'
+        children, the worker's own children other than `pid` (orphans that came back to it
+        as their subreaper, or made with CLONE_PARENT), and their children in turn. Each pass
+        reads the children of the main process, of every process found without the limits
+        (limited then) and of those new in the last pass; it ends when a pass finds no new
+        process. What a process forks once it has the limits inherits them, so only a job
+        forking faster than the passes (a fork bomb) keeps them going: after CATCH_UP_ROUNDS
+        its processes are killed and the start fails. Called with the job user's real and
+        saved ids (what prlimit on its processes asks). A process that cannot be limited (a
+        set-user-ID program's) is killed."""
+        seen = {pid}
+        escaped = [pid]  # read every pass: an orphan may come back to one of them
+        new: list[int] = []
+        for _ in range(CATCH_UP_ROUNDS):
+            found: list[int] = []
+            for parent in escaped + new:
+                found += _children(parent)
+            if self._children >= 0:  # after them: what their ended children left to us
+                with contextlib.suppress(OSError):
+                    found += [int(p) for p in os.pread(self._children, 65536, 0).split()]
+            new = []
+            fresh = False
+            for child in found:
+                if child in seen:
+                    continue
+                seen.add(child)
+                fresh = True
+                if _within(child, plan):
+                    # Its children, once: it may have forked before setting them itself.
+                    new.append(child)
+                    continue
+                try:
+                    for res, pair in plan:
+                        resource.prlimit(child, res, pair)
+                except ProcessLookupError:
+                    continue  # gone: its children came back to us, or went with it
+                except OSError:
+                    _kill_now(child)
+                    continue
+                escaped.append(child)
+            if not fresh:
+                return
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        for child in [*escaped, *new]:
+            _kill_now(child)
+        raise OSError(errno.EAGAIN, "the job forked faster than its limits could be set")
 
     def _plan(self, limits: JobLimits) -> list[tuple[int, tuple[int, int]]]:
         """The prlimit calls a job with these limits needs (what it inherits from the worker
@@ -599,6 +653,10 @@ class Jail:
         # tick as the last cleaning leaves the directory's ctime as it was).
         with self._as_job_user(self.job_user):
             _empty(self.tmpdir)
+            for shared in SHARED_TEMP_DIRS:
+                self._shared_seen[shared] = _remove_owned(
+                    shared, self.job_user.uid, self._shared_seen.get(shared)
+                )
 
     def ended(self, pid: int) -> None:
         """The job's main process `pid` has exited (not reaped yet): stop what it left that
@@ -628,6 +686,49 @@ class Jail:
             with contextlib.suppress(OSError), self._as_job_user(self.job_user):
                 os.rmdir(self.tmpdir)
             self.tmpdir = None
+
+
+# The temporary directories every user may write to: what a job user leaves there (outside
+# its TMPDIR) is removed before the slot's next job too, so that job cannot read it.
+SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+# Seconds a directory's mtime must be older than a look at it before an unchanged mtime
+# proves that nothing was made in it since (a timestamp moves in clock ticks, some coarse).
+SETTLED = 1.0
+
+
+def _remove_owned(
+    directory: str, uid: int, seen: tuple[int, float] | None
+) -> tuple[int, float] | None:
+    """Remove the entries of `directory` that `uid` owns (run as that uid: in a sticky
+    directory it can remove only its own, and nothing is followed through a symlink).
+    `seen`: (its mtime, when we looked) at the last look, which is skipped when nothing was
+    made there since; returns what to pass next time."""
+    try:
+        mtime = os.stat(directory).st_mtime_ns
+    except OSError:
+        return None
+    if seen is not None and seen[0] == mtime and mtime / 1e9 < seen[1] - SETTLED:
+        return seen
+    looked = time.time()
+    try:
+        with os.scandir(directory) as entries:
+            owned = [e for e in entries if e.stat(follow_symlinks=False).st_uid == uid]
+    except OSError:
+        return None
+    for entry in owned:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                _make_writable(entry.path)
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError as exc:
+            log.warning("cannot remove %s a job left: %s", entry.path, exc)
+    if owned:  # removing changed the mtime: look again next time
+        return None
+    return mtime, looked
 
 
 def _empty(directory: str) -> None:
@@ -698,6 +799,58 @@ def kill_user(uid: int) -> None:
                 continue
         if not found:
             return
+
+
+# Passes of Jail._catch_up before a job is given up (each finds what the last one's prlimit
+# calls raced with; a pass that finds nothing ends it, most often the first).
+CATCH_UP_ROUNDS = 1000
+
+
+def _children(pid: int) -> list[int]:
+    """The children of every thread of process `pid` ([] once it has ended). A thread that
+    ends while it is read hands its children to another: read again then."""
+    for _ in range(100):
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return []
+        found: list[int] = []
+        for tid in tasks:
+            try:
+                fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                break  # that thread ended: its children moved, maybe to one already read
+            try:
+                data = b""
+                while chunk := os.read(fd, 65536):
+                    data += chunk
+            finally:
+                os.close(fd)
+            found += [int(child) for child in data.split()]
+        else:
+            return found
+    return found
+
+
+def _within(pid: int, plan: list[tuple[int, tuple[int, int]]]) -> bool:
+    """Whether process `pid` already runs at or under every limit of `plan` (inherited from
+    a parent that had them, or set by itself); True once it has ended."""
+    try:
+        for res, (soft, hard) in plan:
+            now_soft, now_hard = resource.prlimit(pid, res)
+            if _above(now_soft, soft) or _above(now_hard, hard):
+                return False
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _above(value: int, limit: int) -> bool:
+    if value == resource.RLIM_INFINITY:
+        return limit != resource.RLIM_INFINITY
+    return limit != resource.RLIM_INFINITY and value > limit
 
 
 def _ended(pid: int) -> bool:

@@ -33,7 +33,7 @@ from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
 from worker.output import SINK, OutputSink
-from worker.runner import Runner, SetupError, TaskFailed
+from worker.runner import Runner, SetupError, TaskFailed, take_usage
 
 log = logging.getLogger("worker.poller")
 
@@ -182,7 +182,10 @@ class Poller:
             finally:
                 SINK.set(None)
             nursery.cancel_scope.cancel()
+        usage = take_usage()
         if outcome:
+            if usage is not None:
+                outcome["usage"] = usage
             rest = stderr.take(final=True)
             if rest:
                 outcome["log"] = rest

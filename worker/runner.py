@@ -35,6 +35,20 @@ Runner = Callable[[int, bytes], Awaitable[bytes]]
 # which read it after the call); None when it was not measured.
 USAGE: contextvars.ContextVar[pb.Usage | None] = contextvars.ContextVar("usage", default=None)
 
+
+def take_usage() -> dict[str, float | int] | None:
+    """What the job just run in this context used, as remote workers report it (a
+    calculator's `params.usage`, a poller's `usage`), and forgotten; None if not measured."""
+    usage = USAGE.get()
+    if usage is None:
+        return None
+    USAGE.set(None)
+    found: dict[str, float | int] = {"wall": usage.wall, "cpu": usage.cpu, "max_rss": usage.max_rss}
+    if usage.memory_peak:
+        found["memory_peak"] = usage.memory_peak
+    return found
+
+
 # How much of a failed command's stderr goes back as the error text.
 STDERR_TAIL = 4096
 # Pipe read size: big enough that a large result takes few reads.
@@ -162,7 +176,7 @@ class ExecRunner:
     is the result). The local worker starts `Command`s itself (`program`, `env`, `outcome`);
     calling it runs one in the caller's trio task."""
 
-    __slots__ = ("argv", "environ", "jail", "max_output", "program")
+    __slots__ = ("argv", "environ", "jail", "max_output", "plain_jail", "program")
 
     def __init__(self, argv: list[str], max_output: int, jail: Jail | None = None) -> None:
         if not argv:
@@ -177,6 +191,9 @@ class ExecRunner:
         self.max_output = max_output
         # The job user, limits and cgroup of its commands (worker/limits.py); None: plain.
         self.jail = jail if jail is not None and jail.active else None
+        # What applies the limits a job asks for itself where the worker sets none of its own
+        # (no job user, ceilings or cgroup): a job's `limits` hold on every worker.
+        self.plain_jail = jail if jail is not None else Jail()
 
     async def __call__(self, task_id: int, payload: bytes) -> bytes:
         if self.jail is not None:

@@ -211,7 +211,7 @@ class Router:
             return
         if scope["type"] != "http":
             return
-        if scope["http_version"] not in HTTP_VERSIONS:
+        if scope.get("http_version", "1.1") not in HTTP_VERSIONS:
             # (No "Connection: close": h11 would then fail the connection on the bytes the
             # client sent after it, the rest of the preface, before this answer is out.)
             await error_response(505, "only HTTP/1.1 is served here")(scope, receive, send)

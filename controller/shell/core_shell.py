@@ -14,7 +14,6 @@ import contextlib
 import errno
 import functools
 import logging
-import math
 import os
 import select
 import socket
@@ -44,7 +43,7 @@ from controller.core import (
 )
 from controller.core.model import Task
 from controller.joblimits import JobLimits
-from controller.jobs import Usage
+from controller.jobs import Usage, checked_usage
 from controller.options import JobOptions
 from controller.reactor import Reactor
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
@@ -77,21 +76,13 @@ _TAKEN = pb.WorkerResponse(error=pb.WORKER_ERR_OK)
 MAIN_SOCKET_CHECK = 0.25
 # How long a worker waits for an answer on main.sock by default (worker --dial-timeout).
 WORKER_DIAL_TIMEOUT = 2.0
-# The largest byte count a usage report may carry (a larger one is a lie, and SQLite's
-# integers stop here).
-_MAX_BYTES = 2**63 - 1
 # The SET_TASK limits of each distinct job `limits` seen, made once (most jobs share a few).
 _LIMITS_CACHE_SIZE = 256
 
 
 def usage_of(report: pb.Usage) -> Usage | None:
     """A worker's usage report, checked (None: a value that cannot be true)."""
-    wall, cpu = report.wall, report.cpu
-    if not (math.isfinite(wall) and math.isfinite(cpu) and wall >= 0 and cpu >= 0):
-        return None
-    if report.max_rss > _MAX_BYTES or report.memory_peak > _MAX_BYTES:
-        return None
-    return Usage(wall, cpu, report.max_rss, report.memory_peak or None)
+    return checked_usage(report.wall, report.cpu, report.max_rss, report.memory_peak or None)
 
 
 _UNKNOWN_ID_RESPONSE = pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID)
@@ -702,10 +693,15 @@ class CoreShell:
         if usage is None:
             log.warning("worker %d: a usage report that cannot be true; ignored", wid)
             return
+        self.attempt_used(task.ref, task.owner, usage)
+
+    def attempt_used(self, ref: int, owner: object, usage: Usage) -> None:
+        """What the running attempt of task `ref` used, from a worker of any kind, before its
+        outcome: counted in the metrics and kept with the attempt."""
         if self.metrics is not None:
             self.metrics.attempt_used(usage)
         if self.on_usage is not None:
-            self.on_usage(task.ref, task.owner, usage)
+            self.on_usage(ref, owner, usage)
 
     def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         try:

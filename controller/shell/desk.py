@@ -93,6 +93,8 @@ class Scheduling(Protocol):
 
     def execute(self, actions: list[Any]) -> None: ...
 
+    def attempt_used(self, ref: int, owner: object, usage: Usage) -> None: ...
+
 
 class JobDesk:
     def __init__(
@@ -239,10 +241,12 @@ class JobDesk:
         if isinstance(action, Heartbeat):
             return kind.heartbeat(action.address, action.ready, now, action.serves)
         if isinstance(action, Completed):
-            if action.job_output:  # kept with the job first: its followers see it before its end
-                task = kind.held(action.address, action.task_id)
-                if task is not None:
+            task = kind.held(action.address, action.task_id)
+            if task is not None:  # kept with the job first: its followers see it before its end
+                if action.job_output:
                     self.task_output(task.ref, task.owner, action.job_output)
+                if action.usage is not None:
+                    self.scheduling.attempt_used(task.ref, task.owner, action.usage)
             return kind.completed(
                 action.address, action.task_id, action.ok, action.output, action.error, now
             )

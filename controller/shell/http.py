@@ -370,6 +370,9 @@ class HttpDoor:
                 )
             if update.log is not None:  # first: a follower of the job sees it before its end
                 self.desk.logged(job, update.log, now)
+            final = update.state in (JobState.FINISHED, JobState.FAILED)
+            if final and update.usage is not None and job.task is not None:
+                self.desk.scheduling.attempt_used(job.ref, job.task.owner, update.usage)
             if update.state is JobState.WORKING or update.state is None:
                 actions = self.pollers.working(name, job.ref, now)
             elif update.state is JobState.FINISHED:

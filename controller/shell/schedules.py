@@ -180,6 +180,12 @@ class PeriodicJobs:
             log.info("schedule %r: job %s exists already", name, job_id)
             self._done(schedule, due)
             return
+        # A periodic job counts against max_pending and max_pending_bytes as any door's does;
+        # refused before the claim, so that another controller with room may make it.
+        full = self.desk.refusal_for(len(schedule.payload.encode()))
+        if full:
+            log.warning("schedule %r: job %s not made: %s", name, job_id, full)
+            return
         if self.claims is not None:
             claimed = await self.claims.claim(job_id, schedule.next_due(due))
             if claimed is None:
