@@ -668,6 +668,24 @@ int main(void) {
 """
 
 
+def _compiled(build: str, source_text: str) -> Path:
+    """`source_text` built as a static program (dynamic where there is no static libc: a
+    little later to start) in `build`, a directory a job user can reach."""
+    os.chmod(build, 0o755)
+    source, program = Path(build, "job.c"), Path(build, "job")
+    source.write_text(source_text)
+    made = subprocess.run(
+        ["cc", "-O1", "-static", "-pthread", "-o", str(program), str(source)],
+        capture_output=True,
+    )
+    if made.returncode != 0:
+        made = subprocess.run(
+            ["cc", "-O1", "-pthread", "-o", str(program), str(source)], capture_output=True
+        )
+    assert made.returncode == 0, made.stderr
+    return program
+
+
 @root_only
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the job")
 @pytest.mark.parametrize("worker_user", [None, 61005], ids=["root", "user"])
@@ -677,18 +695,7 @@ def test_processes_a_job_makes_before_its_limits_land_get_them_too(sockdir, work
     come back to the worker; by a worker running as root, and by one that runs as its
     `--user` with only CAP_SETUID, CAP_SETGID and CAP_KILL."""
     with tempfile.TemporaryDirectory() as build:  # under /tmp: the job user can run it
-        os.chmod(build, 0o755)
-        source, program = Path(build, "early.c"), Path(build, "early")
-        source.write_text(EARLY_FORK)
-        made = subprocess.run(
-            ["cc", "-O1", "-static", "-pthread", "-o", str(program), str(source)],
-            capture_output=True,
-        )
-        if made.returncode != 0:  # no static libc: dynamic, so a little later to fork
-            made = subprocess.run(
-                ["cc", "-O1", "-pthread", "-o", str(program), str(source)], capture_output=True
-            )
-        assert made.returncode == 0, made.stderr
+        program = _compiled(build, EARLY_FORK)
         limited = f"{1 << 30} 60\n".encode()
         args = ["--job-user", str(JOB_UID), "--memory-max", "1G", "--cpu-time", "60"]
         with worker(sockdir, *args, "--exec", str(program), user=worker_user) as w:
@@ -699,3 +706,42 @@ def test_processes_a_job_makes_before_its_limits_land_get_them_too(sockdir, work
                     lines = text.splitlines(keepends=True)
                     assert [line.split()[0] + b" " for line in lines] == [first, b"main "]
                     assert [line.split(b" ", 1)[1] for line in lines] == [limited] * 2, text
+
+
+# A job that maps 4 GiB of address space as its very first instruction, before its
+# memory_max (RLIMIT_AS) can land, then says whether it got it, after a 50 ms spin.
+EARLY_MAP = r"""
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+int main(void) {
+    void *p = mmap(NULL, 4UL << 30, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    do clock_gettime(CLOCK_MONOTONIC, &now);
+    while ((now.tv_sec - start.tv_sec) * 1000000000L + (now.tv_nsec - start.tv_nsec)
+           < 50000000L);
+    if (p == MAP_FAILED) return write(1, "refused\n", 8) != 8;
+    return write(1, "mapped\n", 7) != 7;
+}
+"""
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) to build the job")
+def test_a_job_that_maps_past_memory_max_before_it_lands_is_stopped(tmp_path):
+    """RLIMIT_AS refuses new mappings only: a job that mapped more before its limit landed
+    is killed, and its error names the limit."""
+    with tempfile.TemporaryDirectory() as build:
+        program = _compiled(build, EARLY_MAP)
+        args = ["--job-user", str(JOB_UID), "--memory-max", "1G"]
+        with worker(tmp_path, *args, "--exec", str(program)) as w:
+            for _ in range(8):
+                answer, text = w.run()
+                if answer.error == pb.WORKER_ERR_OK:
+                    assert text == b"refused\n"
+                else:
+                    assert answer.reason == "limit", text
+                    assert text.startswith(b"memory limit 1 GiB reached: mapped past it"), text
