@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv proto run test lint bench bench-peers chaos clean
+.PHONY: venv proto run test lint bench bench-peers bench-scale chaos clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,11 @@ bench: $(STAMP)
 bench-peers: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.peers
+
+# Jobs/s and the controller's CPU per job for 1, 2, 4, ... workers up to the host's CPUs, jobs of
+# 0, 1 and 10 ms, beside ProcessPoolExecutor(n); journal off and on (bench/scale.py).
+bench-scale: $(STAMP)
+	$(BIN)/python -m bench.scale
 
 # Every fault at once for 4 minutes (seeded); exit status 1 if an acknowledged task was lost.
 chaos: $(STAMP)

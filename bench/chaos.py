@@ -271,7 +271,11 @@ async def run(
     for slot in range(workers):
         serves = WORKER_SERVES[slot % len(WORKER_SERVES)]
         user = ("--job-user", str(JOB_UID_BASE + slot)) if job_users else ()
-        commands[f"worker{slot}"] = worker_argv(sockdir, "--pulse", "0.3", *serves, *user, *job)
+        # The last slot speaks the seed's exchange, the others their channels (section 16).
+        protocol = ("--seed-protocol",) if slot == workers - 1 and workers > 1 else ()
+        commands[f"worker{slot}"] = worker_argv(
+            sockdir, "--pulse", "0.3", *protocol, *serves, *user, *job
+        )
     calc = [sys.executable, "-m", "worker", "--log-level", "ERROR", "--pulse", "0.3"]
     commands["calculator"] = [*calc, "--udp", f"127.0.0.1:{port}", *CALCULATOR_SERVES, *job]
     if "http" in doors:

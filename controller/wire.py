@@ -131,6 +131,29 @@ def encode_frame(msg: Message, extra: bytes = b"") -> bytes:
     return encode_varint(len(body)) + body + extra
 
 
+# The ChannelFrame fields (proto/worker_protocol.proto) of each message a channel carries.
+CHANNEL_PULSE: Final = 1
+CHANNEL_PULSE_RESPONSE: Final = 2
+CHANNEL_CONTROL: Final = 3
+CHANNEL_RESPONSE: Final = 4
+_ANSWERS_TAG: Final = b"\x28"  # field 5, varint
+_EXTRA_SIZE_TAG: Final = b"\x30"  # field 6, varint
+
+
+def encode_channel(field: int, msg: Message, extra: bytes = b"", answers: int = 0) -> bytes:
+    """One channel frame: a delimited ChannelFrame holding `msg` in `field` (CHANNEL_...),
+    `answers` (a response's ControlType) and `extra_size`, then `extra`. Written field by
+    field, as protobuf lays them out: the same bytes as building the ChannelFrame, without
+    copying `msg` into it."""
+    inner = msg.SerializeToString()
+    body = bytes(((field << 3) | 2,)) + encode_varint(len(inner)) + inner
+    if answers:
+        body += _ANSWERS_TAG + encode_varint(answers)
+    if extra:
+        body += _EXTRA_SIZE_TAG + encode_varint(len(extra))
+    return encode_varint(len(body)) + body + extra
+
+
 class FrameDecoder(Generic[M]):
     """Incremental parser for one frame of `msg_type` (sans-IO)."""
 
@@ -234,6 +257,93 @@ def whole_frame(msg_type: type[M], data: bytes, max_extra: int) -> tuple[M, byte
             if len(data) >= end + extra_size:
                 return msg, data[end : end + extra_size]
     return None
+
+
+class StreamDecoder(Generic[M]):
+    """Incremental parser for a stream of frames of `msg_type` (a worker's channel, sans-IO).
+
+    `feed(data)` returns every frame the bytes complete, in order; the rest waits for the
+    next feed. Any split of the same bytes gives the same frames. Each header is checked
+    against MAX_HEADER_SIZE and each announced extra size against `max_extra_size` before
+    anything is buffered for it; a bad frame raises a `RemoteProtocolError` subclass and
+    the decoder is of no further use.
+    """
+
+    __slots__ = ("_buf", "_check", "_extra_size", "_max_extra", "_msg", "_type")
+
+    def __init__(
+        self,
+        msg_type: type[M],
+        max_extra_size: int = DEFAULT_MAX_EXTRA_SIZE,
+        check: Callable[[M, int], None] | None = None,
+    ) -> None:
+        """`check(msg, extra_size)`: a further look at each header before its extra bytes
+        are buffered (it raises a `RemoteProtocolError` to refuse the frame)."""
+        self._check = check
+        self._type = msg_type
+        self._max_extra = max_extra_size
+        self._buf = bytearray()
+        self._msg: M | None = None  # a header read whose extra bytes are still coming
+        self._extra_size = 0
+
+    @property
+    def pending(self) -> bool:
+        """Part of a frame is buffered (the peer is in the middle of one)."""
+        return bool(self._buf) or self._msg is not None
+
+    def feed(self, data: bytes) -> list[tuple[M, bytes]]:
+        frames: list[tuple[M, bytes]] = []
+        if not self._buf and self._msg is None:
+            # The common case: whole frames and nothing left over; no copy into the buffer.
+            pos = self._parse(data, 0, frames)
+            if pos < len(data):
+                self._buf += data[pos:]
+            return frames
+        self._buf += data
+        pos = self._parse(self._buf, 0, frames)
+        del self._buf[:pos]
+        return frames
+
+    def _parse(self, buf: bytes | bytearray, pos: int, frames: list[tuple[M, bytes]]) -> int:
+        """Frames from `buf` at `pos` on; the position of the first byte not used."""
+        end = len(buf)
+        while True:
+            if self._msg is None:
+                length = 0
+                shift = 0
+                at = pos
+                while True:
+                    if at >= end:
+                        if at - pos >= MAX_VARINT_BYTES:
+                            raise VarintTooLong("length prefix longer than 10 bytes")
+                        return pos
+                    byte = buf[at]
+                    length |= (byte & 0x7F) << shift
+                    at += 1
+                    if not byte & 0x80:
+                        break
+                    if at - pos >= MAX_VARINT_BYTES:
+                        raise VarintTooLong("length prefix longer than 10 bytes")
+                    shift += 7
+                if length > MAX_HEADER_SIZE:
+                    raise HeaderTooLarge(
+                        f"{self._type.__name__} header of {length} bytes exceeds {MAX_HEADER_SIZE}"
+                    )
+                if end < at + length:
+                    return pos
+                self._msg, self._extra_size = _decode(
+                    self._type, bytes(buf[at : at + length]), self._max_extra
+                )
+                if self._check is not None:
+                    self._check(self._msg, self._extra_size)
+                pos = at + length
+            if end - pos < self._extra_size:
+                return pos
+            extra = bytes(buf[pos : pos + self._extra_size])
+            pos += self._extra_size
+            frames.append((self._msg, extra))
+            self._msg = None
+            self._extra_size = 0
 
 
 async def _ready_by(
@@ -342,8 +452,10 @@ __all__ = [
     "MalformedMessage",
     "PeerTimeout",
     "RemoteProtocolError",
+    "StreamDecoder",
     "Truncated",
     "VarintTooLong",
+    "encode_channel",
     "encode_frame",
     "encode_varint",
     "pb",

@@ -56,7 +56,7 @@ WORKER_ERR_TASK_FAILED: WorkerError
 WORKER_ERR_FAILED: WorkerError
 
 class WorkerPulse(_message.Message):
-    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size")
+    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size", "channel")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class WorkerPulse(_message.Message):
     QUEUES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     type: PulseType
     worker_id: int
     task_id: int
@@ -71,17 +72,20 @@ class WorkerPulse(_message.Message):
     queues: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.RepeatedScalarFieldContainer[str]
     extra_size: int
-    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ...) -> None: ...
+    channel: bool
+    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ..., channel: _Optional[bool] = ...) -> None: ...
 
 class PulseResponse(_message.Message):
-    __slots__ = ("error", "worker_id", "takes_output")
+    __slots__ = ("error", "worker_id", "takes_output", "channel")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     error: ControllerError
     worker_id: int
     takes_output: bool
-    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ...) -> None: ...
+    channel: bool
+    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ..., channel: _Optional[bool] = ...) -> None: ...
 
 class JobLimits(_message.Message):
     __slots__ = ("memory_max", "tasks_max", "cpu_time", "file_size", "open_files", "cpu_quota")
@@ -136,3 +140,19 @@ class WorkerResponse(_message.Message):
     usage: Usage
     reason: str
     def __init__(self, error: _Optional[_Union[WorkerError, str]] = ..., task_id: _Optional[int] = ..., extra_size: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ChannelFrame(_message.Message):
+    __slots__ = ("pulse", "pulse_response", "control", "response", "answers", "extra_size")
+    PULSE_FIELD_NUMBER: _ClassVar[int]
+    PULSE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    pulse: WorkerPulse
+    pulse_response: PulseResponse
+    control: ControlMsg
+    response: WorkerResponse
+    answers: ControlType
+    extra_size: int
+    def __init__(self, pulse: _Optional[_Union[WorkerPulse, _Mapping]] = ..., pulse_response: _Optional[_Union[PulseResponse, _Mapping]] = ..., control: _Optional[_Union[ControlMsg, _Mapping]] = ..., response: _Optional[_Union[WorkerResponse, _Mapping]] = ..., answers: _Optional[_Union[ControlType, str]] = ..., extra_size: _Optional[int] = ...) -> None: ...

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 
+import pytest
 import trio
 
 from controller.core import TaskState
@@ -33,8 +34,12 @@ async def test_tasks_flow_through_real_workers(sockdir):
             reap(proc)
 
 
-async def test_kill_9_busy_worker_is_seen_at_once(sockdir):
-    procs = [spawn(sockdir, "--pulse", "5", "--exec", "sh", "-c", "sleep 30")]
+@pytest.mark.parametrize("protocol", ["seed", "channel"])
+async def test_kill_9_busy_worker_is_seen_at_once(sockdir, protocol):
+    """The seed's worker is seen through its pidfd; a channel worker through its channel's
+    end (or its pidfd, whichever comes first)."""
+    seed = ["--seed-protocol"] if protocol == "seed" else []
+    procs = [spawn(sockdir, "--pulse", "5", *seed, "--exec", "sh", "-c", "sleep 30")]
     try:
         async with running_controller(sockdir) as (shell, _outcomes):
             await wait_until(lambda: shell.core.idle_workers == 1)
@@ -49,7 +54,11 @@ async def test_kill_9_busy_worker_is_seen_at_once(sockdir):
             await wait_until(lambda: victim.worker_id not in shell.core.workers, timeout=1.0)
             assert trio.current_time() - start < 1.0
             assert shell.core.queued == 1
-            assert shell.core.counters.worker_losses == {"process exited": 1}
+            losses = shell.core.counters.worker_losses
+            if protocol == "seed":
+                assert losses == {"process exited": 1}
+            else:
+                assert losses in ({"process exited": 1}, {"channel ended": 1})
     finally:
         for proc in procs:
             reap(proc)

@@ -161,6 +161,12 @@ def build_parser(
             flag, metavar=what, type=_limit(key), dest=key, help=_LIMIT_HELP[key]
         )
     parser.add_argument(
+        "--seed-protocol",
+        action="store_true",
+        help="speak the seed's exchange (one connection per message, a control socket of its "
+        "own) instead of asking for a channel on main.sock (local workers)",
+    )
+    parser.add_argument(
         "--exit-with-parent",
         metavar="PID",
         nargs="?",
@@ -351,5 +357,6 @@ def main(argv: list[str] | None = None) -> int:
         max_extra_size=config.max_extra_size,
         parent_pid=parent,
         declared=declared,
+        channel=not args.seed_protocol,
     )
     return trio.run(worker.run)

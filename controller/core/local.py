@@ -189,7 +189,11 @@ class LocalWorkers:
             declared.shown(serves.labels) or "none",
         )
         actions: list[Action] = [
-            Reply(pb.PulseResponse(error=pb.CTRL_ERR_OK, worker_id=wid, takes_output=True))
+            Reply(
+                pb.PulseResponse(
+                    error=pb.CTRL_ERR_OK, worker_id=wid, takes_output=True, channel=pulse.channel
+                )
+            )
         ]
         if ev.pid:
             actions.append(WatchPid(wid, ev.pid))
@@ -321,6 +325,39 @@ class LocalWorkers:
             expected,
         )
         sched.take_back(worker, now, actions, cause="task mismatch")
+
+    # ------------------------------------------------------------ channels
+
+    def outcome(
+        self, worker_id: int, resp: pb.WorkerResponse, extra: bytes, now: float
+    ) -> list[Action]:
+        """A job's outcome on the worker's channel (a FETCH answer nobody asked for: the
+        worker sends it as soon as the job ends), or the answer to a FETCH sent there."""
+        worker = self.scheduler.workers.get(worker_id)
+        if worker is None:
+            return []
+        if worker.state is WorkerState.BUSY:
+            worker.fetch_wanted = False
+            worker.advance(WorkerEvent.FETCH)
+        actions: list[Action] = []
+        self._fetch_done(worker, DialDone(worker_id, pb.CTRL_FETCH, resp, extra), now, actions)
+        self.scheduler.dispatch(actions)
+        return actions
+
+    def channel_ended(self, worker_id: int, why: str, now: float) -> list[Action]:
+        """The worker's channel ended: the worker is gone, its job placed again at once
+        (`why` "refused": it answered a task sent there BUSY, which no attempt counts)."""
+        worker = self.scheduler.workers.get(worker_id)
+        if worker is None:
+            return []
+        actions: list[Action] = []
+        if why == "refused":
+            self.scheduler.lost(worker, now, actions, cause="refused a task", blame=False)
+        else:
+            log.warning("worker %d: its channel ended (%s); dropping it", worker_id, why)
+            self.scheduler.lost(worker, now, actions, cause="channel ended")
+        self.scheduler.dispatch(actions)
+        return actions
 
     # ------------------------------------------------------------ deaths
 

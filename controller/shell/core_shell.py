@@ -24,6 +24,7 @@ from pathlib import Path
 import trio
 
 from controller import wire
+from controller.channel import ChannelConn
 from controller.config import Config
 from controller.containment import contained
 from controller.core import (
@@ -66,6 +67,10 @@ log = logging.getLogger("controller")
 # at once (or a flood) should not see ECONNREFUSED.
 LISTEN_BACKLOG = 1024
 _FAILED = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
+_UNKNOWN_ID = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
+_CHANNEL_OPEN = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_OK, channel=True))
+# A SET_TASK written on a channel counts as taken (the worker answers only to refuse it).
+_TAKEN = pb.WorkerResponse(error=pb.WORKER_ERR_OK)
 # How often the path of main.sock is looked at: one removed or replaced is bound again
 # within this (DESIGN.md section 15 asks within a second).
 MAIN_SOCKET_CHECK = 0.25
@@ -78,6 +83,20 @@ _LIMITS_CACHE_SIZE = 256
 def usage_of(report: pb.Usage) -> Usage | None:
     """A worker's usage report, checked (None: a value that cannot be true)."""
     return checked_usage(report.wall, report.cpu, report.max_rss, report.memory_peak or None)
+
+
+_UNKNOWN_ID_RESPONSE = pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID)
+_FAILED_RESPONSE = pb.PulseResponse(error=pb.CTRL_ERR_FAILED)
+
+
+def _check_channel_frame(frame: pb.ChannelFrame, extra_size: int) -> None:
+    """A worker's frame on its channel, before its extra bytes are read: output comes in
+    pieces of at most wire.MAX_PULSE_EXTRA."""
+    if extra_size > wire.MAX_PULSE_EXTRA and frame.WhichOneof("msg") != "response":
+        raise wire.ExtraTooLarge(
+            f"a {frame.WhichOneof('msg')} announces {extra_size} extra bytes, over the "
+            f"limit of {wire.MAX_PULSE_EXTRA}"
+        )
 
 
 class StartupError(Exception):
@@ -201,6 +220,10 @@ class CoreShell:
         self._sock: socket.socket | None = None
         self._sock_identity: tuple[int, int] | None = None  # main.sock's (device, inode)
         self.rebinds = 0  # times main.sock was found removed or replaced and bound again
+        # Each channel worker's channel (docs/protocol.md, "The channel"), by worker id.
+        self._channels: dict[int, ChannelConn[pb.ChannelFrame]] = {}
+        # SET_TASKs written on channels in this batch of actions: taken once it is carried out.
+        self._taken: list[int] = []
         self._accept_failed = Throttled(log, "main.sock: cannot accept a connection")
         self._dial_failed = Throttled(log, "cannot dial a worker")
 
@@ -251,6 +274,16 @@ class CoreShell:
             await trio.sleep(MAIN_SOCKET_CHECK)
             if self._sock is not None and file_identity(path) != self._sock_identity:
                 self._rebind_main_socket(path)
+            self._close_forgotten_channels()
+
+    def _close_forgotten_channels(self) -> None:
+        """A channel whose worker was dropped (its pulse deadline passed) is told
+        CTRL_ERR_UNKNOWN_ID and closed: a worker still alive registers again."""
+        workers = self.core.workers
+        for wid in [wid for wid in self._channels if wid not in workers]:
+            channel = self._channels.pop(wid)
+            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _UNKNOWN_ID_RESPONSE))
+            channel.close_after_send()
 
     def _rebind_main_socket(self, path: Path) -> None:
         found = "removed" if not os.path.lexists(path) else "replaced by another file"
@@ -338,6 +371,12 @@ class CoreShell:
                     self.on_perform(action)
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
+        while self._taken:
+            taken, self._taken = self._taken, []
+            now = trio.current_time()
+            for wid in taken:
+                done = DialDone(wid, pb.CTRL_SET_TASK, _TAKEN)
+                self.execute(self.core.dial_done(done, now))
         self._timer.poke()
         if self.on_room is not None:
             self.on_room()
@@ -415,6 +454,9 @@ class CoreShell:
             if pulse.type == pb.PULSE_OUTPUT:
                 self._output(uid, conn, pulse, extra)
                 return
+            if pulse.channel and pulse.type != pb.PULSE_REGISTER:
+                self._open_channel(pid, uid, conn, pulse)
+                return
             self._pulse(pid, uid, conn, pulse)
         except Exception as exc:  # that worker's connection alone is closed
             contained("a worker's pulse", exc, trio.current_time(), f"pid {pid}")
@@ -455,11 +497,138 @@ class CoreShell:
         if exc.can_reply:
             conn.reply(_FAILED)
 
+    # ------------------------------------------------------------ channels
+
+    def _open_channel(
+        self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse
+    ) -> None:
+        """A pulse asking to make its connection the worker's channel: from the process that
+        registered (uid and pid), for a worker with no channel yet."""
+        wid = pulse.worker_id
+        worker = self.core.workers.get(wid)
+        if worker is None:
+            conn.reply(_UNKNOWN_ID)
+            return
+        if (
+            wid in self._channels
+            or (worker.uid is not None and worker.uid != uid)
+            or (worker.pid is not None and worker.pid != pid)
+        ):
+            log.warning(
+                "main.sock: refused a channel for worker %d from pid %d uid %d", wid, pid, uid
+            )
+            conn.reply(_FAILED)
+            return
+        actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), trio.current_time())
+        reply = actions[0]
+        assert isinstance(reply, Reply)
+        if reply.response.error != pb.CTRL_ERR_OK:
+            self.execute(actions[1:])
+            conn.reply(wire.encode_frame(reply.response))
+            return
+        channel: ChannelConn[pb.ChannelFrame] = ChannelConn(
+            self.reactor,
+            conn.sock,
+            pb.ChannelFrame,
+            lambda frame, extra: self._channel_frame(wid, pid, uid, frame, extra),
+            lambda why: self._channel_ended(wid, channel, why),
+            timeout=self.config.dial_timeout,
+            now=trio.current_time(),
+            max_extra_size=self.config.max_extra_size,
+            check=_check_channel_frame,
+        )
+        self._channels[wid] = channel
+        channel.send(_CHANNEL_OPEN)
+        log.debug("worker %d: channel open", wid)
+        self.execute(actions[1:])
+
+    def _channel_frame(
+        self, wid: int, pid: int, uid: int, frame: pb.ChannelFrame, extra: bytes
+    ) -> None:
+        channel = self._channels.get(wid)
+        if channel is None:
+            return
+        now = trio.current_time()
+        if wid not in self.core.workers:  # dropped meanwhile: it registers again
+            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _UNKNOWN_ID_RESPONSE))
+            channel.close_after_send()
+            return
+        which = frame.WhichOneof("msg")
+        if which == "response":
+            resp = frame.response
+            kind = frame.answers
+            if kind == pb.CTRL_FETCH:
+                if resp.HasField("usage"):
+                    self._usage(wid, resp)
+                self.execute(self.core.local.outcome(wid, resp, extra, now))
+            elif kind == pb.CTRL_SET_TASK:  # refused: the task goes back, nothing counted
+                self.execute(self.core.local.channel_ended(wid, "refused", now))
+                channel.close_after_send()
+            else:
+                self.execute(self.core.dial_done(DialDone(wid, kind, resp, extra), now))
+            return
+        if which != "pulse":
+            channel.end(f"a worker sent a {which or 'empty frame'} on its channel")
+            return
+        pulse = frame.pulse
+        ptype = pulse.type
+        if pulse.worker_id != wid:
+            channel.end(f"a pulse for worker {pulse.worker_id} on worker {wid}'s channel")
+            return
+        if ptype == pb.PULSE_OUTPUT:
+            task = self.core.local.output(PulseReceived(pulse, None, uid))[1]
+            if task is not None and extra and self.on_output is not None:
+                self.on_output(task.ref, task.owner, extra)
+            return
+        if ptype == pb.PULSE_REGISTER:
+            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _FAILED_RESPONSE))
+            channel.close_after_send()
+            return
+        actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), now)
+        reply = actions[0]
+        assert isinstance(reply, Reply)
+        self.execute(actions[1:])
+        error = reply.response.error
+        if error == pb.CTRL_ERR_UNKNOWN_TYPE:
+            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, reply.response))
+        elif error != pb.CTRL_ERR_OK:
+            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, reply.response))
+            channel.close_after_send()
+        elif ptype == pb.PULSE_SHUTDOWN:
+            channel.close_after_send()
+
+    def _channel_ended(self, wid: int, channel: ChannelConn[pb.ChannelFrame], why: str) -> None:
+        if self._channels.get(wid) is channel:
+            del self._channels[wid]
+        self.execute(self.core.local.channel_ended(wid, why, trio.current_time()))
+
+    def _send_on_channel(self, channel: ChannelConn[pb.ChannelFrame], action: Dial) -> None:
+        wid = action.worker_id
+        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
+        if action.kind == pb.CTRL_SET_TASK:
+            msg.task_id = action.task_id
+            worker = self.core.workers.get(wid)
+            if worker is not None and worker.task is not None:
+                limits = self._limits(worker.task.opts.limits)
+                if limits is not None:
+                    msg.limits.CopyFrom(limits)
+            channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
+            self._taken.append(wid)
+            return
+        channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
+        if action.kind == pb.CTRL_RESTART:  # the worker was dropped: it leaves
+            del self._channels[wid]
+            channel.close_after_send()
+
     # ------------------------------------------------------------ dialing
 
     def _dial(self, action: Dial) -> None:
         cfg = self.config
         wid = action.worker_id
+        channel = self._channels.get(wid)
+        if channel is not None:
+            self._send_on_channel(channel, action)
+            return
         path = f"{self._socket_prefix}{wid}.sock"  # str: a Path per dial is measurable
         if action.uid is not None:
             try:
