@@ -11,6 +11,7 @@ import pytest
 
 from controller.client import jobctl
 from controller.shell.http_access import read_tokens
+from controller.tokens import read_token
 from tests.helpers import live_controller
 from worker import poller
 
@@ -18,18 +19,18 @@ from worker import poller
 def test_the_token_sent_is_one_the_controller_holds(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("\n  # operators\n\n  s3cret-1  \nother\n")
-    assert jobctl.read_token(tokens) == "s3cret-1"
-    assert jobctl.read_token(tokens) in read_tokens(tokens)
+    assert read_token(tokens) == "s3cret-1"
+    assert read_token(tokens) in read_tokens(tokens)
     # The controller holds "tok # note" as one token: jobctl says so instead of sending "tok".
     tokens.write_text("tok # note\n")
     assert read_tokens(tokens) == {"tok # note"}
     with pytest.raises(ValueError, match=r"line 1: .*reads each line whole.*#-comment"):
-        jobctl.read_token(tokens)
+        read_token(tokens)
     tokens.write_text("# only a comment\n\n")
     with pytest.raises(ValueError, match="holds no token"):
-        jobctl.read_token(tokens)
+        read_token(tokens)
     with pytest.raises(ValueError, match="No such file"):
-        jobctl.read_token(tmp_path / "missing")
+        read_token(tmp_path / "missing")
 
 
 def test_a_poller_reads_its_token_file_as_the_controller_does(tmp_path: Path) -> None:
