@@ -714,8 +714,9 @@ SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 # Seconds a directory's mtime must be older than a look at it before an unchanged mtime
-# proves that nothing was made in it since (a timestamp moves in clock ticks, some coarse).
-SETTLED = 1.0
+# proves that nothing was made in it since: a timestamp moves in clock ticks, at most 10 ms
+# apart (HZ 100) where they are coarse.
+SETTLED = 0.05
 
 
 def _remove_owned(
