@@ -93,3 +93,20 @@ def test_the_schemathesis_command_finds_nothing(tmp_path: Path) -> None:
     # issue of the API; whether it is printed depends on which cases the stateful phase chains.
     counts = re.search(r"(\d+) generated, (\d+) passed\n", proc.stdout)
     assert counts is not None and counts[1] == counts[2], proc.stdout[-6000:]
+
+
+def test_the_document_names_429_and_503_with_retry_after() -> None:
+    """Every operation that asks for a token also names its 429; POST /job/'s 503 (the
+    journal, or max_pending) carries Retry-After, as the answers do."""
+    from controller.shell.openapi import OPENAPI
+
+    for path, operations in OPENAPI["paths"].items():
+        for method, operation in operations.items():
+            if method not in ("get", "put", "post", "delete"):
+                continue  # path-level parameters
+            responses = operation["responses"]
+            if "401" in responses:
+                assert "429" in responses, (method, path)
+                assert "Retry-After" in responses["429"]["headers"], (method, path)
+    busy = OPENAPI["paths"]["/job/"]["post"]["responses"]["503"]
+    assert "max_pending" in busy["description"] and "Retry-After" in busy["headers"]

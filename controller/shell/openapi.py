@@ -15,6 +15,8 @@ _ERROR = {"$ref": "#/components/schemas/Error"}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
+    """The error answers `codes`, each the Error object; where a token is asked for (401),
+    also 429 (too many wrong tokens from this address)."""
     why = {
         400: "malformed JSON or a bad field",
         401: "a bearer token is needed (http_token_file is set)",
@@ -22,15 +24,27 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "no such job or path",
         409: "a change the job's state does not allow",
         413: "a payload over max_extra_size",
-        503: "the journal cannot record now",
+        429: "10 wrong tokens from this address within a minute: it waits a minute",
+        503: "the journal cannot record now, or the jobs not yet ended would go past "
+        "max_pending or max_pending_bytes; try again after Retry-After seconds",
     }
-    return {
-        str(code): {
+    if 401 in codes:
+        codes = (*codes, 429)
+    answers: dict[str, Any] = {}
+    for code in codes:
+        answer: dict[str, Any] = {
             "description": why[code],
             "content": {"application/json": {"schema": _ERROR}},
         }
-        for code in codes
-    }
+        if code in (429, 503):
+            answer["headers"] = {
+                "Retry-After": {
+                    "description": "seconds to wait before asking again",
+                    "schema": {"type": "integer", "minimum": 0},
+                }
+            }
+        answers[str(code)] = answer
+    return answers
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
