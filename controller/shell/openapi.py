@@ -347,7 +347,7 @@ OPENAPI: dict[str, Any] = {
                         "login form",
                         "content": {"text/html": {"schema": _TEXT}},
                     },
-                    **_errors(403),
+                    **_errors(403, 429),
                 },
             }
         },
