@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,14 +34,13 @@ import trio
 from bench.common import percentile, socket_dir
 from bench.e2e_bench import drive, ppe_rate
 from bench.http_bench import _async_throughput, _one_at_a_time
+from bench.peers_workers import VENV, process_group, worker_commands
 from bench.redis_bench import redis_rate
 from bench.remote_bench import controller_with
 from controller.client import Client
 from tests.helpers import RedisServer, free_tcp_port, wait_for_condition
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent
-VENV = ROOT / ".venv-peers"
 PACKAGES = ["celery[redis]", "dramatiq[redis]", "rq", "huey", "redis", "python3-gearman"]
 SYSTEMS = ("gearman", "huey", "celery", "dramatiq", "rq")
 KINDS = ("local", "calculator", "poller")
@@ -73,58 +71,6 @@ def ensure_tools() -> None:
         subprocess.run([*pip, "--upgrade", "pip"], check=True)
         subprocess.run([*pip, *PACKAGES], check=True)
         stamp.touch()
-
-
-@contextlib.contextmanager
-def process_group(
-    argv: list[str], env: dict[str, str], log: Path
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server or worker in a session of its own, stopped with its children by pid."""
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(
-            argv, cwd=HERE, env=env, stdout=sink, stderr=sink, start_new_session=True
-        )
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def worker_commands(system: str, redis_url: str) -> list[list[str]]:
-    """The peer's own way of running 2 workers."""
-    bin_ = VENV / "bin"
-    if system == "huey":
-        return [[str(bin_ / "huey_consumer"), "peers_tasks.huey", "-w", "2", "-k", "process", "-q"]]
-    if system == "celery":
-        return [
-            [
-                str(bin_ / "celery"),
-                "-A",
-                "peers_tasks",
-                "worker",
-                "-c",
-                "2",
-                "-P",
-                "prefork",
-                "-l",
-                "WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-            ]
-        ]
-    if system == "dramatiq":
-        return [[str(bin_ / "dramatiq"), "peers_tasks", "--processes", "2", "--threads", "1"]]
-    if system == "rq":
-        url = f"{redis_url}/4"
-        return [[str(bin_ / "rq"), "worker", "--url", url, "bench"] for _ in range(2)]
-    return [[str(bin_ / "python"), "peers_tasks.py", "gearman-worker"] for _ in range(2)]
 
 
 def measure_peer(

@@ -38,6 +38,7 @@ import trio
 from bench import work
 from bench.common import children_of, cpu_while
 from bench.e2e_bench import drive
+from bench.peers_workers import VENV, process_group, worker_commands
 from bench.remote_bench import controller_with
 
 HERE = Path(__file__).parent
@@ -198,8 +199,6 @@ def measure_peer(
     system: str, cases: list[tuple[str, str, int]], env: dict[str, str], logs: Path
 ) -> dict[str, float]:
     """Jobs/s of each (label, payload, jobs) in `cases` on the peer's own 2 workers."""
-    from bench.peers import VENV, process_group, worker_commands
-
     if system == "gearman-cmd":
         port = env["PEERS_GEARMAN_PORT"]
         argv = ["gearman", "-w", "-h", "127.0.0.1", "-p", port, "-f", "work_cmd", "--"]

@@ -26,7 +26,7 @@ from hypercorn.trio.worker_context import WorkerContext
 
 from controller import httpapi
 from controller.config import Config
-from controller.core import Core, HandOut, TaskState
+from controller.core import HandOut
 from controller.httpapi import ApiError
 from controller.jobs import Job, JobState
 from controller.shell import keepalive
@@ -53,6 +53,7 @@ from controller.shell.http_conn import (
     serve_connections,
 )
 from controller.shell.openapi import OPENAPI
+from controller.shell.queues import idle_queue, queue_report
 
 log = logging.getLogger("controller.http")
 
@@ -534,36 +535,3 @@ class HttpDoor:
         if exc.status == 503:  # what refuses new jobs now passes: they may come again later
             return Response(httpapi.dumps(exc.body()), 503, "application/json", _RETRY_AFTER_HEADER)
         return error_response(exc.status, exc.message)
-
-
-def idle_queue(paused: bool = False) -> dict[str, Any]:
-    return {"pending": 0, "scheduled": 0, "working": 0, "workers": 0, "paused": paused}
-
-
-def queue_report(core: Core) -> dict[str, dict[str, Any]]:
-    """Each queue that has jobs, workers or a pause: its jobs pending, scheduled and working
-    (requested too), its live workers, and whether it is paused. (It looks at every live job:
-    an operator's question.)"""
-    report: dict[str, dict[str, Any]] = {}
-
-    def entry(name: str) -> dict[str, Any]:
-        found = report.get(name)
-        if found is None:
-            found = report[name] = idle_queue()
-        return found
-
-    for task in core.tasks.values():
-        state = task.state
-        if state is TaskState.QUEUED:
-            word = "pending"
-        elif state is TaskState.SCHEDULED:
-            word = "scheduled"
-        else:
-            word = "working"
-        entry(task.opts.queue)[word] += 1
-    for worker in core.workers.values():
-        for name in worker.queues:
-            entry(name)["workers"] += 1
-    for name in core.scheduler.pending.paused:
-        entry(name)["paused"] = True
-    return dict(sorted(report.items()))

@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
@@ -39,9 +39,15 @@ from controller.shell.console.web import (
     then_target,
 )
 from controller.shell.http_access import BEARER
+from controller.shell.queues import queue_report
 
 if TYPE_CHECKING:
-    from controller.shell.http import HttpDoor
+    from controller.config import Config
+    from controller.core import Core
+    from controller.jobs import JobBook
+    from controller.shell.console.session import TokenFile
+    from controller.shell.desk import JobDesk
+    from controller.shell.http_access import Gate
 
 T = TypeVar("T")
 
@@ -71,10 +77,32 @@ def page_of(found: Iterator[T], page: int, size: int) -> tuple[list[T], int, boo
     return [job for n, job in before if n >= last * size], last, False
 
 
+class Door(Protocol):
+    """What the console reads of the HTTP door that serves it (controller/shell/http.py)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def tokens(self) -> TokenFile | None: ...
+    @property
+    def desk(self) -> JobDesk: ...
+    @property
+    def book(self) -> JobBook: ...
+    @property
+    def core(self) -> Core: ...
+    @property
+    def redis_status(self) -> Callable[[], dict[str, Any]] | None: ...
+    @property
+    def counters(self) -> dict[str, int]: ...
+    @property
+    def gate(self) -> Gate: ...
+    def lookup(self, request: Request) -> Job: ...
+
+
 class Console:
     """The console's routes, its session keeper and the chart's counts."""
 
-    def __init__(self, door: HttpDoor) -> None:
+    def __init__(self, door: Door) -> None:
         config = door.config
         self.sessions = Sessions(door.tokens, secure=config.http_tls is not None)
         self.door = door
@@ -219,8 +247,6 @@ class Console:
         return Response(body, 200, kind, [(b"cache-control", b"max-age=300")])
 
     async def overview(self, request: Request, seen: Seen) -> Response:
-        from controller.shell.http import queue_report
-
         now = trio.current_time()
         door = self.door
         redis = door.redis_status() if door.redis_status is not None else None
@@ -276,8 +302,6 @@ class Console:
         pause holds, and `chosen` (at most MAX_QUEUES_SHOWN, by name). The kept jobs' names
         are gathered again when jobs came or went since, but no more often than makes that
         walk a tenth of the loop's time (QUEUES_EFFORT)."""
-        from controller.shell.http import queue_report
-
         book = self.book
         key = (len(book), self.core.counters.submitted)
         if key != self._queues_key and now >= self._queues_next:
@@ -306,8 +330,6 @@ class Console:
         return self._html(html, seen)
 
     async def queues(self, request: Request, seen: Seen) -> Response:
-        from controller.shell.http import queue_report
-
         return self._html(pages.queues_page(queue_report(self.core), **self._ctx(seen)), seen)
 
     async def workers(self, request: Request, seen: Seen) -> Response:
