@@ -1,15 +1,16 @@
-"""The HTTP job API against an in-process controller with real workers and a real HTTP client."""
+"""The HTTP job API against an in-process controller with real worker processes and a real
+HTTP client."""
 
 from __future__ import annotations
 
 import base64
 import collections
-import functools
 import ipaddress
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ from controller.shell.desk import JobDesk
 from controller.shell.http import IDLE_TIMEOUT, HttpDoor
 from controller.shell.main import assemble
 from tests.helpers import run_udp_client, wait_until
-from worker.runner import handler_runner
-from worker.shell import WorkerShell
+from tests.worker_handlers import EXECUTIONS, start_workers
+from tests.worker_handlers import executions as executions_in
 
 
 @dataclass
@@ -39,19 +40,20 @@ class Running:
     shell: CoreShell
     desk: JobDesk
     udp_port: int
-    executions: collections.Counter[bytes]
+    noted: Path
     web: HttpDoor
 
-
-async def _echo(payload: bytes) -> bytes:
-    return payload
+    @property
+    def executions(self) -> collections.Counter[bytes]:
+        """How many times the workers ran each payload."""
+        return executions_in(self.noted)
 
 
 @asynccontextmanager
 async def http_controller(
     sockdir: Path,
     workers: int = 2,
-    handler: Callable[[bytes], Awaitable[bytes]] = _echo,
+    handler: str = "tests.worker_handlers:counted_echo",
     journal: Path | None = None,
     **settings: Any,
 ) -> AsyncIterator[Running]:
@@ -67,12 +69,7 @@ async def http_controller(
     web = HttpDoor(config, desk, shell)
     web.bind()
     udp_port = udp.bind()[1]
-    executions: collections.Counter[bytes] = collections.Counter()
-
-    async def counted(payload: bytes) -> bytes:
-        executions[payload] += 1
-        return await handler(payload)
-
+    noted = Path(tempfile.mkdtemp(prefix="executions-", dir=sockdir))  # this instance's runs
     async with trio.open_nursery() as nursery:
         if store is not None:
             committer = Committer(store, on_committed=desk.write_ahead.release)
@@ -83,12 +80,11 @@ async def http_controller(
         await nursery.start(shell.serve)
         await nursery.start(udp.serve)
         await nursery.start(web.serve)
-        for _ in range(workers):
-            worker = WorkerShell(sockdir, handler_runner(counted, 1 << 20), pulse_period=1.0)
-            nursery.start_soon(functools.partial(worker.run, handle_signals=False))
+        env = {EXECUTIONS: str(noted)}
+        await start_workers(nursery, sockdir, "--handler", handler, count=workers, **env)
         await wait_until(lambda: shell.core.idle_workers == workers)
         host, port = web.address()
-        yield Running(f"http://{host}:{port}", shell, desk, udp_port, executions, web)
+        yield Running(f"http://{host}:{port}", shell, desk, udp_port, noted, web)
         nursery.cancel_scope.cancel()
     if store is not None:
         store.close()
@@ -199,21 +195,14 @@ def _waiting(ctl: Running) -> set[str]:
     return set(ctl.web._ended)
 
 
-async def test_cancel_running_job_restarts_its_local_worker(sockdir):
-    started = trio.Event()
-
-    async def slow(payload: bytes) -> bytes:
-        started.set()
-        await trio.sleep(60)
-        return payload
-
+async def test_cancel_running_job_restarts_its_local_worker(sockdir, tmp_path):
+    never = tmp_path / "never"  # the job waits for this file until the worker is restarted
     async with (
-        http_controller(sockdir, workers=1, handler=slow) as ctl,
+        http_controller(sockdir, workers=1, handler="tests.worker_handlers:wait_for_file") as ctl,
         client(ctl.url) as http,
     ):
-        await http.post("/job/", json={"id": "long"})
-        with trio.fail_after(10):
-            await started.wait()
+        await http.post("/job/", json={"id": "long", "payload": str(never)})
+        await wait_until(lambda: ctl.shell.core.idle_workers == 0)  # it runs the job
         resp = await http.put("/job/long/", json={"state": "canceled"})
         assert resp.json()["state"] == "canceled"
         assert ctl.shell.core.counters.restarts_sent == 1

@@ -1,22 +1,20 @@
 """Job output on the worker's side: the sink, and PULSE_OUTPUT against a fake controller
-(the trio shell in the test's loop; the `worker` command's epoll loop in a thread of its own)."""
+(a real `worker` process)."""
 
 from __future__ import annotations
 
-import functools
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import pytest
 import trio
 
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeController
-from worker.lean import LeanWorker
+from tests.helpers import reap, worker_argv
+from worker.lean import EXIT_RESTART
 from worker.output import BUFFER_LIMIT, CHUNK, OutputSink
-from worker.runner import Runner, build_runner
-from worker.shell import EXIT_RESTART, WorkerShell
 
 MiB = 1024 * 1024
 FETCH = pb.ControlMsg(type=pb.CTRL_FETCH)
@@ -47,40 +45,31 @@ def test_the_sink_hands_out_chunks_and_wakes_when_a_chunk_is_full() -> None:
     assert sink.take() == b"y"
 
 
-def _shell_worker(sockdir: Path, runner: Runner, nursery: trio.Nursery) -> None:
-    shell = WorkerShell(sockdir, runner, pulse_period=30.0)
-    nursery.start_soon(functools.partial(shell.run, handle_signals=False))
-
-
-def _lean_worker(sockdir: Path, runner: Runner, nursery: trio.Nursery) -> None:
-    """The `worker` command's loop blocks its thread in epoll: it runs in a thread (and a trio
-    loop) of its own, and leaves on RESTART."""
-    lean = LeanWorker(sockdir, runner, pulse_period=30.0)
-
-    def run() -> None:
-        assert trio.run(functools.partial(lean.run, handle_signals=False)) == EXIT_RESTART
-
-    nursery.start_soon(trio.to_thread.run_sync, run)
-
-
-STARTERS = {"shell": _shell_worker, "lean": _lean_worker}
+def _spawn(sockdir: Path, command: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(worker_argv(sockdir, "--pulse", "30", "--exec", "sh", "-c", command))
 
 
 @asynccontextmanager
 async def worker_and_fake(
-    sockdir: Path, kind: str, command: str, takes_output: bool
+    sockdir: Path, command: str, takes_output: bool
 ) -> AsyncIterator[FakeController]:
+    """A fake controller and a real `worker --exec sh -c COMMAND` process on it."""
     fake = FakeController(sockdir, takes_output=takes_output)
-    runner = build_runner(["sh", "-c", command], None, 16 * MiB)
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(fake.serve)
-            STARTERS[kind](sockdir, runner, nursery)
-            await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
-            yield fake
-            resp, _ = await fake.control(1, RESTART)  # the worker leaves (exit 75)
-            assert resp.error == pb.WORKER_ERR_OK
-            nursery.cancel_scope.cancel()  # the fake; the lean worker's thread is waited for
+    proc = _spawn(sockdir, command)
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(fake.serve)
+                await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+                yield fake
+                resp, _ = await fake.control(1, RESTART)  # the worker leaves (exit 75)
+                assert resp.error == pb.WORKER_ERR_OK
+                while proc.poll() is None:
+                    await trio.sleep(0.01)
+                assert proc.returncode == EXIT_RESTART
+                nursery.cancel_scope.cancel()
+    finally:
+        reap(proc)
 
 
 async def _job(fake: FakeController, task_id: int, payload: bytes) -> tuple[int, bytes]:
@@ -95,12 +84,9 @@ def _types(fake: FakeController) -> list[int]:
     return [p.type for _, p in fake.pulses]
 
 
-@pytest.mark.parametrize("kind", ["shell", "lean"])
-async def test_a_jobs_stderr_reaches_the_controller_before_its_outcome(
-    sockdir: Path, kind: str
-) -> None:
+async def test_a_jobs_stderr_reaches_the_controller_before_its_outcome(sockdir: Path) -> None:
     script = "echo one >&2; echo two >&2; cat"
-    async with worker_and_fake(sockdir, kind, script, takes_output=True) as fake:
+    async with worker_and_fake(sockdir, script, takes_output=True) as fake:
         assert await _job(fake, 7, b"payload") == (pb.WORKER_ERR_OK, b"payload")
         assert b"".join(data for tid, data in fake.outputs if tid == 7) == b"one\ntwo\n"
         assert all(tid == 7 for tid, _ in fake.outputs)
@@ -111,21 +97,19 @@ async def test_a_jobs_stderr_reaches_the_controller_before_its_outcome(
         assert pulse.worker_id == 1
 
 
-@pytest.mark.parametrize("kind", ["shell", "lean"])
-async def test_an_older_controller_is_sent_no_output(sockdir: Path, kind: str) -> None:
+async def test_an_older_controller_is_sent_no_output(sockdir: Path) -> None:
     script = "echo one >&2; cat"
-    async with worker_and_fake(sockdir, kind, script, takes_output=False) as fake:
+    async with worker_and_fake(sockdir, script, takes_output=False) as fake:
         assert await _job(fake, 7, b"payload") == (pb.WORKER_ERR_OK, b"payload")
         assert pb.PULSE_OUTPUT not in _types(fake) and fake.outputs == []
 
 
-@pytest.mark.parametrize("kind", ["shell", "lean"])
 async def test_a_flood_of_output_goes_in_chunks_and_the_worker_holds_a_bounded_amount(
-    sockdir: Path, kind: str
+    sockdir: Path,
 ) -> None:
     size = 2 * MiB
     script = f"head -c {size} /dev/zero | tr '\\0' x >&2; echo end >&2; echo done"
-    async with worker_and_fake(sockdir, kind, script, takes_output=True) as fake:
+    async with worker_and_fake(sockdir, script, takes_output=True) as fake:
         assert await _job(fake, 7, b"") == (pb.WORKER_ERR_OK, b"done\n")
         chunks = [data for _, data in fake.outputs]
         assert all(len(chunk) <= CHUNK for chunk in chunks)
@@ -138,11 +122,10 @@ async def test_a_flood_of_output_goes_in_chunks_and_the_worker_holds_a_bounded_a
         assert len(got) < size + BUFFER_LIMIT
 
 
-@pytest.mark.parametrize("kind", ["shell", "lean"])
-async def test_output_leaves_while_the_job_runs(sockdir: Path, kind: str) -> None:
+async def test_output_leaves_while_the_job_runs(sockdir: Path) -> None:
     flag = sockdir / "go"
     script = f"echo one >&2; while [ ! -e {flag} ]; do sleep 0.01; done; echo two >&2; cat"
-    async with worker_and_fake(sockdir, kind, script, takes_output=True) as fake:
+    async with worker_and_fake(sockdir, script, takes_output=True) as fake:
         resp, _ = await fake.control(1, pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=7), b"p")
         assert resp.error == pb.WORKER_ERR_OK
         await fake.wait_for(lambda: bool(fake.outputs))

@@ -31,8 +31,8 @@ from tests.helpers import (
     wait_until,
     write_config,
 )
-from worker.runner import handler_runner
-from worker.shell import WorkerShell
+from tests.worker_handlers import EXECUTIONS, GATES, start_workers
+from tests.worker_handlers import executions as executions_in
 
 
 async def test_200_tasks_through_lossy_network(sockdir, nursery):
@@ -47,16 +47,10 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
     await nursery.start(desk.run)
     await nursery.start(shell.serve)
     await nursery.start(udp.serve)
-    executions: collections.Counter[bytes] = collections.Counter()
-
-    async def counted(payload: bytes) -> bytes:
-        executions[payload] += 1
-        return b"done:" + payload
-
-    for _ in range(2):
-        # One loop hosts everything here: a 1 s period (2 s promised) leaves room for stalls.
-        worker = WorkerShell(sockdir, handler_runner(counted, 1 << 20), pulse_period=1.0)
-        nursery.start_soon(lambda w=worker: w.run(handle_signals=False))
+    noted = sockdir / "executions"
+    noted.mkdir()
+    handler = "tests.worker_handlers:counted_done"
+    await start_workers(nursery, sockdir, "--handler", handler, count=2, **{EXECUTIONS: str(noted)})
     await wait_until(lambda: shell.core.idle_workers == 2)
     rng = random.Random(20261126)
     router = await nursery.start(
@@ -86,6 +80,7 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
     assert {t: o.status for t, o in results.items()} == {t: "success" for t in range(1, 201)}
     assert all(results[t].result == f"done:p{t}".encode() for t in range(1, 201))
     assert set(reported.values()) == {1}
+    executions = executions_in(noted)
     assert max(executions.values()) <= 1 + config.max_retries
     assert sum(executions.values()) == 200  # no worker failed: each ran exactly once
     print(f"duplicates suppressed at the client: {client.duplicates}")
@@ -99,12 +94,7 @@ async def test_large_result_read_with_get_result(sockdir, nursery):
     await nursery.start(shell.serve)
     await nursery.start(udp.serve)
     big = bytes(range(256)) * 1000  # 256,000 bytes: five get_result chunks and more
-
-    async def large(payload: bytes) -> bytes:
-        return big
-
-    worker = WorkerShell(sockdir, handler_runner(large, 1 << 20))
-    nursery.start_soon(lambda: worker.run(handle_signals=False))
+    await start_workers(nursery, sockdir, "--handler", "tests.worker_handlers:large")
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     client = UdpSession(sock, server, timeout=30)
@@ -120,19 +110,23 @@ async def test_large_result_read_with_get_result(sockdir, nursery):
 
 
 class GatedClient:
-    """A raw UDP client of one in-process controller whose one worker runs each job when
-    the test opens its gate."""
+    """A raw UDP client of one in-process controller whose one worker (a real process,
+    tests.worker_handlers:gated) runs each job when the test opens its gate."""
 
-    def __init__(self, server: tuple[str, int]) -> None:
+    def __init__(self, server: tuple[str, int], gates: Path) -> None:
         self.server = server
+        self.gates = gates
         self.sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
-        self.running: dict[bytes, trio.Event] = collections.defaultdict(trio.Event)
-        self.gates: dict[bytes, trio.Event] = collections.defaultdict(trio.Event)
 
-    async def handler(self, payload: bytes) -> bytes:
-        self.running[payload].set()
-        await self.gates[payload].wait()
-        return b"done:" + payload
+    async def running(self, payload: str) -> None:
+        """Until the worker runs the job of `payload`."""
+        await wait_until((self.gates / f"{payload}.running").exists)
+
+    def open(self, payload: str) -> None:
+        (self.gates / f"{payload}.go").touch()
+
+    def opened(self, payload: str) -> bool:
+        return (self.gates / f"{payload}.go").exists()
 
     async def add(self, task_id: int, payload: str) -> None:
         packet = {"method": "add_task", "packet_type": 1, "transmission_id": task_id}
@@ -154,13 +148,15 @@ async def gated_controller(
     """A controller (journal off) with one gated worker; the nursery its UDP door runs in."""
     config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
     shell, desk, udp = assemble(config)
-    client = GatedClient(udp.bind())
+    gates = sockdir / "gates"
+    gates.mkdir()
+    client = GatedClient(udp.bind(), gates)
     await client.sock.bind(("127.0.0.1", 0))
     await nursery.start(desk.run)
     await nursery.start(shell.serve)
     door = await nursery.start(_serve_door, udp)
-    worker = WorkerShell(sockdir, handler_runner(client.handler, 1 << 20))
-    nursery.start_soon(lambda: worker.run(handle_signals=False))
+    handler = "tests.worker_handlers:gated"
+    await start_workers(nursery, sockdir, "--handler", handler, **{GATES: str(gates)})
     await wait_until(lambda: shell.core.idle_workers == 1)
     return client, door, shell
 
@@ -175,7 +171,7 @@ async def busy_with(client: GatedClient, task_id: int, payload: str) -> None:
     """Job `task_id` running behind its closed gate, its acknowledgement read: a lone job's
     acknowledgement is never held."""
     await client.add(task_id, payload)
-    await client.running[payload.encode()].wait()
+    await client.running(payload)
     ack = await client.receive()
     assert ack == {"method": "ack", "packet_type": 2, "transmission_id": task_id}
 
@@ -194,8 +190,8 @@ async def test_a_lone_jobs_answers_go_out_at_once(sockdir, nursery, monkeypatch)
     client, _, _ = await gated_controller(sockdir, nursery)
     with client.sock:
         await busy_with(client, 1, "lone")
-        assert not client.gates[b"lone"].is_set()
-        client.gates[b"lone"].set()
+        assert not client.opened("lone")
+        client.open("lone")
         note = await client.receive()
         assert note["method"] == "notify_task" and note["params"]["result"] == "done:lone"
 
@@ -209,8 +205,8 @@ async def test_with_other_jobs_in_flight_answers_leave_together_in_order(
         await busy_with(client, 1, "first")
         await client.add(2, "second")  # queued behind the first: two jobs in flight
         await wait_until(lambda: len(shell.core.tasks) == 2)
-        client.gates[b"first"].set()
-        client.gates[b"second"].set()
+        client.open("first")
+        client.open("second")
         await wait_until(lambda: not shell.core.tasks)  # both ran and ended
         assert not client.waiting()  # every answer waits for the batch
         door.cancel_scope.cancel()  # e.g. SIGTERM: the batch goes out before the socket closes
@@ -234,9 +230,9 @@ async def test_a_batch_leaves_after_its_delay_without_waiting_for_outcomes(
         ack = await client.receive()  # while both jobs wait: the batch's time, not theirs
         assert ack == {"method": "ack", "packet_type": 2, "transmission_id": 2}
         assert trio.current_time() - start >= 0.2 * 0.99
-        assert not client.gates[b"first"].is_set()
-        client.gates[b"first"].set()
-        client.gates[b"second"].set()
+        assert not client.opened("first")
+        client.open("first")
+        client.open("second")
         notes = {(await client.receive())["params"]["result"] for _ in range(2)}
         assert notes == {"done:first", "done:second"}
 

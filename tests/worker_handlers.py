@@ -1,17 +1,86 @@
-"""Handlers the real-process worker tests load with `--handler tests.worker_handlers:NAME`.
+"""Handlers the real-process worker tests load with `--handler tests.worker_handlers:NAME`,
+and `start_workers`, which starts such workers for a test.
 
-Each payload names a file; the handler returns once that file exists (bounded), so a test
-decides when the job ends without sleeping.
+A waiting handler's payload names a file (or, for `gated`, a gate in the directory that
+$TEST_WORKER_GATES names); it returns once that file exists (bounded), so a test decides
+when the job ends without sleeping. The counted handlers note each run as a file in the
+directory $TEST_WORKER_EXECUTIONS names, which `executions` reads back.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import trio
 
 WAIT = 20.0  # seconds a handler waits for its file before it fails
+EXECUTIONS = "TEST_WORKER_EXECUTIONS"
+GATES = "TEST_WORKER_GATES"
+
+
+async def _kill(proc: trio.Process) -> None:
+    proc.kill()
+
+
+async def start_workers(
+    nursery: trio.Nursery, socket_dir: Path, *args: str, count: int = 1, **env: str
+) -> None:
+    """`count` real worker processes on `socket_dir` (with `args`, and `env` added to the
+    environment), each killed when `nursery` is cancelled."""
+    argv = [sys.executable, "-m", "worker", "--socket-dir", str(socket_dir)]
+    argv += ["--log-level", "ERROR", *args]
+    for _ in range(count):
+        run = functools.partial(
+            trio.run_process, argv, env=os.environ | env, check=False, deliver_cancel=_kill
+        )
+        await nursery.start(run)
+
+
+def executions(directory: Path) -> collections.Counter[bytes]:
+    """How many times the counted handlers ran each payload, noted in `directory`."""
+    return collections.Counter(path.read_bytes() for path in directory.iterdir())
+
+
+def _note(payload: bytes) -> None:
+    fd, _ = tempfile.mkstemp(dir=os.environ[EXECUTIONS])
+    try:
+        os.write(fd, payload)
+    finally:
+        os.close(fd)
+
+
+def counted_echo(payload: bytes) -> bytes:
+    _note(payload)
+    return payload
+
+
+def counted_done(payload: bytes) -> bytes:
+    _note(payload)
+    return b"done:" + payload
+
+
+def large(payload: bytes) -> bytes:
+    return bytes(range(256)) * 1000
+
+
+def gated(payload: bytes) -> bytes:
+    """Marks `<payload>.running` in $TEST_WORKER_GATES, then waits for `<payload>.go`."""
+    gates = Path(os.environ[GATES])
+    name = payload.decode()
+    (gates / f"{name}.running").touch()
+    go = gates / f"{name}.go"
+    deadline = time.monotonic() + WAIT
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{go} never appeared")
+        time.sleep(0.002)
+    return b"done:" + payload
 
 
 def wait_for_file(payload: bytes) -> bytes:
@@ -50,3 +119,12 @@ async def achatty(payload: bytes) -> bytes:
     print(f"printed {payload.decode()}", file=sys.stderr)
     logging.getLogger("job").warning("logged %s", payload.decode())
     return payload
+
+
+def boom(payload: bytes) -> bytes:
+    raise ValueError("bad payload\nsecond line")
+
+
+async def upper(payload: bytes) -> bytes:
+    await trio.lowlevel.checkpoint()
+    return payload.upper()

@@ -28,15 +28,13 @@ its turns when it hands it a job (a no-op handler ends in them), and while a
 job goes on waits on the epoll set through trio. A plain `--handler` runs
 in a thread of its own, so that the loop answers the controller meanwhile.
 
-Cost in code, beside the trio shell: this module (~700 lines) and
-worker/spawn.py's `Command`. What it saves a job: no trio task, cancel
-scope or trio I/O wait per exchange (the trio shell's reactor), and for
-`--exec` no trio wait on the command at all.
+What it saves a job against a trio task per exchange: no cancel scope or
+trio I/O wait per exchange, and for `--exec` no trio wait on the command at
+all (worker/spawn.py's `Command`).
 
 What to answer and what to pulse is decided by `WorkerSession`
-(worker/core.py), the same pure session as the trio shell
-(worker/shell.py, which in-process users embed). Frames are read and written
-with controller/wire.py. Behaviour: REGISTER on main.sock (retrying with
+(worker/core.py), the pure session. Frames are read and written with
+controller/wire.py. Behaviour: REGISTER on main.sock (retrying with
 capped, jittered backoff), pulse OK at once and then every period, FETCH_ME as
 soon as a job ends, re-register on UNKNOWN_ID keeping the job and its
 outcome, RESTART kills the job and exits 75, SIGTERM/SIGINT drain (bounded
@@ -85,17 +83,25 @@ from worker.runner import (
     TaskFailed,
     command_outcome,
 )
-from worker.shell import (
-    CONTROL_BACKLOG,
-    EXIT_RESTART,
-    REGISTER_BACKOFF_MAX,
-    REGISTER_BACKOFF_START,
-    REGISTER_JITTER,
-    promised_next_pulse,
-)
 from worker.spawn import Command
 
 log = logging.getLogger("worker")
+
+EXIT_RESTART = 75  # EX_TEMPFAIL: the supervisor starts us again
+# Registration retry backoff: quick at first (the controller may be starting), capped
+# so that a worker waiting for a long-gone controller still notices it within seconds.
+REGISTER_BACKOFF_START = 0.05
+REGISTER_BACKOFF_MAX = 5.0
+# Each wait is drawn from delay x (1 +- this), so that a crowd of workers spreads out.
+REGISTER_JITTER = 0.5
+# The controller dials one connection at a time per worker, plus an occasional GET_STATUS.
+CONTROL_BACKLOG = 64
+
+
+def promised_next_pulse(period: float) -> int:
+    """What the worker promises in `next_pulse`: whole seconds, twice the real period."""
+    return max(1, math.ceil(2 * period))
+
 
 # A full listen backlog on main.sock makes a non-blocking connect fail with EAGAIN:
 # try again after this pause, until the exchange's timeout.
