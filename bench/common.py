@@ -80,3 +80,18 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+@contextmanager
+def importable_bench() -> Iterator[None]:
+    """bench/ importable by the workers a controller starts (`--handler bench.work:run`)."""
+    before = os.environ.get("PYTHONPATH")
+    here = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, before) if p)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before

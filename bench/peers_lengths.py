@@ -29,14 +29,14 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from bench import work
-from bench.common import children_of, cpu_while
+from bench.common import children_of, cpu_while, importable_bench
 from bench.e2e_bench import drive
 from bench.peers_workers import VENV, process_group, worker_commands
 from bench.remote_bench import controller_with
@@ -153,20 +153,6 @@ def ppe_rate(kind: str, length: float, jobs: int) -> float:
         return median_rate(measure, jobs)
 
 
-@contextlib.contextmanager
-def _importable_bench() -> Iterator[None]:
-    """bench/ importable by the workers the controller starts (for `--handler bench.work:run`)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), before) if p)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-
-
 def measure_ours(
     worker_args: tuple[str, ...], cases: list[tuple[str, str, int]]
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
@@ -176,7 +162,7 @@ def measure_ours(
     workers together (their commands not counted) and of the client, over those rounds."""
     rates: dict[str, float] = {}
     cpu: dict[str, dict[str, float]] = {}
-    with _importable_bench(), controller_with("local", worker_args) as ctl:
+    with importable_bench(), controller_with("local", worker_args) as ctl:
         next_id = 1
 
         def measure(payload: str, count: int, window: int = WINDOW) -> float:

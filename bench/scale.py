@@ -21,24 +21,21 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from bench import work
-from bench.common import median, process_cpu, socket_dir
+from bench.common import importable_bench, median, process_cpu, socket_dir
 from bench.e2e_bench import drive, start_controller
 from tests.helpers import free_udp_port
 
-HERE = Path(__file__).resolve().parent
 HANDLER = ("--handler", "bench.work:run")
 EXEC_TRUE = ("--exec", "/usr/bin/true")
 
@@ -56,20 +53,6 @@ def worker_counts(cpus: int) -> list[int]:
 def jobs_for(workers: int, length: float, seconds: float) -> int:
     """About `seconds` of jobs at the ideal rate (no-op jobs: as if 0.2 ms each)."""
     return max(200, min(50_000, int(seconds * workers / max(length, 0.0002))))
-
-
-@contextlib.contextmanager
-def importable_bench() -> Iterator[None]:
-    """bench/ importable by the workers the controller starts (`--handler bench.work:run`)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), before) if p)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
 
 
 def ppe_rate(workers: int, length: float, jobs: int) -> float:
