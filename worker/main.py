@@ -18,8 +18,8 @@ from controller.config import ConfigError, load_config
 from controller.declared import BadDeclaration, Declared, names, read
 from controller.joblimits import JobLimits, LimitError, parse_value
 from worker.calculator import Calculator
-from worker.lean import LeanWorker
 from worker.limits import Cgroup, Jail, become, resolve_job_user
+from worker.local import LocalWorker
 from worker.output import capture_stderr
 from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             return trio.run(poller.run)
         finally:
             jail.close()
-    worker = LeanWorker(
+    worker = LocalWorker(
         config.socket_dir,
         runner,
         pulse_period=args.pulse,

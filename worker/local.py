@@ -184,7 +184,7 @@ class _Conn:
         self.sent: Callable[[], None] | None = None
 
 
-class LeanWorker:
+class LocalWorker:
     """A local worker on `socket_dir`/main.sock; `run()` inside `trio.run` gives its exit
     status."""
 
