@@ -36,10 +36,6 @@ async def login(http: httpx.AsyncClient, token: str) -> httpx.Response:
     return await http.post("/ui/login", data={"csrf": csrf_of(form), "token": token})
 
 
-async def failing(payload: bytes) -> bytes:
-    raise RuntimeError(f"cannot do {payload!r}")
-
-
 # ---------------------------------------------------------------- pure parts
 
 
@@ -77,13 +73,10 @@ def test_cookie_flags_and_secure_over_tls(tmp_path):
 
 
 async def test_overview_shows_workers_queues_counters_chart_and_latest_jobs(sockdir):
-    async def maybe(payload: bytes) -> bytes:
-        if payload == b"bad":
-            raise RuntimeError("bad payload")
-        return payload
-
     async with (
-        http_controller(sockdir, workers=1, handler=maybe, max_retries=0) as ctl,
+        http_controller(
+            sockdir, workers=1, handler="tests.worker_handlers:bad_payload", max_retries=0
+        ) as ctl,
         client(ctl.url) as http,
     ):
         await http.post("/job/", json={"id": "good", "payload": "ok", "name": "shown"})
@@ -142,7 +135,9 @@ async def test_jobs_list_filters_searches_and_pages_newest_first(sockdir):
 async def test_job_page_shows_every_field_payload_result_attempts_and_output(sockdir, tmp_path):
     journal = tmp_path / "j.sqlite3"  # attempts are kept where a journal is
     async with (
-        http_controller(sockdir, 1, failing, journal, max_retries=1) as ctl,
+        http_controller(
+            sockdir, 1, "tests.worker_handlers:cannot_do", journal, max_retries=1
+        ) as ctl,
         client(ctl.url) as http,
     ):
         await http.post(
@@ -215,17 +210,9 @@ async def test_cancel_retry_delete_and_pause_from_forms(sockdir):
 
 
 async def test_workers_page_shows_kind_queues_labels_state_job_pulse_and_done(sockdir):
-    started = trio.Event()
-
-    async def slow(payload: bytes) -> bytes:
-        started.set()
-        await trio.sleep(60)
-        return payload
-
+    slow = "tests.worker_handlers:sleeps_a_minute"
     async with http_controller(sockdir, workers=1, handler=slow) as ctl, client(ctl.url) as http:
         await http.post("/job/", json={"id": "held"})
-        with trio.fail_after(10):
-            await started.wait()
         await wait_until(lambda: ctl.desk.book.get("held").state is JobState.WORKING)
         page = await http.get("/ui/workers")
         rows = section(page, "workers")
@@ -269,13 +256,7 @@ async def test_names_and_payloads_are_escaped_everywhere(sockdir):
 
 
 async def test_bulk_retry_and_delete_of_failed_jobs_show_the_count_first(sockdir):
-    failing_now = [True]
-
-    async def flaky(payload: bytes) -> bytes:
-        if failing_now[0]:
-            raise RuntimeError("not yet")
-        return payload
-
+    flaky = "tests.worker_handlers:fails_until_passed"
     async with (
         http_controller(sockdir, workers=1, handler=flaky, max_retries=0) as ctl,
         client(ctl.url) as http,
@@ -294,7 +275,7 @@ async def test_bulk_retry_and_delete_of_failed_jobs_show_the_count_first(sockdir
         done = await http.post("/ui/bulk", data={**form, "confirm": "1"})
         assert done.status_code == 200 and "5 jobs deleted" in done.text
         assert book.count(JobState.DELETED) == 5 and book.count(JobState.FAILED) == 7
-        failing_now[0] = False
+        (ctl.noted.parent / "passed").touch()
         form = {**form, "q": "", "action": "retry"}
         assert "7 failed jobs match" in (await http.post("/ui/bulk", data=form)).text
         done = await http.post("/ui/bulk", data={**form, "confirm": "1"})

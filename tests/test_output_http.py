@@ -14,7 +14,6 @@ from controller.shell import http as http_module
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import exchange, send_raw, wait_until
 from tests.test_http import Running, client, http_controller
-from worker import output
 
 
 def _waiting(ctl: Running, job_id: str) -> int:
@@ -103,14 +102,9 @@ async def test_output_is_journaled_and_read_back_after_a_restart(
         assert (await http.get("/job/j/output")).text == "456789ab"
 
 
-async def _says_hello(payload: bytes) -> bytes:
-    output.write(b"hello from " + payload + b"\n")  # what sys.stderr does under `worker`
-    return payload
-
-
 async def test_a_local_workers_output_is_kept_with_its_job(sockdir: Path) -> None:
     async with (
-        http_controller(sockdir, workers=1, handler=_says_hello) as ctl,
+        http_controller(sockdir, workers=1, handler="tests.worker_handlers:says_hello") as ctl,
         client(ctl.url) as http,
     ):
         await http.post("/job/", json={"id": "j", "payload": "j"})

@@ -23,12 +23,6 @@ from tests.test_http import client, http_controller
 OPTION_FIELDS = set(OPTIONS) - {"delay"}
 
 
-async def _fail(payload: bytes) -> bytes:
-    if payload.startswith(b"fail"):
-        raise RuntimeError("asked to fail")
-    return payload
-
-
 async def test_a_job_without_options_shows_the_http_defaults(sockdir):
     async with (
         http_controller(sockdir, max_retries=2, retry_delay=1.5) as ctl,
@@ -125,7 +119,9 @@ async def test_delay_and_run_at_together_are_refused(sockdir):
 
 async def test_retry_puts_a_failed_job_back_with_a_fresh_max_retries(sockdir):
     async with (
-        http_controller(sockdir, handler=_fail, max_retries=0) as ctl,
+        http_controller(
+            sockdir, handler="tests.worker_handlers:fail_when_asked", max_retries=0
+        ) as ctl,
         client(ctl.url) as http,
     ):
         job = (await http.post("/job/", json={"id": "dead", "payload": "fail"})).json()
@@ -250,17 +246,14 @@ def test_a_scheduled_job_and_a_pause_survive_a_sigkill_with_the_same_time(tmp_pa
 
 
 async def test_each_attempt_is_kept_with_its_worker_times_outcome_and_error(sockdir, tmp_path):
-    tries: list[bytes] = []
-
-    async def fails_once(payload: bytes) -> bytes:
-        tries.append(payload)
-        if len(tries) == 1:
-            raise RuntimeError("first time unlucky")
-        return payload
-
     journal = tmp_path / "journal.sqlite3"
     async with (
-        http_controller(sockdir, handler=fails_once, journal=journal, max_retries=1) as ctl,
+        http_controller(
+            sockdir,
+            handler="tests.worker_handlers:fails_first_time",
+            journal=journal,
+            max_retries=1,
+        ) as ctl,
         client(ctl.url) as http,
     ):
         await http.post("/job/", json={"id": "twice", "payload": "x"})

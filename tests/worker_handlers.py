@@ -128,3 +128,50 @@ def boom(payload: bytes) -> bytes:
 async def upper(payload: bytes) -> bytes:
     await trio.lowlevel.checkpoint()
     return payload.upper()
+
+
+def bad_payload(payload: bytes) -> bytes:
+    """Fails a job whose payload is `bad`, echoes the others."""
+    if payload == b"bad":
+        raise RuntimeError("bad payload")
+    return payload
+
+
+def fail_when_asked(payload: bytes) -> bytes:
+    """Fails a job whose payload starts with `fail` (each run noted), echoes the others."""
+    _note(payload)
+    if payload.startswith(b"fail"):
+        raise RuntimeError("asked to fail")
+    return payload
+
+
+def fails_first_time(payload: bytes) -> bytes:
+    """Fails each payload's first run (noted in $TEST_WORKER_EXECUTIONS), echoes later ones."""
+    tried = Path(os.environ[EXECUTIONS]) / f"tried-{payload.hex()}"
+    if not tried.exists():
+        tried.touch()
+        raise RuntimeError("first time unlucky")
+    return payload
+
+
+def fails_until_passed(payload: bytes) -> bytes:
+    """Fails ("not yet") until the file `passed` exists beside $TEST_WORKER_EXECUTIONS."""
+    if not (Path(os.environ[EXECUTIONS]).parent / "passed").exists():
+        raise RuntimeError("not yet")
+    return payload
+
+
+def sleeps_a_minute(payload: bytes) -> bytes:
+    time.sleep(60)
+    return payload
+
+
+def says_hello(payload: bytes) -> bytes:
+    """Writes a line to stderr (the job's output), echoes."""
+    sys.stderr.write(f"hello from {payload.decode()}\n")
+    sys.stderr.flush()
+    return payload
+
+
+def cannot_do(payload: bytes) -> bytes:
+    raise RuntimeError(f"cannot do {payload!r}")
