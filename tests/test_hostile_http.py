@@ -18,6 +18,7 @@ import trio
 from controller.shell.asgi import error_response
 from tests.helpers import wait_until
 from tests.test_http import http_controller
+from tests.test_http_conn import _read_until_closed
 
 _OPENED: list[trio.socket.SocketType] = []
 
@@ -44,19 +45,6 @@ async def _connect(url: str, source: str = "127.0.0.1") -> trio.SocketStream:
     await sock.bind((source, 0))
     await sock.connect(_host_port(url))
     return trio.SocketStream(sock)
-
-
-async def _read_until_closed(stream: trio.SocketStream, timeout: float = 10.0) -> bytes:
-    got = b""
-    with trio.fail_after(timeout):
-        while True:
-            try:
-                chunk = await stream.receive_some(65536)
-            except trio.BrokenResourceError:  # reset: closed too
-                return got
-            if not chunk:
-                return got
-            got += chunk
 
 
 async def _answer(stream: trio.SocketStream, request: bytes) -> bytes:
