@@ -8,6 +8,7 @@ come back; `expire(now)` handles the deadlines that passed and
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set
 
 from controller import declared
 from controller.core.calculators import Calculators
@@ -115,6 +116,21 @@ class Core:
     def task_state(self, ref: int) -> TaskState | None:
         return self.scheduler.task_state(ref)
 
+    @property
+    def defaults(self) -> JobOptions:
+        """The options of a task that comes with none (the configuration's)."""
+        return self.scheduler.defaults
+
+    @property
+    def paused(self) -> Set[str]:
+        """The queues whose tasks are not handed out now."""
+        return self.scheduler.pending.paused
+
+    @property
+    def serving_version(self) -> int:
+        """Grows whenever a worker arrives, leaves or changes what it serves."""
+        return self.scheduler.serving_version
+
     # ------------------------------------------------------------ driving it
 
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -142,6 +158,40 @@ class Core:
         actions: list[Action] = []
         self.scheduler.dispatch(actions)
         return task, actions
+
+    def resubmit(
+        self,
+        ref: int,
+        task_id: int,
+        payload: bytes,
+        job: object,
+        options: JobOptions,
+        attempts: int,
+        now: float,
+    ) -> tuple[Task, list[Action]]:
+        """Put a task that ended failed or canceled back to pending with a fresh max_retries
+        (its attempts go on counting) and the same ref; returns it and the actions."""
+        task = self.scheduler.resubmit(ref, task_id, payload, job, options, attempts, now)
+        actions: list[Action] = []
+        self.scheduler.dispatch(actions)
+        return task, actions
+
+    def cancel(self, ref: int, now: float) -> list[Action]:
+        """End live task `ref` now, never to be placed again (a worker holding it has it
+        taken back: a local worker gets RESTART); nothing when it is not live."""
+        actions: list[Action] = []
+        self.scheduler.cancel(ref, now, actions)
+        return actions
+
+    def pause(self, queue: str) -> None:
+        """Hand out none of `queue`'s tasks until `resume` (they stay pending)."""
+        self.scheduler.pause(queue)
+
+    def resume(self, queue: str) -> list[Action]:
+        """Hand out `queue`'s tasks again; returns the placements that follow."""
+        actions: list[Action] = []
+        self.scheduler.resume(queue, actions)
+        return actions
 
     def expire(self, now: float) -> list[Action]:
         """Handle every deadline at or before `now`."""

@@ -354,8 +354,8 @@ class JobDesk:
         """Cancel a live job (a local worker holding it gets RESTART); False if it ended."""
         if job.state.final:
             return False
-        actions: list[Any] = []
-        if self.scheduling.core.scheduler.cancel(job.ref, now, actions):
+        actions = self.scheduling.core.cancel(job.ref, now)
+        if actions:
             self.scheduling.execute(actions)  # its TaskFinished comes back through `finished`
         return True
 
@@ -364,8 +364,7 @@ class JobDesk:
         attempts go on counting); False for a job in any other state."""
         if job.state not in (JobState.FAILED, JobState.CANCELED):
             return False
-        scheduler = self.scheduling.core.scheduler
-        task = scheduler.resubmit(
+        task, actions = self.scheduling.core.resubmit(
             job.ref, job.task_id, job.payload, job.id, job.options, job.attempts, now
         )
         self.book.revive(job, task, now)
@@ -375,24 +374,20 @@ class JobDesk:
         door = self.doors.get(job.door)
         if door is not None:
             door.forget(job)  # its old outcome is no longer news
-        actions: list[Any] = []
-        scheduler.dispatch(actions)
         self.scheduling.execute(actions)
         return True
 
     def pause(self, queue: str, paused: bool) -> None:
         """Stop (or resume) handing out `queue`'s jobs; journaled."""
-        scheduler = self.scheduling.core.scheduler
-        if paused == (queue in scheduler.pending.paused):
+        core = self.scheduling.core
+        if paused == (queue in core.paused):
             return
         if self.journal is not None:
             self.journal.queue_paused(queue, paused)
         if paused:
-            scheduler.pause(queue)
+            core.pause(queue)
             return
-        actions: list[Any] = []
-        scheduler.resume(queue, actions)
-        self.scheduling.execute(actions)
+        self.scheduling.execute(core.resume(queue))
 
     def delete(self, job: Job, now: float) -> None:
         """Soft delete (canceling it first if it is live); deleting twice changes nothing."""
@@ -524,8 +519,8 @@ class JobDesk:
             job.error = error
             job.updated_at = now
         job.reason = "error"
-        actions: list[Any] = []
-        if live and self.scheduling.core.scheduler.cancel(job.ref, now, actions):
+        actions = self.scheduling.core.cancel(job.ref, now) if live else []
+        if actions:
             self.scheduling.execute(actions)  # a worker holding it gets it taken back
         if self.on_finished is not None:
             self.on_finished(job)
@@ -561,9 +556,9 @@ class JobDesk:
         picked = [row.task_id for row in recovered.jobs if row.door != "udp"]
         if picked:  # numbers the controller picks stay unique among live jobs after a restart
             self._picked = itertools.count(max(FIRST_PICKED_TASK_ID, max(picked) + 1))
-        defaults = core.scheduler.defaults
+        defaults = core.defaults
         for queue in recovered.paused:
-            core.scheduler.pause(queue)
+            core.pause(queue)
         for row in recovered.jobs:
             counts[row.state] = counts.get(row.state, 0) + 1
             options = from_json(row.options, defaults) if row.options else defaults

@@ -158,7 +158,7 @@ class Metrics:
             for name in worker.labels:
                 if name in labels or len(labels) < MAX_NAMED:
                     labels[name] = labels.get(name, 0) + 1
-        paused = core.scheduler.pending.paused
+        paused = core.paused
         for name in paused:
             if len(queues) < MAX_NAMED:
                 queues.setdefault(name, 0)
