@@ -5,7 +5,7 @@ The same six keys appear in the config's `job_limits`, as worker flags (`--memor
 as a job's own `limits` option and in SET_TASK's `JobLimits` message. Sizes are bytes, or a
 number with a K, M or G suffix (1024, 1024², 1024³); `cpu_time` is seconds; `cpu_quota` is a
 fraction of one CPU (cgroup only). A job may only ask for less than the config allows. Pure:
-the worker applies the result with setrlimit and cgroups (worker/limits.py).
+the worker applies the result with setrlimit and cgroups (worker/limits/).
 """
 
 from __future__ import annotations

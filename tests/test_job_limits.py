@@ -24,7 +24,9 @@ from controller import wire
 from controller.joblimits import JobLimits
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import wait_for_condition, worker_argv
-from worker.limits import Cgroup, SetupError, cgroup_limit, rlimit_hit, rlimit_plan
+from worker.errors import SetupError
+from worker.limits.cgroups import Cgroup, cgroup_limit
+from worker.limits.rlimits import rlimit_hit, rlimit_plan
 
 # A job's interpreter: one a job user may run (the test's own may live under /root).
 PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
@@ -562,7 +564,8 @@ def test_a_worker_leaving_stops_every_process_of_its_job_user(tmp_path):
 
 
 def test_a_job_user_in_the_workers_own_group_is_refused():
-    from worker.limits import Jail, JobUser
+    from worker.limits.jail import Jail
+    from worker.limits.users import JobUser
 
     with pytest.raises(SetupError, match="a group of its own"):
         Jail(JobUser(61001, os.getegid(), "shares-my-group")).setup()

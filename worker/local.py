@@ -52,9 +52,11 @@ import math
 import os
 import queue
 import random
+import resource
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -72,7 +74,6 @@ from controller.joblimits import NO_LIMITS, from_proto
 from controller.transport import accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect, Phase, WorkerSession
-from worker.limits import handler_usage, peer_uid
 from worker.output import BATCH_SECONDS, CHUNK, SINK, OutputSink
 from worker.runner import (
     READ_CHUNK,
@@ -151,6 +152,30 @@ def _read_one(sock: socket.socket, msg_type: type[wire.M]) -> wire.M:
 
 def _parked_abort(raise_cancel: Any) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.SUCCEEDED  # cancelled between jobs: the worker is leaving
+
+
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_uid(sock: _socket.socket) -> int:
+    """The uid of the process at the other end of an accepted Unix connection (SO_PEERCRED;
+    -2, nobody's, when the kernel gives none)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return -2
+    uid: int = _PEERCRED.unpack(raw)[1]
+    return uid
+
+
+def handler_usage(start_wall: float, start_cpu: float, cpu_now: Callable[[], float]) -> pb.Usage:
+    """A --handler job's usage: its wall and CPU time (the thread's, or the process's for an
+    async one) and the worker's peak resident memory."""
+    return pb.Usage(
+        wall=time.perf_counter() - start_wall,
+        cpu=max(0.0, cpu_now() - start_cpu),
+        max_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
 
 
 class _Dial:

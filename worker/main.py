@@ -18,12 +18,15 @@ from controller.config import ConfigError, load_config
 from controller.declared import BadDeclaration, Declared, names, read
 from controller.joblimits import JobLimits, LimitError, parse_value
 from worker.calculator import Calculator
-from worker.limits import Cgroup, Jail, become, resolve_job_user
+from worker.errors import SetupError
+from worker.limits.cgroups import Cgroup
+from worker.limits.jail import Jail
+from worker.limits.users import become, resolve_job_user
 from worker.local import LocalWorker
 from worker.output import capture_stderr
 from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller
-from worker.runner import SetupError, build_runner
+from worker.runner import build_runner
 
 log = logging.getLogger("worker")
 

@@ -31,9 +31,10 @@ from controller import tokens
 from controller.client.http import AsyncHttpPool, Endpoint, endpoint
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
+from worker.errors import SetupError
 from worker.leaving import leave_on_signals
 from worker.output import SINK, OutputSink
-from worker.runner import Runner, SetupError, TaskFailed, take_usage
+from worker.runner import Runner, TaskFailed, take_usage
 
 log = logging.getLogger("worker.poller")
 

@@ -24,12 +24,14 @@ import trio
 
 from controller.joblimits import NO_LIMITS, JobLimits
 from gen import worker_protocol_pb2 as pb
-from worker.limits import LIMIT, Jail
-from worker.limits import SetupError as SetupError  # bad --exec or --handler: exit 2
+from worker.errors import SetupError
+from worker.limits.jail import Jail
 from worker.output import SINK
 from worker.spawn import Finished, spawn_and_wait
 
 Runner = Callable[[int, bytes], Awaitable[bytes]]
+
+LIMIT = "limit"  # WorkerResponse.reason of a job that hit one of its limits
 
 # What the last job run in this context used (a runner called by a calculator or a poller,
 # which read it after the call); None when it was not measured.
@@ -189,7 +191,7 @@ class ExecRunner:
         # The worker's environment, read once: os.environ decodes every variable on each copy.
         self.environ = dict(os.environ)
         self.max_output = max_output
-        # The job user, limits and cgroup of its commands (worker/limits.py); None: plain.
+        # The job user, limits and cgroup of its commands (worker/limits/jail.py); None: plain.
         self.jail = jail if jail is not None and jail.active else None
         # What applies the limits a job asks for itself where the worker sets none of its own
         # (no job user, ceilings or cgroup): a job's `limits` hold on every worker.

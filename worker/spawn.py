@@ -7,7 +7,7 @@ local worker's own loop (worker/local.py), `spawn_and_wait` in a trio task
 (calculators, pollers). No process object, no task per pipe. Stopping a job
 early (RESTART, task_timeout, SIGTERM past the drain) kills the whole
 process group (and the job's cgroup, if it has one) and reaps it; so does the end of its
-main process, for whatever it left behind. With a `Jail` (worker/limits.py) the command
+main process, for whatever it left behind. With a `Jail` (worker/limits/jail.py) the command
 runs as the slot's job user under its limits, and its usage and any limit it hit come back
 in `Finished`.
 """
@@ -27,7 +27,7 @@ import trio
 
 from controller.joblimits import NO_LIMITS, JobLimits
 from gen import worker_protocol_pb2 as pb
-from worker.limits import Jail
+from worker.limits.jail import Jail
 
 # Signals Python ignores that a command expects at their default (as subprocess does).
 _DEFAULT_SIGNALS = {signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU}
@@ -324,7 +324,7 @@ def _start(
             setsid=True,  # its own process group, so RESTART can kill it all
             setsigdef=_DEFAULT_SIGNALS,
             setsigmask=set(),
-            resetids=resetids,  # the job user's: see worker/limits.py
+            resetids=resetids,  # the job user's: see worker/limits/jail.py
         )
 
     cgroup = None
