@@ -28,10 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from controller import journal_sql as sql
-from controller.errors import CannotStart
-from controller.jobs import Job
+from controller.jobs import Job, usage_to_text
 from controller.options import to_json
-from controller.usage import usage_to_text
 
 log = logging.getLogger("controller.journal")
 
@@ -44,7 +42,7 @@ WORKER_ID_BLOCK = 1000
 PRUNE_BATCH = 1000
 
 
-class JournalError(CannotStart):
+class JournalError(Exception):
     """The journal cannot be used; the message names the path (exit status 2 at start-up)."""
 
 

@@ -230,7 +230,7 @@ def test_the_controller_loads_optional_doors_libraries_only_when_configured():
 
 
 def test_udp_client_add_reads_every_job_option_flag_into_add_task_params():
-    from controller.client.cli import _payload, build_parser
+    from controller.client.udp_cli import _payload, build_parser
 
     args = build_parser().parse_args(
         [

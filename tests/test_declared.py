@@ -10,7 +10,7 @@ import pytest
 
 from controller import declared
 from controller.calclink import CalculatorLink, Heartbeat
-from controller.client.output import format_status
+from controller.client.udp_output import format_status
 from controller.core import Core, PulseReceived, Reply
 from controller.frontdoor import FrontDoor, fit_status
 from controller.httpapi import ApiError, parse_declared

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.client import cli
-from controller.client.engine import Outcome
-from controller.client.output import Progress, outcome_json
+from controller.client import udp_cli
+from controller.client.udp_engine import Outcome
+from controller.client.udp_output import Progress, outcome_json
 from tests.helpers import free_udp_port, live_controller, run_udp_client, wait_for_condition
 
 
@@ -95,10 +95,10 @@ def test_a_name_with_several_addresses_uses_the_one_that_answers(monkeypatch) ->
             (socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.0.1", port)),
         ]
         monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: both)
-        assert cli.resolve(("localhost", port)) == (socket.AF_INET, ("127.0.0.1", port))
+        assert udp_cli.resolve(("localhost", port)) == (socket.AF_INET, ("127.0.0.1", port))
         thread.join(5)
 
 
 def test_unresolvable_server_is_a_usage_error() -> None:
-    with pytest.raises(cli.UsageError, match=r"no-such-host\.invalid"):
-        cli.resolve(("no-such-host.invalid", 5555))
+    with pytest.raises(udp_cli.UsageError, match=r"no-such-host\.invalid"):
+        udp_cli.resolve(("no-such-host.invalid", 5555))

@@ -16,8 +16,8 @@ import pytest
 import trio
 
 from controller import datagram as dg
-from controller.client import engine
-from controller.client.engine import Outcome, UdpSession
+from controller.client import udp_engine
+from controller.client.udp_engine import Outcome, UdpSession
 from tests.helpers import wait_until
 
 Packet = dict[str, Any]
@@ -85,7 +85,7 @@ async def session(
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Repeats and polls in tens of milliseconds instead of tenths of seconds."""
     monkeypatch.setattr(dg, "RESEND_FIRST", 0.05)
-    monkeypatch.setattr(engine, "POLL_AFTER", 0.05)
+    monkeypatch.setattr(udp_engine, "POLL_AFTER", 0.05)
 
 
 def ack_and_notify(script: Script, packet: Packet, addr: Address) -> None:
@@ -177,13 +177,13 @@ async def test_refusals_and_silences_end_each_job_with_a_reason(quick) -> None:
         await client.run_many([1, 2, 3], {}, 3, lambda o: outcomes.__setitem__(o.task_id, o))
         assert outcomes[1].status == "refused"
         assert outcomes[1].error == "bad_task_id: task_id must be >= 1"
-        assert outcomes[1].exit_code == engine.EXIT_FAILED
+        assert outcomes[1].exit_code == udp_engine.EXIT_FAILED
         assert (outcomes[2].status, outcomes[2].error) == ("timeout", "no notification in time")
         assert (outcomes[3].status, outcomes[3].error) == (
             "timeout",
             "add_task was not acknowledged",
         )
-        assert outcomes[3].exit_code == engine.EXIT_TIMEOUT
+        assert outcomes[3].exit_code == udp_engine.EXIT_TIMEOUT
         assert client._requests == {} and client._jobs == {}
 
 

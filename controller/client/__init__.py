@@ -3,15 +3,16 @@
 `Client`, `AsyncClient` (api.py): the Python library, over http://, https://, udp:// and
 redis://. Its exceptions (errors.py) share one base, `ClientError`: `JobFailed` and
 `ControllerError` under it.
-`UdpSession` (engine.py): the UDP engine of the `udp-client` command (cli.py, output.py).
+`UdpSession` (udp_engine.py): the UDP engine of the `udp-client` command (udp_cli.py,
+udp_output.py), and of the library's udp:// backend (udp_backend.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from controller.client.engine import Outcome, UdpSession
 from controller.client.errors import ClientError, ControllerError, JobFailed
+from controller.client.udp_engine import Outcome, UdpSession
 
 if TYPE_CHECKING:
     from controller.client.api import AsyncClient, AsyncJob, Client, Job

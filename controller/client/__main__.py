@@ -1,3 +1,3 @@
-from controller.client.cli import main
+from controller.client.udp_cli import main
 
 raise SystemExit(main())

@@ -11,7 +11,7 @@ API; https checks the certificate against the system's trust store, or only agai
 `udp://HOST:PORT` (the UDP front door; the client picks each job's task_id, and
 `id`, `get`, `cancel` and `retry` are not available there) or `redis://HOST:PORT/DB` (the
 Redis stream `jobs`, or `?stream=NAME`, that controllers consume; see
-controller/client/stream.py).
+controller/client/redis_backend.py).
 `job.state` uses the job states of the HTTP API (scheduled, pending, requested,
 working, finished, failed, canceled, deleted) for all three.
 `submit` also takes the job options (queue, priority, requires, delay or run_at,
@@ -38,8 +38,8 @@ from controller import datagram as dg
 from controller.client.errors import ClientError, ControllerError, JobFailed
 from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
 from controller.client.jobfields import as_text, initial_state, option_fields
-from controller.client.stream import NO_LISTENER, RedisBackend
-from controller.client.udp import UdpBackend
+from controller.client.redis_backend import NO_LISTENER, RedisBackend
+from controller.client.udp_backend import UdpBackend
 
 __all__ = [
     "AsyncClient",

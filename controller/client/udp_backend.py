@@ -1,6 +1,6 @@
 """The library client's UDP backend: blocking and thread-safe, on udp-client's engine.
 
-The engine (controller/client/engine.py, `UdpSession`) runs in a trio loop on a
+The engine (controller/client/udp_engine.py, `UdpSession`) runs in a trio loop on a
 thread of its own and does everything the datagrams need: requests repeated
 under the one resend rule until acknowledged, every notification acknowledged
 at once. This module only waits on it from the callers' threads, and keeps the
@@ -23,8 +23,8 @@ from typing import Any
 import trio
 
 from controller import datagram as dg
-from controller.client.engine import UdpSession
 from controller.client.errors import ControllerError
+from controller.client.udp_engine import UdpSession
 
 # Without a notification this long, ask with get_task (it may have been lost).
 POLL_AFTER = 3.0

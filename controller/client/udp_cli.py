@@ -22,7 +22,8 @@ import trio
 
 from controller import datagram as dg
 from controller.cli import add_common_flags, quiet_pipe
-from controller.client.engine import (
+from controller.client.jobfields import add_cli_options, cli_fields
+from controller.client.udp_engine import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_TIMEOUT,
@@ -30,8 +31,7 @@ from controller.client.engine import (
     Outcome,
     UdpSession,
 )
-from controller.client.jobfields import add_cli_options, cli_fields
-from controller.client.output import Progress, format_status, outcome_json, summary
+from controller.client.udp_output import Progress, format_status, outcome_json, summary
 
 
 class UsageError(Exception):

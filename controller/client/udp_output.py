@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from controller.client.engine import Outcome
+from controller.client.udp_engine import Outcome
 from controller.datagram import put_bytes
 
 

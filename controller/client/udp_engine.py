@@ -12,7 +12,7 @@ lost, the session's timeout. A result too large for one datagram is read
 with get_result. The datagram format and the resend rule are
 controller/datagram.py, shared with the front door and the calculators.
 
-It is also the library's udp:// engine (controller/client/udp.py): `request`
+It is also the library's udp:// engine (controller/client/udp_backend.py): `request`
 alone, and `notified` for the notifications of the tasks it submits that way.
 """
 
