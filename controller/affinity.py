@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from controller.errors import CannotStart
+
 
 def parse_cpus(text: str) -> frozenset[int]:
     """The CPU numbers in `text`; ArgumentTypeError (a usage error) if it is not a CPU list
@@ -51,7 +53,7 @@ def format_cpus(cpus: set[int] | frozenset[int]) -> str:
     return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
 
 
-class AffinityError(Exception):
+class AffinityError(CannotStart):
     """The system refused the CPU list (for example, a cgroup that excludes those CPUs)."""
 
 

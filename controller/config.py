@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from controller.errors import CannotStart
 from controller.joblimits import NO_LIMITS, JobLimits, LimitError, parse_limits
 from controller.options import MAX_RETRY_DELAY, JobOptions
 from controller.schedules import Schedule, parse_entries
@@ -27,7 +28,7 @@ from controller.wire import DEFAULT_MAX_EXTRA_SIZE
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-class ConfigError(Exception):
+class ConfigError(CannotStart):
     """A configuration problem, already phrased for the operator."""
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from controller.core.model import IdentityEnum, Task, TaskState
 from controller.deadlines import Deadlines
 from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
+from controller.usage import Usage, usage_from_row
 
 # Records forgotten per expire() call: deletes reach the journal in bounded batches,
 # and a backlog after a restart does not stall the event loop.
@@ -83,6 +83,10 @@ def udp_job_id(host: str, port: int, task_id: int) -> str:
     return f"udp-{host}-{port}-{task_id}"
 
 
+# Numbers the controller picks for the worker wire (`task_id`) of jobs that come with none
+# (HTTP, Redis): above what UDP clients usually number their tasks with, unique among live jobs.
+FIRST_PICKED_TASK_ID = 1 << 32
+
 # Bytes of log text a job keeps by default (config: max_log_size).
 DEFAULT_MAX_LOG_SIZE = 65536
 # Bytes of output a job keeps by default (config: output_retention).
@@ -108,90 +112,6 @@ def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobN
     if not (name or info_url or download_url):
         return None
     return JobNotes(name, info_url, download_url)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """What one attempt used, as its worker measured it (DESIGN.md section 15): seconds of
-    wall clock and of CPU (user + system, the job and its children), its peak resident
-    memory in bytes, and under a cgroup the cgroup's peak (None: not measured)."""
-
-    wall: float
-    cpu: float
-    max_rss: int
-    memory_peak: int | None = None
-
-    def to_json(self) -> dict[str, float | int]:
-        out: dict[str, float | int] = {"wall": self.wall, "cpu": self.cpu, "max_rss": self.max_rss}
-        if self.memory_peak is not None:
-            out["memory_peak"] = self.memory_peak
-        return out
-
-    def to_row(self) -> list[float | int | None]:
-        """As the journal keeps it: [wall, cpu, max_rss, memory_peak or null]."""
-        return [self.wall, self.cpu, self.max_rss, self.memory_peak]
-
-
-# The largest byte count a usage report may carry (a larger one is a lie, and SQLite's
-# integers stop here).
-MAX_USAGE_BYTES = 2**63 - 1
-
-
-def checked_usage(wall: object, cpu: object, max_rss: object, peak: object = None) -> Usage | None:
-    """A worker's report of what an attempt used, from any kind of worker; None when a value
-    cannot be true (not a number, NaN, negative, too large)."""
-    if not (
-        _seconds(wall) and _seconds(cpu) and _bytes(max_rss) and (peak is None or _bytes(peak))
-    ):
-        return None
-    assert isinstance(wall, int | float) and isinstance(cpu, int | float)
-    assert isinstance(max_rss, int) and (peak is None or isinstance(peak, int))
-    return Usage(float(wall), float(cpu), max_rss, peak or None)
-
-
-def _seconds(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
-
-
-def _bytes(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_USAGE_BYTES
-
-
-def usage_from_json(value: object) -> Usage | None:
-    """A remote worker's `usage` object ({"wall", "cpu", "max_rss"[, "memory_peak"]}):
-    ValueError when it is not one."""
-    if (
-        not isinstance(value, dict)
-        or not {"wall", "cpu", "max_rss"} <= set(value)
-        or (set(value) - {"wall", "cpu", "max_rss", "memory_peak"})
-    ):
-        raise ValueError("usage must be {wall, cpu, max_rss[, memory_peak]}")
-    usage = checked_usage(value["wall"], value["cpu"], value["max_rss"], value.get("memory_peak"))
-    if usage is None:
-        raise ValueError("usage holds a value that cannot be true")
-    return usage
-
-
-def usage_from_row(row: object) -> Usage | None:
-    """`Usage.to_row` read back (None for anything else: an older journal has none)."""
-    if not isinstance(row, list) or len(row) != 4:
-        return None
-    wall, cpu, max_rss, peak = row
-    return Usage(float(wall), float(cpu), int(max_rss), None if peak is None else int(peak))
-
-
-def usage_to_text(usage: Usage | None) -> str:
-    """The journal's column: JSON, or "" for none."""
-    return "" if usage is None else json.dumps(usage.to_row(), separators=(",", ":"))
-
-
-def usage_from_text(text: str) -> Usage | None:
-    return usage_from_row(json.loads(text)) if text else None
 
 
 # Why a job failed (the job object's `reason`); None while it has not failed.
@@ -389,6 +309,15 @@ class JobBook:
         self._by_id: dict[str, Job] = {}
         self._deadlines: Deadlines[Job] = Deadlines()
         self.next_deadline = self._deadlines.next
+        self._picked = itertools.count(FIRST_PICKED_TASK_ID)
+
+    def pick_task_id(self) -> int:
+        """A wire number for a job whose door gives none."""
+        return next(self._picked)
+
+    def continue_picking(self, highest: int) -> None:
+        """Pick numbers above `highest`, a number a previous run picked (after a restart)."""
+        self._picked = itertools.count(max(FIRST_PICKED_TASK_ID, highest + 1))
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from controller import journal_sql as sql
-from controller.jobs import Job, usage_to_text
+from controller.errors import CannotStart
+from controller.jobs import Job
 from controller.options import to_json
+from controller.usage import usage_to_text
 
 log = logging.getLogger("controller.journal")
 
@@ -42,7 +44,7 @@ WORKER_ID_BLOCK = 1000
 PRUNE_BATCH = 1000
 
 
-class JournalError(Exception):
+class JournalError(CannotStart):
     """The journal cannot be used; the message names the path (exit status 2 at start-up)."""
 
 

@@ -18,7 +18,7 @@ from controller import wire
 from controller.channel import MAX_FRAMES_PER_SECOND
 from controller.core import Action, TaskFinished, TaskState
 from controller.joblimits import JobLimits
-from controller.jobs import Usage
+from controller.usage import Usage
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import (
     connect_unix,
@@ -47,7 +47,7 @@ async def test_jobs_outcomes_and_failures_travel_on_the_channel(sockdir):
     try:
         async with running_controller(sockdir) as (shell, outcomes):
             await wait_until(lambda: shell.core.idle_workers == 2)
-            assert len(shell._channels) == 2
+            assert len(shell.links.channels) == 2
             assert sorted(p.name for p in sockdir.iterdir()) == ["main.sock"]
             for i in range(1, 41):
                 shell.submit(i, b"fail\n" if i == 40 else b"%d\n" % i)
@@ -66,8 +66,10 @@ async def test_seed_and_channel_workers_side_by_side(sockdir):
     try:
         async with running_controller(sockdir) as (shell, outcomes):
             await wait_until(lambda: shell.core.idle_workers == 2)
-            assert len(shell._channels) == 1
-            seed = [w for w in shell.core.workers.values() if w.worker_id not in shell._channels]
+            assert len(shell.links.channels) == 1
+            seed = [
+                w for w in shell.core.workers.values() if w.worker_id not in shell.links.channels
+            ]
             assert (sockdir / f"{seed[0].worker_id}.sock").exists()
             for i in range(1, 101):
                 shell.submit(i, b"p%d" % i)
@@ -119,7 +121,7 @@ async def test_a_canceled_job_restarts_its_worker_over_the_channel(sockdir):
             shell.execute(actions)
             await wait_until(lambda: proc.poll() is not None, timeout=5)
             assert proc.returncode == 75
-            assert not shell._channels
+            assert not shell.links.channels
     finally:
         reap(proc)
 
@@ -139,7 +141,7 @@ async def test_a_draining_worker_hands_over_its_job_then_shuts_down(sockdir):
             assert (done.state, done.result) == (TaskState.SUCCESS, b"finished\n")
             await wait_until(lambda: proc.poll() is not None, timeout=10)
             assert proc.returncode == 0
-            await wait_until(lambda: not shell.core.workers and not shell._channels)
+            await wait_until(lambda: not shell.core.workers and not shell.links.channels)
             assert shell.core.counters.worker_losses == {}
     finally:
         reap(proc)
@@ -155,7 +157,7 @@ async def test_the_worker_registers_again_after_a_controller_restart(sockdir):
             assert done.result == b"first"
         async with running_controller(sockdir) as (shell, outcomes):
             await wait_until(lambda: shell.core.idle_workers == 1, timeout=15)
-            assert len(shell._channels) == 1
+            assert len(shell.links.channels) == 1
             shell.submit(2, b"second")
             [done] = await outcomes.wait(1)
             assert done.result == b"second"
@@ -177,7 +179,7 @@ async def test_a_job_running_across_a_controller_restart_is_taken_over(sockdir):
             await wait_until(lambda: task.state is TaskState.RUNNING)
         async with running_controller(sockdir) as (shell, outcomes):
             shell.core.recover(1, 7, b"", None, trio.current_time(), running=True, grace=10)
-            await wait_until(lambda: len(shell._channels) == 1, timeout=15)
+            await wait_until(lambda: len(shell.links.channels) == 1, timeout=15)
             marker.touch()
             [done] = await outcomes.wait(1, timeout=10)
             assert (done.task_id, done.result) == (7, b"late\n")

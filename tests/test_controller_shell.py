@@ -10,7 +10,8 @@ import trio
 
 from controller import wire
 from controller.core import TaskState, WorkerState
-from controller.shell.core_shell import StartupError, bind_main_socket, prepare_socket_dir
+from controller.errors import StartupError
+from controller.shell.main_socket import bind_main_socket, prepare_socket_dir
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeWorker
 from tests.helpers import (

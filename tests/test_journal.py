@@ -18,12 +18,10 @@ from controller.jobs import (
     Attempt,
     Job,
     JobState,
-    Usage,
     history_from_json,
     history_to_json,
     notes_of,
     udp_job_id,
-    usage_from_text,
 )
 from controller.journal import SCHEMA_VERSION, WORKER_ID_BLOCK, Journal, JournalError
 from controller.shell import committer as committer_module
@@ -34,6 +32,7 @@ from controller.shell.durability import (
     BATCH_DELAY_PER_JOB,
     batch_delay,
 )
+from controller.usage import Usage, usage_from_text
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import wait_until
 
@@ -387,12 +386,13 @@ async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
     a recovered live job's number."""
     from controller.config import Config
     from controller.shell.main import assemble
+    from controller.shell.recovery import recover
 
     path = tmp_path / "j.sqlite3"
     first = Journal.open(path)
     first.load()
     _, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), first)
-    job = Job("http-1", 1, desk.pick_task_id(), "http", None, b"")
+    job = Job("http-1", 1, desk.book.pick_task_id(), "http", None, b"")
     first.job_added(job)
     commit(first)
     first.close()
@@ -401,8 +401,8 @@ async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
     _, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), again)
     import trio
 
-    desk.recover(recovered, trio.current_time())
-    assert desk.pick_task_id() == job.task_id + 1
+    recover(desk, recovered, trio.current_time())
+    assert desk.book.pick_task_id() == job.task_id + 1
     again.close()
 
 

@@ -11,27 +11,23 @@ from __future__ import annotations
 
 import _socket
 import contextlib
-import errno
 import functools
 import logging
 import os
 import select
 import socket
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
 from controller import wire
-from controller.channel import ChannelConn
 from controller.config import Config
 from controller.containment import contained
 from controller.core import (
     Action,
     Core,
     Dial,
-    DialDone,
     HandOut,
     PerformTask,
     PulseReceived,
@@ -42,129 +38,35 @@ from controller.core import (
     WorkerExited,
 )
 from controller.core.model import Task
-from controller.joblimits import JobLimits
-from controller.jobs import Usage, checked_usage
 from controller.options import JobOptions
 from controller.reactor import Reactor
 from controller.shell.descriptors import ACCEPT_PAUSE, Throttled, one_connection
 from controller.shell.durability import WriteAhead
+from controller.shell.main_socket import (
+    LISTEN_BACKLOG,
+    bind_main_socket,
+    file_identity,
+    prepare_socket_dir,
+)
 from controller.shell.metrics import Metrics
 from controller.shell.timer import DeadlineTimer
+from controller.shell.worker_links import FAILED, WorkerLinks
 from controller.transport import (
     Incoming,
-    Outgoing,
-    Result,
-    WrongPeer,
     accept_unix,
     listen_unix,
     peer_credentials,
 )
+from controller.usage import Usage
 from gen import worker_protocol_pb2 as pb
 
 log = logging.getLogger("controller")
 
-# Pending connections the kernel queues on main.sock; a burst of workers starting
-# at once (or a flood) should not see ECONNREFUSED.
-LISTEN_BACKLOG = 1024
-_FAILED = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_FAILED))
-_UNKNOWN_ID = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID))
-_CHANNEL_OPEN = wire.encode_frame(pb.PulseResponse(error=pb.CTRL_ERR_OK, channel=True))
-# A SET_TASK written on a channel counts as taken (the worker answers only to refuse it).
-_TAKEN = pb.WorkerResponse(error=pb.WORKER_ERR_OK)
 # How often the path of main.sock is looked at: one removed or replaced is bound again
 # within this (DESIGN.md section 15 asks within a second).
 MAIN_SOCKET_CHECK = 0.25
 # How long a worker waits for an answer on main.sock by default (worker --dial-timeout).
 WORKER_DIAL_TIMEOUT = 2.0
-# The SET_TASK limits of each distinct job `limits` seen, made once (most jobs share a few).
-_LIMITS_CACHE_SIZE = 256
-
-
-def usage_of(report: pb.Usage) -> Usage | None:
-    """A worker's usage report, checked (None: a value that cannot be true)."""
-    return checked_usage(report.wall, report.cpu, report.max_rss, report.memory_peak or None)
-
-
-_UNKNOWN_ID_RESPONSE = pb.PulseResponse(error=pb.CTRL_ERR_UNKNOWN_ID)
-_FAILED_RESPONSE = pb.PulseResponse(error=pb.CTRL_ERR_FAILED)
-
-
-def _check_channel_frame(frame: pb.ChannelFrame, extra_size: int) -> None:
-    """A worker's frame on its channel, before its extra bytes are read: output comes in
-    pieces of at most wire.MAX_PULSE_EXTRA."""
-    if extra_size > wire.MAX_PULSE_EXTRA and frame.WhichOneof("msg") != "response":
-        raise wire.ExtraTooLarge(
-            f"a {frame.WhichOneof('msg')} announces {extra_size} extra bytes, over the "
-            f"limit of {wire.MAX_PULSE_EXTRA}"
-        )
-
-
-class StartupError(Exception):
-    """The controller cannot start; the message is for the operator (exit status 2)."""
-
-
-def prepare_socket_dir(path: Path) -> os.stat_result:
-    """Create the socket directory if needed and check it is safe to serve from: a directory
-    that others may write to (sticky or not) would let anyone put a socket of their own
-    where workers or the controller look for one."""
-    try:
-        path.mkdir(mode=0o750, parents=True, exist_ok=True)
-        st = path.stat()
-    except OSError as exc:
-        raise StartupError(f"socket directory {path}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise StartupError(f"socket directory {path} is not a directory")
-    if st.st_mode & stat.S_IWOTH:
-        raise StartupError(
-            f"socket directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
-            "anyone could replace the sockets in it: chmod o-w it"
-        )
-    return st
-
-
-def answers_a_pulse(path: Path, timeout: float) -> bool:
-    """Whether a controller serves `path`: it answers a pulse (one for worker id 0, which
-    no worker has, so nothing changes) within `timeout` seconds. A socket nobody listens
-    on, or one that accepts and stays silent, does not."""
-    probe = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=0, next_pulse=1)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(str(path))
-            sock.sendall(wire.encode_frame(probe))
-            data = b""
-            while wire.whole_frame(pb.PulseResponse, data, wire.MAX_PULSE_EXTRA) is None:
-                chunk = sock.recv(4096)
-                if not chunk or len(data) > 4096:
-                    return False
-                data += chunk
-        except (OSError, wire.RemoteProtocolError):
-            return False
-    return True
-
-
-def bind_main_socket(path: Path, timeout: float = 2.0) -> socket.socket:
-    """Listen on main.sock, replacing a stale file (nobody answers a pulse there within
-    `timeout`) but never a live controller."""
-    if path.exists() or path.is_symlink():
-        if answers_a_pulse(path, timeout):
-            raise StartupError(f"another controller is already serving on {path}")
-        log.info("removing stale %s", path)
-        path.unlink(missing_ok=True)
-    try:
-        # Workers in the socket directory's group must be able to connect.
-        return listen_unix(path, LISTEN_BACKLOG, 0o660)
-    except OSError as exc:
-        raise StartupError(f"cannot listen on {path}: {exc.strerror}") from None
-
-
-def file_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the file at `path`, not following a symlink (None: none there)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 class CoreShell:
@@ -203,16 +105,12 @@ class CoreShell:
         self.on_output: Callable[[int, object, bytes], None] | None = None
         # Where what an attempt used goes, just before its outcome: (task ref, owner, usage).
         self.on_usage: Callable[[int, object, Usage], None] | None = None
-        # The limits each job's SET_TASK carries, by the job's own `limits` option (the
-        # configuration's job_limits, lowered by what the job asked for).
-        self._set_task_limits: dict[JobLimits, pb.JobLimits | None] = {}
         # Told after every batch of actions: a door that reads only what it can start soon
         # (Redis) looks whether there is room now.
         self.on_room: Callable[[], None] | None = None
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
         self.reactor = Reactor(busy_poll=busy_poll)
-        self._socket_prefix = f"{config.socket_dir}/"
         self._timer = DeadlineTimer(self.core.next_deadline, self._expire)
         self._watched: dict[int, set[int]] = {}
         self._own_uid = os.getuid()
@@ -220,12 +118,8 @@ class CoreShell:
         self._sock: socket.socket | None = None
         self._sock_identity: tuple[int, int] | None = None  # main.sock's (device, inode)
         self.rebinds = 0  # times main.sock was found removed or replaced and bound again
-        # Each channel worker's channel (docs/protocol.md, "The channel"), by worker id.
-        self._channels: dict[int, ChannelConn[pb.ChannelFrame]] = {}
-        # SET_TASKs written on channels in this batch of actions: taken once it is carried out.
-        self._taken: list[int] = []
         self._accept_failed = Throttled(log, "main.sock: cannot accept a connection")
-        self._dial_failed = Throttled(log, "cannot dial a worker")
+        self.links = WorkerLinks(self)
 
     # ------------------------------------------------------------ running
 
@@ -274,16 +168,7 @@ class CoreShell:
             await trio.sleep(MAIN_SOCKET_CHECK)
             if self._sock is not None and file_identity(path) != self._sock_identity:
                 self._rebind_main_socket(path)
-            self._close_forgotten_channels()
-
-    def _close_forgotten_channels(self) -> None:
-        """A channel whose worker was dropped (its pulse deadline passed) is told
-        CTRL_ERR_UNKNOWN_ID and closed: a worker still alive registers again."""
-        workers = self.core.workers
-        for wid in [wid for wid in self._channels if wid not in workers]:
-            channel = self._channels.pop(wid)
-            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _UNKNOWN_ID_RESPONSE))
-            channel.close_after_send()
+            self.links.close_forgotten_channels()
 
     def _rebind_main_socket(self, path: Path) -> None:
         found = "removed" if not os.path.lexists(path) else "replaced by another file"
@@ -346,7 +231,7 @@ class CoreShell:
         # a finished task's notification can go out a few microseconds later.
         for action in actions:
             if isinstance(action, Dial):
-                self._dial(action)
+                self.links.dial(action)
         for action in actions:
             if isinstance(action, Dial):
                 continue
@@ -371,12 +256,7 @@ class CoreShell:
                     self.on_perform(action)
             elif isinstance(action, Reply):
                 raise AssertionError("a Reply outside a pulse exchange")
-        while self._taken:
-            taken, self._taken = self._taken, []
-            now = trio.current_time()
-            for wid in taken:
-                done = DialDone(wid, pb.CTRL_SET_TASK, _TAKEN)
-                self.execute(self.core.dial_done(done, now))
+        self.links.taken_done()
         self._timer.poke()
         if self.on_room is not None:
             self.on_room()
@@ -426,8 +306,8 @@ class CoreShell:
                 self.reactor,
                 conn,
                 pb.WorkerPulse,
-                lambda c, pulse, extra: c.reply(_FAILED),
-                lambda c, exc: c.reply(_FAILED) if exc.can_reply else None,
+                lambda c, pulse, extra: c.reply(FAILED),
+                lambda c, exc: c.reply(FAILED) if exc.can_reply else None,
                 timeout=cfg.dial_timeout,
                 max_extra_size=wire.MAX_PULSE_EXTRA,
             )
@@ -455,7 +335,7 @@ class CoreShell:
                 self._output(uid, conn, pulse, extra)
                 return
             if pulse.channel and pulse.type != pb.PULSE_REGISTER:
-                self._open_channel(pid, uid, conn, pulse)
+                self.links.open_channel(pid, uid, conn, pulse)
                 return
             self._pulse(pid, uid, conn, pulse)
         except Exception as exc:  # that worker's connection alone is closed
@@ -495,205 +375,7 @@ class CoreShell:
     ) -> None:
         log.warning("main.sock: bad pulse from pid %d: %s", pid, exc)
         if exc.can_reply:
-            conn.reply(_FAILED)
-
-    # ------------------------------------------------------------ channels
-
-    def _open_channel(
-        self, pid: int, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse
-    ) -> None:
-        """A pulse asking to make its connection the worker's channel: from the process that
-        registered (uid and pid), for a worker with no channel yet."""
-        wid = pulse.worker_id
-        worker = self.core.workers.get(wid)
-        if worker is None:
-            conn.reply(_UNKNOWN_ID)
-            return
-        if (
-            wid in self._channels
-            or (worker.uid is not None and worker.uid != uid)
-            or (worker.pid is not None and worker.pid != pid)
-        ):
-            log.warning(
-                "main.sock: refused a channel for worker %d from pid %d uid %d", wid, pid, uid
-            )
-            conn.reply(_FAILED)
-            return
-        actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), trio.current_time())
-        reply = actions[0]
-        assert isinstance(reply, Reply)
-        if reply.response.error != pb.CTRL_ERR_OK:
-            self.execute(actions[1:])
-            conn.reply(wire.encode_frame(reply.response))
-            return
-        channel: ChannelConn[pb.ChannelFrame] = ChannelConn(
-            self.reactor,
-            conn.sock,
-            pb.ChannelFrame,
-            lambda frame, extra: self._channel_frame(wid, pid, uid, frame, extra),
-            lambda why: self._channel_ended(wid, channel, why),
-            timeout=self.config.dial_timeout,
-            now=trio.current_time(),
-            max_extra_size=self.config.max_extra_size,
-            check=_check_channel_frame,
-        )
-        self._channels[wid] = channel
-        channel.send(_CHANNEL_OPEN)
-        log.debug("worker %d: channel open", wid)
-        self.execute(actions[1:])
-
-    def _channel_frame(
-        self, wid: int, pid: int, uid: int, frame: pb.ChannelFrame, extra: bytes
-    ) -> None:
-        channel = self._channels.get(wid)
-        if channel is None:
-            return
-        now = trio.current_time()
-        if wid not in self.core.workers:  # dropped meanwhile: it registers again
-            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _UNKNOWN_ID_RESPONSE))
-            channel.close_after_send()
-            return
-        which = frame.WhichOneof("msg")
-        if which == "response":
-            resp = frame.response
-            kind = frame.answers
-            if kind == pb.CTRL_FETCH:
-                if resp.HasField("usage"):
-                    self._usage(wid, resp)
-                self.execute(self.core.local.outcome(wid, resp, extra, now))
-            elif kind == pb.CTRL_SET_TASK:  # refused: the task goes back, nothing counted
-                self.execute(self.core.local.channel_ended(wid, "refused", now))
-                channel.close_after_send()
-            else:
-                self.execute(self.core.dial_done(DialDone(wid, kind, resp, extra), now))
-            return
-        if which != "pulse":
-            channel.end(f"a worker sent a {which or 'empty frame'} on its channel")
-            return
-        pulse = frame.pulse
-        ptype = pulse.type
-        if pulse.worker_id != wid:
-            channel.end(f"a pulse for worker {pulse.worker_id} on worker {wid}'s channel")
-            return
-        if ptype == pb.PULSE_OUTPUT:
-            task = self.core.local.output(PulseReceived(pulse, None, uid))[1]
-            if task is not None and extra and self.on_output is not None:
-                self.on_output(task.ref, task.owner, extra)
-            return
-        if ptype == pb.PULSE_REGISTER:
-            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _FAILED_RESPONSE))
-            channel.close_after_send()
-            return
-        actions = self.core.pulse(PulseReceived(pulse, pid or None, uid), now)
-        reply = actions[0]
-        assert isinstance(reply, Reply)
-        self.execute(actions[1:])
-        error = reply.response.error
-        if error == pb.CTRL_ERR_UNKNOWN_TYPE:
-            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, reply.response))
-        elif error != pb.CTRL_ERR_OK:
-            channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, reply.response))
-            channel.close_after_send()
-        elif ptype == pb.PULSE_SHUTDOWN:
-            channel.close_after_send()
-
-    def _channel_ended(self, wid: int, channel: ChannelConn[pb.ChannelFrame], why: str) -> None:
-        if self._channels.get(wid) is channel:
-            del self._channels[wid]
-        self.execute(self.core.local.channel_ended(wid, why, trio.current_time()))
-
-    def _send_on_channel(self, channel: ChannelConn[pb.ChannelFrame], action: Dial) -> None:
-        wid = action.worker_id
-        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
-        if action.kind == pb.CTRL_SET_TASK:
-            msg.task_id = action.task_id
-            worker = self.core.workers.get(wid)
-            if worker is not None and worker.task is not None:
-                limits = self._limits(worker.task.opts.limits)
-                if limits is not None:
-                    msg.limits.CopyFrom(limits)
-            channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
-            self._taken.append(wid)
-            return
-        channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
-        if action.kind == pb.CTRL_RESTART:  # the worker was dropped: it leaves
-            del self._channels[wid]
-            channel.close_after_send()
-
-    # ------------------------------------------------------------ dialing
-
-    def _dial(self, action: Dial) -> None:
-        cfg = self.config
-        wid = action.worker_id
-        channel = self._channels.get(wid)
-        if channel is not None:
-            self._send_on_channel(channel, action)
-            return
-        path = f"{self._socket_prefix}{wid}.sock"  # str: a Path per dial is measurable
-        if action.uid is not None:
-            try:
-                owner = os.stat(path).st_uid
-            except OSError as exc:
-                self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
-                return
-            if owner != action.uid:
-                self._report(DialDone(wid, action.kind, None, not_owned=True, error="not owned"))
-                return
-        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
-        worker = self.core.workers.get(wid)
-        if action.kind == pb.CTRL_SET_TASK:
-            msg.task_id = action.task_id
-            if worker is not None and worker.task is not None:
-                limits = self._limits(worker.task.opts.limits)
-                if limits is not None:
-                    msg.limits.CopyFrom(limits)
-        expect = None
-        if action.uid is not None:
-            # Whoever listens there now must be the worker that registered (its socket file
-            # may have been swapped since the stat above).
-            expect = (action.uid, worker.pid if worker is not None else None)
-        try:
-            Outgoing(
-                self.reactor,
-                path,
-                wire.encode_frame(msg, action.extra),
-                pb.WorkerResponse,
-                functools.partial(self._dialled, action, path),
-                timeout=cfg.dial_timeout,
-                max_extra_size=cfg.max_extra_size,
-                expect=expect,
-            )
-        except OSError as exc:  # no descriptor for the socket: the worker did not answer
-            self._dial_failed(exc.strerror or exc, trio.current_time())
-            self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
-
-    def _limits(self, asked: JobLimits) -> pb.JobLimits | None:
-        """What a job's SET_TASK carries: the configuration's job_limits lowered by the job's
-        own (None: no limit at all)."""
-        cache = self._set_task_limits
-        try:
-            return cache[asked]
-        except KeyError:
-            pass
-        merged = self.config.job_limits.tighter(asked)
-        made = None if merged.is_empty() else merged.to_proto()
-        if len(cache) >= _LIMITS_CACHE_SIZE:
-            cache.clear()
-        cache[asked] = made
-        return made
-
-    def _usage(self, wid: int, response: pb.WorkerResponse) -> None:
-        """A FETCH answer's usage report, kept with the attempt it ends (before its outcome
-        is acted on) and counted in the metrics."""
-        worker = self.core.workers.get(wid)
-        task = worker.task if worker is not None else None
-        if task is None or response.task_id not in (0, task.task_id):
-            return
-        usage = usage_of(response.usage)
-        if usage is None:
-            log.warning("worker %d: a usage report that cannot be true; ignored", wid)
-            return
-        self.attempt_used(task.ref, task.owner, usage)
+            conn.reply(FAILED)
 
     def attempt_used(self, ref: int, owner: object, usage: Usage) -> None:
         """What the running attempt of task `ref` used, from a worker of any kind, before its
@@ -702,42 +384,6 @@ class CoreShell:
             self.metrics.attempt_used(usage)
         if self.on_usage is not None:
             self.on_usage(ref, owner, usage)
-
-    def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
-        try:
-            self._answered(action, path, result)
-        except Exception as exc:
-            # The answer could not be acted on: the worker counts as not answering.
-            contained("a worker's answer", exc, trio.current_time(), f"worker {action.worker_id}")
-            try:
-                done = DialDone(action.worker_id, action.kind, None, error="internal error")
-                self.execute(self.core.dial_done(done, trio.current_time()))
-            except Exception as again:
-                contained(
-                    "a worker's answer", again, trio.current_time(), f"worker {action.worker_id}"
-                )
-
-    def _answered(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
-        wid = action.worker_id
-        if isinstance(result, tuple):
-            if action.kind == pb.CTRL_FETCH and result[0].HasField("usage"):
-                self._usage(wid, result[0])
-            done = DialDone(wid, action.kind, result[0], result[1])
-        elif isinstance(result, WrongPeer):
-            log.warning("worker %d: %s; nothing sent", wid, result.strerror)
-            done = DialDone(wid, action.kind, None, not_owned=True, error=str(result.strerror))
-        elif isinstance(result, wire.RemoteProtocolError):
-            done = DialDone(wid, action.kind, None, error=str(result))
-        else:
-            reason = result.strerror or str(result)
-            if result.errno == errno.ENOENT:
-                reason = f"{path} is missing"
-            done = DialDone(wid, action.kind, None, error=reason)
-        self.execute(self.core.dial_done(done, trio.current_time()))
-
-    def _report(self, done: DialDone) -> None:
-        """A dial that failed before sending: reported on the reactor's next turn."""
-        self.reactor.call_soon(lambda now: self.execute(self.core.dial_done(done, now)))
 
     # ------------------------------------------------------------ deadlines
 

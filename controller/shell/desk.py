@@ -6,8 +6,9 @@ actions out, state changes first (book, journal, scheduler), then the
 answers, which go through `WriteAhead` so that none leaves before what it
 announces is on disk. Going the other way, a job that ends in the scheduler
 is recorded in the book and the journal here, and its door is asked to tell
-the submitter. Retention (forgetting old outcomes) runs here too, and so
-does recovery from the journal at start.
+the submitter. Retention (forgetting old outcomes) runs here too. Putting
+the journal's jobs back at start is recovery.py's; settling the changes the
+journal refuses is refusals.py's.
 
 The desk also owns the bound on queued work (`max_pending`, `max_pending_bytes`): it
 counts the jobs not yet ended and the bytes of their payloads as they come and go (one
@@ -17,7 +18,6 @@ canceled or deleted), and every door asks it (`room`, `entries_room`) before mak
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,38 +25,27 @@ from typing import Any, Protocol
 
 import trio
 
-from controller.calclink import Completed, Heartbeat, PerformAcked, PerformUnacked
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
-from controller.frontdoor import Delivered, DoorAction, Evict, Send, Submit
 from controller.jobs import (
     DEFAULT_MAX_LOG_SIZE,
     DEFAULT_OUTPUT_RETENTION,
     Job,
     JobBook,
     JobState,
-    Usage,
-    history_from_json,
     history_to_json,
     notes_of,
-    usage_from_text,
 )
-from controller.journal import Journal, Recovered, Rejected
-from controller.options import JobOptions, from_json
+from controller.journal import Journal
+from controller.options import JobOptions
+from controller.shell.door_actions import Delivered, DoorAction, Send, Submit
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
+from controller.usage import Usage
 
 log = logging.getLogger("controller")
 
-# Numbers the controller picks for the worker wire (`task_id`) of jobs that come with none
-# (HTTP, Redis): above what UDP clients usually number their tasks with, unique among live jobs.
-FIRST_PICKED_TASK_ID = 1 << 32
-
 # What a refusal for want of room asks the client to wait before trying again (seconds).
 RETRY_AFTER = 5
-
-# After a restart, how long a job that was running waits for its worker to re-register
-# and claim it before it is placed again: a little over one default pulse deadline (2 s).
-RECOVERY_GRACE = 3.0
 
 _FINAL = {
     TaskState.SUCCESS: JobState.FINISHED,
@@ -124,17 +113,16 @@ class JobDesk:
         self.write_ahead = WriteAhead(journal)
         self.on_finished = on_finished
         self.doors: dict[str, Door] = {}
-        self._picked = itertools.count(FIRST_PICKED_TASK_ID)
-        self._leased: set[int] = set()  # refs of live jobs with a lease in the journal
-        self._timer = DeadlineTimer(book.next_deadline, self._expire)
+        self.leased_refs: set[int] = set()  # refs of live jobs with a lease in the journal
+        self.timer = DeadlineTimer(book.next_deadline, self._expire)
         # Jobs that lost a change the journal could not store, by id: (it was the job's first
-        # record, why). Marked by `rejected`, settled by `committed` (see there).
-        self._refused: dict[str, tuple[bool, str]] = {}
+        # record, why). Marked and settled by the journal's refusals (refusals.py).
+        self.refused: dict[str, tuple[bool, str]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forget jobs past their retention, until cancelled."""
         task_status.started()
-        await self._timer.run()
+        await self.timer.run()
 
     def refusal(self) -> str:
         """Why new jobs must be refused now ("" when they are welcome)."""
@@ -173,11 +161,13 @@ class JobDesk:
             return 0
         return max(0, self.max_pending - self.live_jobs)
 
-    def _came(self, job: Job) -> None:
+    def came(self, job: Job) -> None:
+        """A job not yet ended joins the count of queued work."""
         self.live_jobs += 1
         self.live_bytes += len(job.payload)
 
-    def _went(self, job: Job) -> None:
+    def went(self, job: Job) -> None:
+        """A job ended, was canceled or deleted: it leaves the count of queued work."""
         self.live_jobs -= 1
         self.live_bytes -= len(job.payload)
 
@@ -206,10 +196,6 @@ class JobDesk:
                 )
             elif isinstance(action, Delivered):
                 self.delivered(action.job_id, now)
-            elif isinstance(action, Evict):
-                self.evict(action.job_id)
-            else:
-                self.scheduling.execute(self._calculator(action, now))
         if sends:
             self.write_ahead.after_commit(self._release, (door, sends))
 
@@ -217,10 +203,10 @@ class JobDesk:
         """Answers whose journal commit is done go out (those about a job the journal could
         not record are replaced by their refusal, or dropped)."""
         door, sends = held
-        if self._refused:
+        if self.refused:
             screened = []
             for send in sends:
-                if send.job_id in self._refused:
+                if send.job_id in self.refused:
                     instead = send.refused()
                     if instead is not None:
                         screened.append(instead)
@@ -228,31 +214,6 @@ class JobDesk:
                     screened.append(send)
             sends = screened
         door.transmit(sends)
-
-    def pick_task_id(self) -> int:
-        """A wire number for a job whose door gives none."""
-        return next(self._picked)
-
-    def _calculator(
-        self, action: Heartbeat | Completed | PerformAcked | PerformUnacked, now: float
-    ) -> list[Any]:
-        """What a calculator said, for the calculator worker kind."""
-        kind = self.scheduling.core.calculators
-        if isinstance(action, Heartbeat):
-            return kind.heartbeat(action.address, action.ready, now, action.serves)
-        if isinstance(action, Completed):
-            task = kind.held(action.address, action.task_id)
-            if task is not None:  # kept with the job first: its followers see it before its end
-                if action.job_output:
-                    self.task_output(task.ref, task.owner, action.job_output)
-                if action.usage is not None:
-                    self.scheduling.attempt_used(task.ref, task.owner, action.usage)
-            return kind.completed(
-                action.address, action.task_id, action.ok, action.output, action.error, now
-            )
-        if isinstance(action, PerformAcked) and not action.refused:
-            return kind.acknowledged(action.address, action.ref, now)
-        return kind.unacknowledged(action.address, action.ref, now)
 
     def submit(
         self,
@@ -336,7 +297,7 @@ class JobDesk:
         self.book.retain(job, now)
         if self.journal is not None:
             self.journal.job_delivered(job.ref, self.book.result_retention)
-        self._timer.poke_at(job.expires_at)
+        self.timer.poke_at(job.expires_at)
 
     def evict(self, job_id: str) -> None:
         """Forget a delivered job before its retention ends (its door is over its memory)."""
@@ -368,7 +329,7 @@ class JobDesk:
             job.ref, job.task_id, job.payload, job.id, job.options, job.attempts, now
         )
         self.book.revive(job, task, now)
-        self._came(job)
+        self.came(job)
         if self.journal is not None:
             self.journal.job_retried(job.ref, job.attempts)
         door = self.doors.get(job.door)
@@ -395,7 +356,7 @@ class JobDesk:
             return
         self.cancel(job, now)
         if job.final is None:  # its end did not come back at once: it ends here
-            self._went(job)
+            self.went(job)
         self.book.delete(job, now)
         job.drop_output()
         if self.journal is not None:
@@ -408,7 +369,7 @@ class JobDesk:
         address): journaled, so that only that holder can keep the job across a restart."""
         if self.journal is not None:
             self.journal.job_leased(ref, lease)
-            self._leased.add(ref)
+            self.leased_refs.add(ref)
 
     # ------------------------------------------------------------ from the scheduler
 
@@ -449,17 +410,18 @@ class JobDesk:
         if job is None:
             return
         job.reason = action.reason
-        self._went(job)
+        self.went(job)
         if self.journal is not None:
             self.journal.job_finished(job)
-            if job.ref in self._leased:
-                self._leased.discard(job.ref)
+            if job.ref in self.leased_refs:
+                self.leased_refs.discard(job.ref)
                 self.journal.job_unleased(job.ref)
         if self.on_finished is not None:
             self.on_finished(job)
-        self._tell(job, now)
+        self.tell(job, now)
 
-    def _tell(self, job: Job, now: float) -> None:
+    def tell(self, job: Job, now: float) -> None:
+        """Ask the job's door to tell its submitter how it ended."""
         door = self.doors.get(job.door)
         if door is None:
             self.delivered(job.id, now)  # nobody to tell: keep it for retention
@@ -473,161 +435,3 @@ class JobDesk:
             door = self.doors.get(job.door)
             if door is not None:
                 door.forget(job)
-
-    # ------------------------------------------------------------ refused by the journal
-
-    def rejected(self, changes: list[Rejected]) -> None:
-        """The committer's hook: the journal could not store these changes (their values; the
-        rest of their batch is written). Marks their jobs; `committed` settles them."""
-        for change in changes:
-            job = self._job_by_ref(change.ref) if change.ref else None
-            if job is None:
-                continue
-            added = change.added or self._refused.get(job.id, (False, ""))[0]
-            self._refused[job.id] = (added, change.reason)
-
-    def committed(self) -> None:
-        """The committer's hook after each commit: release the answers that waited for it
-        (those about a refused job are screened), then settle the refused jobs: a job whose
-        first record could not be stored is refused at its door (UDP: an `internal` error
-        acknowledgement instead of the acknowledgement; HTTP: 500; Redis: a `failed`
-        outcome) and taken back from any worker; a job that lost a later change fails,
-        with an error saying why."""
-        self.write_ahead.release()
-        if not self._refused:
-            return
-        refused, self._refused = self._refused, {}
-        now = trio.current_time()
-        for job_id, (added, reason) in refused.items():
-            job = self.book.get(job_id)
-            if job is not None:
-                self._refuse(job, added, reason, now)
-
-    def _refuse(self, job: Job, added: bool, reason: str, now: float) -> None:
-        if added:
-            error = f"the journal cannot record this job ({reason})"
-        else:
-            error = f"the journal cannot record a change of this job ({reason})"
-        log.warning("job %r refused: %s", job.id[:200], error)
-        live = job.final is None
-        if live:
-            self.book.finish(job.id, JobState.FAILED, now, error=error)
-            self._went(job)
-        else:
-            job.final = JobState.FAILED
-            job.result = b""
-            job.error = error
-            job.updated_at = now
-        job.reason = "error"
-        actions = self.scheduling.core.cancel(job.ref, now) if live else []
-        if actions:
-            self.scheduling.execute(actions)  # a worker holding it gets it taken back
-        if self.on_finished is not None:
-            self.on_finished(job)
-        door = self.doors.get(job.door)
-        if door is not None:
-            door.forget(job)  # nothing more goes out about what it was
-        if added and job.door != "redis":
-            self.book.discard(job)  # the submitter was told it failed: it never was
-            return
-        if not added and self.journal is not None:
-            self.journal.job_finished(job)
-        if job.delivered:
-            return
-        self._tell(job, now)
-
-    def _job_by_ref(self, ref: int) -> Job | None:
-        task = self.scheduling.core.tasks.get(ref)
-        if task is not None:
-            return self.book.get(str(task.owner))
-        return next((job for job in self.book if job.ref == ref), None)  # ended: rare
-
-    # ------------------------------------------------------------ recovery
-
-    def recover(self, recovered: Recovered, now: float) -> None:
-        """Put the journal's jobs back: pending ones in the queue, working ones up for
-        adoption by their re-registering worker, ended ones in the book (with outcomes
-        not yet delivered told again)."""
-        wall = time.time()
-        core = self.scheduling.core
-        self.book.wall_offset = wall - now
-        core.continue_numbering(recovered.first_worker_id, recovered.next_ref)
-        counts: dict[str, int] = {}
-        picked = [row.task_id for row in recovered.jobs if row.door != "udp"]
-        if picked:  # numbers the controller picks stay unique among live jobs after a restart
-            self._picked = itertools.count(max(FIRST_PICKED_TASK_ID, max(picked) + 1))
-        defaults = core.defaults
-        for queue in recovered.paused:
-            core.pause(queue)
-        for row in recovered.jobs:
-            counts[row.state] = counts.get(row.state, 0) + 1
-            options = from_json(row.options, defaults) if row.options else defaults
-            key: object = (row.host, row.port) if row.door == "udp" else None
-            job = Job(
-                id=row.id,
-                ref=row.ref,
-                task_id=row.task_id,
-                door=row.door,
-                key=key,
-                payload=row.payload,
-                notes=notes_of(row.name, row.info_url, row.download_url),
-                added_at=row.added_at - self.book.wall_offset,
-                updated_at=now,
-                attempts=row.attempts,
-                options=options,
-            )
-            job.ran_on = row.ran_on
-            job.history = history_from_json(row.history, self.book.wall_offset)
-            for line in row.log:
-                job.add_log(line, self.max_log_size)
-            if row.output:
-                job.add_output(row.output, self.output_retention)
-            if row.state in ("scheduled", "pending", "working"):
-                left = options.placement_timeout - (wall - row.queued_at)
-                core.recover(
-                    row.ref,
-                    row.task_id,
-                    row.payload,
-                    row.id,
-                    now,
-                    running=row.state == "working",
-                    attempts=row.attempts,
-                    failed_on=tuple(row.failed_on),
-                    placement_left=left,
-                    # A poller's job waits a lease_timeout for its holder to renew.
-                    grace=max(RECOVERY_GRACE, core.pollers.lease_timeout)
-                    if row.lease
-                    else RECOVERY_GRACE,
-                    lease=row.lease,
-                    options=options,
-                    base=row.base,
-                    wait=row.queued_at - wall if row.state == "scheduled" else None,
-                )
-                if row.lease:
-                    self._leased.add(row.ref)
-                job.task = core.tasks[row.ref]
-                self.book.add(job)
-                self._came(job)
-                continue
-            job.final = JobState(row.state)
-            job.result = row.result
-            job.error = row.error
-            job.usage = usage_from_text(row.usage)
-            job.reason = row.reason
-            job.failed_post = row.failed_post
-            self.book.add(job)
-            if row.notified:
-                retain = None if row.expires_at is None else row.expires_at - wall
-                self.book.retain(job, now, retain)
-            else:
-                self._tell(job, now)
-        if recovered.jobs or recovered.pruned:
-            summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
-            log.info(
-                "journal: recovered %d jobs (%s), pruned %d expired; worker ids continue at %d",
-                len(recovered.jobs),
-                summary,
-                recovered.pruned,
-                recovered.first_worker_id,
-            )
-        self._timer.poke()

@@ -14,7 +14,7 @@ import trio
 
 from controller.config import ClientAddress
 from controller.core import Core, TaskFinished, TaskProgress, TaskState
-from controller.jobs import Usage
+from controller.usage import Usage
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

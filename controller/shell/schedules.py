@@ -213,7 +213,7 @@ class PeriodicJobs:
             job_id,
             "http",
             None,
-            self.desk.pick_task_id(),
+            self.desk.book.pick_task_id(),
             schedule.payload.encode(),
             trio.current_time(),
             options=self._options[name],
