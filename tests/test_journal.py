@@ -23,7 +23,8 @@ from controller.jobs import (
     notes_of,
     udp_job_id,
 )
-from controller.journal import SCHEMA_VERSION, WORKER_ID_BLOCK, Journal, JournalError
+from controller.journal import SCHEMA_VERSION, Journal
+from controller.journal_file import WORKER_ID_BLOCK, JournalError
 from controller.shell import committer as committer_module
 from controller.shell.committer import Committer
 from controller.shell.durability import (

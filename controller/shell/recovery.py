@@ -16,7 +16,7 @@ from controller.jobs import (
     history_from_json,
     notes_of,
 )
-from controller.journal import Recovered
+from controller.journal_file import Recovered
 from controller.options import from_json
 from controller.shell.desk import JobDesk
 from controller.usage import usage_from_text
