@@ -39,7 +39,7 @@ class Seen:
     new one holds half of MAX_TRANSMISSIONS, or half of `memory`) the old generation is
     dropped whole and the new one becomes the old. Forgetting costs nothing per entry, and
     an entry is a dict slot and its (sender, id) key: the front door keeps none for an
-    accepted add_task, whose job the book holds longer (controller/frontdoor.py), so
+    accepted add_task, whose job the book holds longer (controller/doors/udp/codec.py), so
     100,000 queued jobs cost none.
     A plain acknowledgement is stored as `PLAIN_ACK` and rebuilt for a repeat.
     """

@@ -7,18 +7,20 @@ import json
 import logging
 from typing import Any
 
-from controller.calclink import (
+from controller.core import Core, PerformTask, TaskFinished, TaskState
+from controller.core.calculators import SILENT_REPORT_INTERVAL
+from controller.core.roster import MAX_REMEMBERED
+from controller.doors.udp.calclink import (
+    CalculatorAck,
     CalculatorLink,
     Completed,
     Heartbeat,
     PerformAcked,
     PerformUnacked,
 )
-from controller.core import Core, PerformTask, TaskFinished, TaskState
-from controller.core.calculators import SILENT_REPORT_INTERVAL
-from controller.core.roster import MAX_REMEMBERED
-from controller.frontdoor import FrontDoor, Send
+from controller.doors.udp.codec import FrontDoor
 from controller.jobs import JobBook
+from controller.shell.door_actions import Send
 
 CALC = ("127.0.0.9", 7000)
 TIMEOUT = 5.0
@@ -102,9 +104,11 @@ def test_error_report_fails_the_attempt_with_its_message():
 
 
 def door() -> FrontDoor:
-    link = CalculatorLink([ipaddress.ip_network("127.0.0.9/32")], dial_timeout=2.0, max_result=1000)
     return FrontDoor(
-        JobBook(), allowed_clients=[ipaddress.ip_network("127.0.0.1/32")], calculators=link
+        JobBook(),
+        allowed_clients=[ipaddress.ip_network("127.0.0.1/32")],
+        allowed_calculators=[ipaddress.ip_network("127.0.0.9/32")],
+        max_result=1000,
     )
 
 
@@ -140,22 +144,27 @@ def test_completed_task_acknowledged_every_copy_reported_once():
 
 def test_perform_task_repeated_until_acknowledged_or_dial_timeout():
     fd = door()
-    send = fd.perform(CALC, 1, 5, b"p", 0.0)
-    packet = json.loads(send.data)
+    link = CalculatorLink(dial_timeout=2.0)
+    packet = json.loads(link.perform(CALC, 1, 5, b"p", 0.0))
     assert packet["method"] == "perform_task" and packet["params"] == {"task_id": 5, "payload": "p"}
-    resent = [a for a in fd.expire(0.05) if isinstance(a, Send)]
-    assert [json.loads(s.data) for s in resent] == [packet]
+    resent, _ = link.expire(0.05)
+    assert [json.loads(data) for data, _ in resent] == [packet]
     ack = json.dumps(
         {"method": "ack", "packet_type": 2, "transmission_id": packet["transmission_id"]}
     )
-    assert fd.datagram(ack.encode(), CALC, 0.1) == [PerformAcked(CALC, 1, False)]
-    assert [a for a in fd.expire(10.0) if isinstance(a, (Send, PerformUnacked))] == []
+    [heard] = fd.datagram(ack.encode(), CALC, 0.1)  # from a calculator: its side's
+    assert heard == CalculatorAck(packet["transmission_id"], CALC, False)
+    assert link.acked(heard) == PerformAcked(CALC, 1, False)
+    assert link.acked(heard) is None  # a copy
+    assert link.expire(10.0) == ([], [])
     # another one, never acknowledged
-    fd.perform(CALC, 2, 6, b"", 20.0)
-    out = []
+    link.perform(CALC, 2, 6, b"", 20.0)
+    out: list[object] = []
     t = 20.0
     while t <= 22.5:
-        out += fd.expire(t)
+        again, gave_up = link.expire(t)
+        out += again
+        out += gave_up
         t += 0.05
     assert out[-1] == PerformUnacked(CALC, 2)
     assert sum(isinstance(a, PerformUnacked) for a in out) == 1

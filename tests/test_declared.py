@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from controller import declared
-from controller.calclink import CalculatorLink, Heartbeat
 from controller.client.udp_output import format_status
 from controller.core import Core, PulseReceived, Reply
-from controller.frontdoor import FrontDoor, fit_status
+from controller.doors.udp.calclink import Heartbeat
+from controller.doors.udp.codec import FrontDoor, fit_status
 from controller.httpapi import ApiError, parse_declared
 from controller.jobs import JobBook
 from controller.shell.console.pages import workers_table
@@ -163,9 +163,11 @@ def test_pulses_other_than_register_change_nothing_declared():
 
 
 def door() -> FrontDoor:
-    link = CalculatorLink([ipaddress.ip_network("127.0.0.9/32")], dial_timeout=2.0, max_result=1000)
     return FrontDoor(
-        JobBook(), allowed_clients=[ipaddress.ip_network("127.0.0.1/32")], calculators=link
+        JobBook(),
+        allowed_clients=[ipaddress.ip_network("127.0.0.1/32")],
+        allowed_calculators=[ipaddress.ip_network("127.0.0.9/32")],
+        max_result=1000,
     )
 
 

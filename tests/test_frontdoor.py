@@ -15,8 +15,9 @@ from controller import datagram as dg
 from controller import transmissions
 from controller.core.model import Task, TaskState
 from controller.datagram import MAX_INLINE_RESULT
-from controller.frontdoor import Delivered, Evict, FrontDoor, Send, Submit
+from controller.doors.udp.codec import FrontDoor
 from controller.jobs import MAX_FORGET_PER_CALL, Job, JobBook, JobState
+from controller.shell.door_actions import Delivered, Send, Submit
 from controller.transmissions import NOTIFY_FIRST_INTERVAL, TRANSMISSION_MEMORY
 
 CLIENT = ("127.0.0.1", 40000)
@@ -38,7 +39,6 @@ class Door:
         self.book = JobBook(result_retention=result_retention)
         self.tasks: dict[int, Task] = {}
         self.submitted: list[tuple[int, bytes, object]] = []
-        self.evicted: list[str] = []
         kwargs.setdefault("allowed_clients", [ipaddress.ip_network("127.0.0.0/8")])
         kwargs.setdefault("status_report", lambda: {"tasks": {"queued": len(self.tasks)}})
         self.door = FrontDoor(self.book, **kwargs)
@@ -54,12 +54,6 @@ class Door:
                 self.book.add(job)
             elif isinstance(action, Delivered):
                 self.book.retain(self.book.get(action.job_id), now)
-            elif isinstance(action, Evict):
-                evicted = self.book.get(action.job_id)
-                assert evicted is not None
-                self.book.forget(evicted)
-                self.door.forget(evicted)
-                self.evicted.append(action.job_id)
         return [action for action in actions if isinstance(action, Send)]
 
     def datagram(self, data, addr, now):
@@ -612,7 +606,6 @@ def test_udp_memory_keeps_every_delivered_job():
         [(note, _)] = finish(fd, task_id, result=b"r" * 1000)
         ack = {"method": "ack", "packet_type": 2, "transmission_id": note["transmission_id"]}
         fd.datagram(json.dumps(ack).encode(), CLIENT, 0.1)  # delivered: kept for retention
-    assert fd.evicted == []
     assert all(fd.known(CLIENT, t) for t in range(1, 21))
     assert fd.door.seen.held_bytes <= 5000
 

@@ -19,10 +19,10 @@ import trio
 
 from controller.client import UdpSession
 from controller.config import ClientAddress, Config
+from controller.doors.udp.shell import UdpDoor
 from controller.shell import durability
 from controller.shell.core_shell import CoreShell
 from controller.shell.main import assemble
-from controller.shell.udp import UdpDoor
 from tests.helpers import (
     controller_argv,
     free_udp_port,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import trio
 
-from controller.frontdoor import cached_allowed
+from controller.allowlist import cached_allowed
 from controller.shell.asgi import JOB_PREFIX, Response, Scope, error_response
 from controller.shell.console.session import TokenFile
 from controller.shell.console.web import is_console_path

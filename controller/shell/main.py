@@ -17,6 +17,7 @@ import trio
 from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
 from controller.cli import DOCS, add_common_flags, setup_logging
 from controller.config import Config, ConfigError, load_config, secret_files
+from controller.doors.udp.shell import UdpDoor
 from controller.jobs import JobBook
 from controller.journal import Journal, JournalError
 from controller.priority import DEFAULT_ADJUSTMENT, adjust, parse_adjustment
@@ -29,7 +30,6 @@ from controller.shell.metrics import Metrics
 from controller.shell.schedules import Claims, PeriodicJobs
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
-from controller.shell.udp import UdpDoor
 
 log = logging.getLogger("controller")
 

@@ -54,12 +54,12 @@ import trio
 from controller import streams
 from controller.config import Config
 from controller.containment import INTERNAL_MESSAGE, contained
-from controller.frontdoor import DoorAction, Send
 from controller.httpapi import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, valid_id
 from controller.jobs import Job, JobState
 from controller.options import BadOption, JobOptions, rfc3339
 from controller.shell.core_shell import CoreShell, StartupError
 from controller.shell.desk import JobDesk
+from controller.shell.door_actions import DoorAction, Send
 from controller.shell.redis_calls import (
     WRITE_BATCH,
     Entry,

@@ -1,11 +1,19 @@
-"""The UDP front door, pure: a codec between datagrams and the job book.
+"""The UDP door, pure: a codec between datagrams and the job book.
 
 How it works: `datagram(data, addr, now)` parses and checks one packet and
 returns what should happen, as actions: `Submit` a new job, `Send` a
-datagram, `Delivered` (the client has an outcome: its retention starts). It
-reads the job book (duplicates, statuses, results) but never changes it,
-and it calls neither the scheduler nor the journal: the shell's job desk
-carries the actions out, state changes before sends (controller/shell/desk.py).
+datagram, `Delivered` (the client has an outcome: its retention starts), and
+what a calculator said (`Heartbeat`, `Completed`, `CalculatorAck`: see
+calclink.py). It reads the job book (duplicates, statuses, results) but never
+changes it, and it calls neither the scheduler nor the journal: the door's
+shell hands the clients' actions to the job desk, state changes before sends
+(controller/shell/desk.py), and the calculators' to the calculators' shell.
+
+Routing: a datagram from an address in `allowed_clients` is a client's, one
+from `allowed_calculators` a calculator's (an address in both is both); a
+calculator's methods (`heartbeat`, `completed_task`) are taken only from a
+calculator, every other method only from a client, and an acknowledgement
+that is not of a client's notification goes to the calculators' side.
 `job_finished` turns an ended job into a `notify_task`; success notifications
 are repeated until acknowledged (controller/transmissions.py).
 
@@ -20,7 +28,6 @@ dropped packets.
 from __future__ import annotations
 
 import base64
-import ipaddress
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,17 +36,14 @@ from typing import Any
 
 from controller import datagram as dg
 from controller import options
-from controller.calclink import (
-    CalculatorLink,
-    Completed,
-    Heartbeat,
-    PerformAcked,
-    PerformUnacked,
-)
+from controller.allowlist import Networks, cached_allowed
 from controller.containment import INTERNAL_MESSAGE
 from controller.datagram import BadPacket
+from controller.doors.udp import calclink
+from controller.doors.udp.calclink import CalculatorAck, CalculatorAction
 from controller.jobs import Job, JobBook, JobState, udp_job_id
 from controller.options import JobOptions
+from controller.shell.door_actions import Delivered, DoorAction, Send, Submit
 from controller.transmissions import PLAIN_ACK, TRANSMISSION_MEMORY, Address, Repeats, Seen
 
 log = logging.getLogger("controller.frontdoor")
@@ -48,62 +52,9 @@ log = logging.getLogger("controller.frontdoor")
 LOG_INTERVAL = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class Send:
-    data: bytes
-    addr: Address
-    # An error reply reveals no recorded state, so it need not wait for a journal commit.
-    independent: bool = False
-    # An answer to a job's submitter (the acknowledgement of the add_task that made the
-    # job, its notify_task and their repeats): the shell may send it with the next batch.
-    batched: bool = False
-    # The job this answer is about ("": none) and, for the acknowledgement of the add_task
-    # that made it, the size of that request: when the journal could not record the job, an
-    # `internal` error acknowledgement no larger goes instead (see `refused`), else nothing.
-    job_id: str = ""
-    request_size: int = 0
-
-    def refused(self) -> Send | None:
-        """What goes instead of this answer when its job could not be recorded."""
-        if not self.request_size:
-            return None
-        packet = dg.decode(self.data)
-        txid = dg.int_field(packet.get("transmission_id")) if packet is not None else None
-        if txid is None:
-            return None
-        reply = dg.error_ack(txid, "internal", INTERNAL_MESSAGE, self.request_size)
-        return Send(reply, self.addr, independent=True) if reply is not None else None
-
-
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """Record and queue a new job."""
-
-    job_id: str
-    task_id: int
-    payload: bytes
-    addr: Address
-    options: JobOptions | None = None  # None: the door's defaults
-
-
-@dataclass(frozen=True, slots=True)
-class Delivered:
-    """The client has the job's outcome (or the repeats ran out): keep it for retention."""
-
-    job_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Evict:
-    """Forget a delivered job before its retention ends. (The door no longer makes it:
-    `udp_memory` bounds copies of answers only, never a job's record.)"""
-
-    job_id: str
-
-
-DoorAction = (
-    Send | Submit | Delivered | Evict | Heartbeat | Completed | PerformAcked | PerformUnacked
-)
+# What the codec returns: the job desk's actions for the clients' datagrams, the
+# calculators' shell's for the calculators'.
+UdpAction = DoorAction | CalculatorAction
 CALCULATOR_METHODS = frozenset({"heartbeat", "completed_task"})
 # Client hosts whose default options (their address as owner) are kept made.
 MAX_OWNERS_KEPT = 4096
@@ -127,25 +78,29 @@ class FrontDoor:
         self,
         book: JobBook,
         *,
-        allowed_clients: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
+        allowed_clients: Networks,
+        allowed_calculators: Networks = (),
         refusal: Callable[[], str] = lambda: "",
         busy: Callable[[int], str] = lambda size: "",
         status_report: Callable[[], dict[str, Any]] = dict,
         notify_retries: int = 8,
         max_payload: int = 16 * 1024 * 1024,
         first_txid: int = 1,
-        calculators: CalculatorLink | None = None,
+        max_result: int = 16 * 1024 * 1024,
         memory: int = 64 * 1024 * 1024,
         options: JobOptions | None = None,
     ) -> None:
         """`refusal()`: why new jobs must be refused now ("" when welcome); `busy(size)`: why
-        a new job with a payload of `size` bytes does not fit now ("" when it does)."""
+        a new job with a payload of `size` bytes does not fit now ("" when it does);
+        `max_result`: the largest result a calculator may report."""
         self.book = book
         self.refusal = refusal
         self.busy = busy
         self.status_report = status_report
         self.allowed_clients = tuple(allowed_clients)
+        self.allowed_calculators = tuple(allowed_calculators)
         self.max_payload = max_payload
+        self.max_result = max_result
         self.stats = FrontDoorStats()
         # udp_memory: bytes of answers held for repeats; past it the oldest go. It bounds
         # copies only: a job's record, its result and its duplicate detection stay in the
@@ -157,9 +112,6 @@ class FrontDoor:
         # it unless result_retention is shorter than TRANSMISSION_MEMORY. ~92 bytes a job.
         self._book_dedups = book.result_retention >= TRANSMISSION_MEMORY
         self.repeats = Repeats(notify_retries, first_txid)
-        # Calculators' traffic (heartbeat, completed_task, acks of perform_task); None: no
-        # calculator is listened to.
-        self.calculators = calculators
         self._client_cache: dict[str, bool] = {}
         self._calculator_cache: dict[str, bool] = {}
         self._last_log = -LOG_INTERVAL
@@ -171,15 +123,12 @@ class FrontDoor:
 
     # ------------------------------------------------------------ inbound
 
-    def datagram(self, data: bytes, addr: Address, now: float) -> list[DoorAction]:
+    def datagram(self, data: bytes, addr: Address, now: float) -> list[UdpAction]:
         """Handle one datagram from `addr`."""
         self.stats.received += 1
         host = addr[0]
         client = cached_allowed(host, self.allowed_clients, self._client_cache)
-        link = self.calculators
-        calculator = link is not None and cached_allowed(
-            host, link.networks, self._calculator_cache
-        )
+        calculator = cached_allowed(host, self.allowed_calculators, self._calculator_cache)
         if not client and not calculator:
             self.stats.not_allowed += 1
             self._note_drop(now, f"packet from {host} outside allowed_clients")
@@ -198,9 +147,8 @@ class FrontDoor:
             job_id = self.repeats.acked(txid, addr) if client else None
             if job_id is not None:
                 return [Delivered(job_id)]
-            if calculator and link is not None:
-                acked = link.acked(txid, addr, refused="error" in packet)
-                return [acked] if acked is not None else []
+            if calculator:
+                return [CalculatorAck(txid, addr, refused="error" in packet)]
             return []
         method = packet.get("method")
         from_calculator = isinstance(method, str) and method in CALCULATOR_METHODS
@@ -233,7 +181,7 @@ class FrontDoor:
                 self.seen.remember(addr, txid, reply, now)
             return [Send(reply, addr, independent=True)] if reply is not None else []
         if ptype != dg.WANT_ACK or txid is None:
-            return out
+            return list(out)
         reply = dg.ack(txid, ack_params)
         if not (self._book_dedups and packet.get("method") == "add_task"):
             self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
@@ -244,14 +192,13 @@ class FrontDoor:
 
     def _on_request(
         self, packet: dict[str, Any], addr: Address, now: float
-    ) -> tuple[list[DoorAction], dict[str, Any] | None]:
+    ) -> tuple[Sequence[UdpAction], dict[str, Any] | None]:
         method = packet.get("method")
         params = packet.get("params", {})
         if not isinstance(params, dict):
             raise BadPacket("bad_params", "params must be an object")
         if isinstance(method, str) and method in CALCULATOR_METHODS:
-            assert self.calculators is not None
-            return self.calculators.request(str(method), params, addr), None
+            return calclink.decode(method, params, addr, self.max_result), None
         if method == "add_task":
             return self._add_task(params, addr, now), None
         if method == "get_task":
@@ -385,10 +332,6 @@ class FrontDoor:
         """Repeat due notifications; give up on those out of repeats; forget old requests."""
         again, gave_up = self.repeats.due(now)
         out: list[DoorAction] = []
-        if self.calculators is not None:
-            performs, unacked = self.calculators.expire(now)
-            out.extend(Send(data, address) for data, address in performs)
-            out.extend(unacked)
         for pending in again:
             job = self.book.get(pending.job_id)
             if job is None:  # forgotten meanwhile (its retention ran out)
@@ -403,15 +346,7 @@ class FrontDoor:
 
     def next_deadline(self) -> float:
         """When `expire` next has work: a repeat, or a request to forget."""
-        first = min(self.repeats.next_deadline(), self.seen.next_deadline())
-        if self.calculators is not None:
-            first = min(first, self.calculators.next_deadline())
-        return first
-
-    def perform(self, address: Address, ref: int, task_id: int, payload: bytes, now: float) -> Send:
-        """The first perform_task for a job placed on the calculator at `address`."""
-        assert self.calculators is not None
-        return Send(self.calculators.perform(address, ref, task_id, payload, now), address)
+        return min(self.repeats.next_deadline(), self.seen.next_deadline())
 
     def forget(self, job: Job) -> None:
         """The book forgot `job`: nothing more to send for it."""
@@ -478,31 +413,3 @@ def fit_status(report: dict[str, Any], limit: int) -> dict[str, Any]:
     if size() > limit:
         return {"workers_total": report.get("workers_total"), "tasks": report.get("tasks")}
     return report
-
-
-def cached_allowed(
-    host: str,
-    networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
-    cache: dict[str, bool],
-) -> bool:
-    """`address_allowed`, remembered per host (a flood of sources cannot grow it unbounded)."""
-    allowed = cache.get(host)
-    if allowed is None:
-        allowed = address_allowed(host, networks)
-        if len(cache) > 10_000:
-            cache.clear()
-        cache[host] = allowed
-    return allowed
-
-
-def address_allowed(
-    host: str, networks: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]
-) -> bool:
-    """Is `host` (an IP address as text) in one of `networks`? IPv4-mapped IPv6 counts as IPv4."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return any(ip in net for net in networks)

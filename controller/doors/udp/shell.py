@@ -1,4 +1,10 @@
-"""The UDP front door's trio shell: one socket, the pure `FrontDoor`, and its timer."""
+"""The UDP door's trio shell: one socket, the pure `FrontDoor` codec, and the door's timer.
+
+A datagram goes to the codec; the clients' actions it returns go to the job desk (state
+changes first, then the answers, each held until the journal has what it announces), the
+calculators' to the calculators' shell (calculators.py). Without a journal, answers to
+submitters leave in batches while many jobs are in flight (`Pace`).
+"""
 
 from __future__ import annotations
 
@@ -13,16 +19,18 @@ from typing import Any
 
 import trio
 
-from controller.calclink import CalculatorLink
 from controller.config import Config
 from controller.containment import contained
-from controller.core import PerformTask
 from controller.datagram import MAX_DATAGRAM
-from controller.frontdoor import DoorAction, FrontDoor, Send
+from controller.doors.udp.calclink import CalculatorAck, Completed, Heartbeat
+from controller.doors.udp.calculators import CalculatorShell
+from controller.doors.udp.codec import FrontDoor, UdpAction
+from controller.errors import StartupError
 from controller.jobs import Job, JobState
 from controller.reactor import Timer
-from controller.shell.core_shell import CoreShell, StartupError
+from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
+from controller.shell.door_actions import DoorAction, Send
 from controller.shell.durability import Pace
 from controller.shell.timer import DeadlineTimer
 from controller.transmissions import NOTIFY_FIRST_INTERVAL
@@ -79,20 +87,16 @@ class UdpDoor:
             status_report=self.status_report,
             notify_retries=config.notify_retries,
             max_payload=config.max_extra_size,
+            allowed_calculators=config.allowed_calculators,
+            max_result=config.max_extra_size,
             options=config.job_options("udp"),
             # Transmission ids stay unique across restarts: start from the wall clock in ms.
             first_txid=int(time.time() * 1000),
-            calculators=CalculatorLink(
-                config.allowed_calculators,
-                dial_timeout=config.dial_timeout,
-                max_result=config.max_extra_size,
-                first_txid=int(time.time() * 1000) + (1 << 50),
-            ),
             memory=config.udp_memory,
         )
-        shell.on_perform = self.perform
         self._sock: stdsocket.socket | None = None
-        self._timer = DeadlineTimer(self.door.next_deadline, self._expire)
+        self._timer = DeadlineTimer(self._next_deadline, self._expire)
+        self.calculators = CalculatorShell(config, shell, desk, self.transmit, self._timer.poke)
         # One tuple per sender: recvfrom makes a new address (and host string) for every
         # datagram, and a job and its transmission keep theirs for minutes.
         self._addresses: dict[tuple[str, int], tuple[str, int]] = {}
@@ -146,7 +150,6 @@ class UdpDoor:
         sock = self._sock
         assert sock is not None
         door = self.door
-        apply = self.desk.apply
         now = trio.current_time()
         addresses = self._addresses
         for _ in range(RECEIVE_BURST):
@@ -164,11 +167,22 @@ class UdpDoor:
                     addresses.clear()
                 known = addresses[sender] = sender
             try:
-                apply(self, door.datagram(data, known, now), now)
+                self._apply(door.datagram(data, known, now), now)
             except Exception as exc:  # a bug this datagram reached: it alone is refused
                 contained("a datagram", exc, now, f"from {known[0]}:{known[1]}")
                 self.transmit(door.internal_error(data, known))
         self._timer.poke()
+
+    def _apply(self, actions: list[UdpAction], now: float) -> None:
+        """The calculators' actions to their shell, then the clients' to the job desk (whose
+        answers wait for the journal to hold what the calculators' changed)."""
+        for_desk: list[DoorAction] = []
+        for action in actions:
+            if isinstance(action, (Heartbeat, Completed, CalculatorAck)):
+                self.calculators.handle(action, now)
+            else:
+                for_desk.append(action)
+        self.desk.apply(self, for_desk, now)
 
     # ------------------------------------------------------------ the desk's side
 
@@ -178,23 +192,15 @@ class UdpDoor:
             self._timer.poke_at(now + NOTIFY_FIRST_INTERVAL)
         return actions
 
-    def perform(self, action: PerformTask) -> None:
-        """A job placed on a calculator: perform_task now (the repeats come from the timer).
-        It reveals nothing a crash could take back from its submitter, so it does not wait
-        for the journal."""
-        now = trio.current_time()
-        task = self._live_tasks.get(action.ref)
-        if task is not None and task.lease:  # its holder's address, for after a restart
-            self.desk.leased(action.ref, task.lease)
-        send = self.door.perform(action.address, action.ref, action.task_id, action.payload, now)
-        self.transmit((send,))
-        self._timer.poke()
-
     def forget(self, job: Job) -> None:
         self.door.forget(job)
 
+    def _next_deadline(self) -> float:
+        return min(self.door.next_deadline(), self.calculators.next_deadline())
+
     def _expire(self, now: float) -> None:
-        self.desk.apply(self, self.door.expire(now), now)
+        repeats: list[DoorAction] = [*self.calculators.expire(now), *self.door.expire(now)]
+        self.desk.apply(self, repeats, now)
 
     def transmit(self, sends: Sequence[Send]) -> None:
         sock = self._sock

@@ -3,18 +3,17 @@
 In: `heartbeat` (type 0, `params.status` ready or busy, `params.queues` and
 `params.labels` lists of names: what it serves and has) and `completed_task`
 (type 1, acknowledged by the door on every copy, acted on once by the core),
-from `allowed_calculators` only. Out: `perform_task` (type 1), sent again at
+from `allowed_calculators` only: `decode` turns them into `Heartbeat` and
+`Completed`. Out: `perform_task` (type 1), which `CalculatorLink` sends again at
 doubling intervals until the calculator acknowledges it or `dial_timeout` has
 passed since the first send (then `PerformUnacked`: the core tries another
-worker). The door routes every acknowledgement it does not recognise as a
-client's to `acked`.
+worker). The door's codec hands every acknowledgement from a calculator's
+address that it does not recognise as a client's on as a `CalculatorAck`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from controller import datagram as dg
 from controller import declared
 from controller.datagram import BadPacket
 from controller.deadlines import Deadlines
-from controller.jobs import Usage, usage_from_json
+from controller.usage import Usage, usage_from_json
 
 Address = tuple[str, int]
 
@@ -49,6 +48,18 @@ class Completed:
 
 
 @dataclass(frozen=True, slots=True)
+class CalculatorAck:
+    """An acknowledgement from a calculator's address: perhaps of one of our perform_tasks."""
+
+    txid: int
+    address: Address
+    refused: bool  # an error acknowledgement (e.g. busy)
+
+
+CalculatorAction = Heartbeat | Completed | CalculatorAck
+
+
+@dataclass(frozen=True, slots=True)
 class PerformAcked:
     address: Address
     ref: int
@@ -72,68 +83,61 @@ class _Pending:
     interval: float
 
 
+def decode(
+    method: str, params: dict[str, Any], address: Address, max_result: int
+) -> list[CalculatorAction]:
+    """A calculator's `heartbeat` or `completed_task`: what the core should hear. BadPacket
+    for a bad one (a result over `max_result` bytes is one)."""
+    if method == "heartbeat":
+        status = params.get("status")
+        if status not in ("ready", "busy"):
+            raise BadPacket("bad_status", "params.status must be ready or busy")
+        try:
+            serves = declared.read(params.get("queues", ()), params.get("labels", ()))
+        except declared.BadDeclaration as exc:
+            code = "bad_queues" if exc.what == "queues" else "bad_labels"
+            raise BadPacket(code, str(exc)) from None
+        return [Heartbeat(address, status == "ready", serves)]
+    task_id = dg.task_id_field(params.get("task_id"))
+    status = params.get("status")
+    printed = params.get("output", "")
+    if not isinstance(printed, str):
+        raise BadPacket("bad_output", "params.output must be text")
+    job_output = printed.encode("utf-8", "surrogatepass")
+    usage = None
+    if "usage" in params:
+        try:
+            usage = usage_from_json(params["usage"])
+        except ValueError as exc:
+            raise BadPacket("bad_usage", f"params.{exc}") from None
+    if status == "success":
+        output = dg.bytes_param(params, "result", max_result) or b""
+        return [Completed(address, task_id, True, output, "", job_output, usage)]
+    if status == "error":
+        error = params.get("error", "")
+        if not isinstance(error, str):
+            raise BadPacket("bad_error", "params.error must be text")
+        return [Completed(address, task_id, False, b"", error, job_output, usage)]
+    raise BadPacket("bad_status", "params.status must be success or error")
+
+
 class CalculatorLink:
-    def __init__(
-        self,
-        allowed: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network],
-        *,
-        dial_timeout: float,
-        max_result: int,
-        first_txid: int = 1,
-    ) -> None:
-        self.networks = tuple(allowed)
+    """The perform_tasks sent and not yet acknowledged, and their repeats."""
+
+    def __init__(self, *, dial_timeout: float, first_txid: int = 1) -> None:
         self.dial_timeout = dial_timeout
-        self.max_result = max_result
         self._txid = itertools.count(first_txid)
         self._pending: dict[int, _Pending] = {}
         self._deadlines: Deadlines[_Pending] = Deadlines()
         self.next_deadline = self._deadlines.next
 
-    # ------------------------------------------------------------ in
-
-    def request(self, method: str, params: dict[str, Any], address: Address) -> list[Any]:
-        """A calculator's `heartbeat` or `completed_task`: what the core should hear."""
-        if method == "heartbeat":
-            status = params.get("status")
-            if status not in ("ready", "busy"):
-                raise BadPacket("bad_status", "params.status must be ready or busy")
-            try:
-                serves = declared.read(params.get("queues", ()), params.get("labels", ()))
-            except declared.BadDeclaration as exc:
-                code = "bad_queues" if exc.what == "queues" else "bad_labels"
-                raise BadPacket(code, str(exc)) from None
-            return [Heartbeat(address, status == "ready", serves)]
-        task_id = dg.task_id_field(params.get("task_id"))
-        status = params.get("status")
-        printed = params.get("output", "")
-        if not isinstance(printed, str):
-            raise BadPacket("bad_output", "params.output must be text")
-        job_output = printed.encode("utf-8", "surrogatepass")
-        usage = None
-        if "usage" in params:
-            try:
-                usage = usage_from_json(params["usage"])
-            except ValueError as exc:
-                raise BadPacket("bad_usage", f"params.{exc}") from None
-        if status == "success":
-            output = dg.bytes_param(params, "result", self.max_result) or b""
-            return [Completed(address, task_id, True, output, "", job_output, usage)]
-        if status == "error":
-            error = params.get("error", "")
-            if not isinstance(error, str):
-                raise BadPacket("bad_error", "params.error must be text")
-            return [Completed(address, task_id, False, b"", error, job_output, usage)]
-        raise BadPacket("bad_status", "params.status must be success or error")
-
-    def acked(self, txid: int, address: Address, refused: bool) -> PerformAcked | None:
-        """An acknowledgement the door did not recognise: is it one of our perform_tasks?"""
-        pending = self._pending.get(txid)
-        if pending is None or pending.address != address:
+    def acked(self, ack: CalculatorAck) -> PerformAcked | None:
+        """An acknowledgement from a calculator: is it one of our perform_tasks?"""
+        pending = self._pending.get(ack.txid)
+        if pending is None or pending.address != ack.address:
             return None
-        del self._pending[txid]
-        return PerformAcked(address, pending.ref, refused)
-
-    # ------------------------------------------------------------ out
+        del self._pending[ack.txid]
+        return PerformAcked(ack.address, pending.ref, ack.refused)
 
     def perform(
         self, address: Address, ref: int, task_id: int, payload: bytes, now: float
