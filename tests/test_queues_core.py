@@ -124,12 +124,11 @@ def test_a_worker_gets_only_jobs_of_its_queues_and_labels():
 
 def test_a_paused_queue_keeps_its_jobs_until_resumed():
     core = Core()
-    core.scheduler.pause("default")
+    core.pause("default")
     task, _ = core.submit(1, b"", None, 0.0, JobOptions())
     a = ready_worker(core)
     assert core.workers[a].task is None and task.state is TaskState.QUEUED
-    resumed: list[object] = []
-    core.scheduler.resume("default", resumed)
+    resumed = core.resume("default")
     [dial] = dials(resumed, pb.CTRL_SET_TASK)
     assert dial.worker_id == a
 

@@ -3,6 +3,7 @@
 from controller.core.core import Core
 from controller.core.model import (
     Action,
+    Counters,
     Dial,
     DialDone,
     Event,
@@ -20,7 +21,6 @@ from controller.core.model import (
     WorkerExited,
     WorkerState,
 )
-from controller.core.scheduler import Counters
 
 __all__ = [
     "Action",

@@ -15,6 +15,7 @@ from controller.core.calculators import Calculators
 from controller.core.local import LocalWorkers
 from controller.core.model import (
     Action,
+    Counters,
     DialDone,
     Event,
     PulseReceived,
@@ -26,7 +27,7 @@ from controller.core.model import (
 )
 from controller.core.pollers import Pollers
 from controller.core.recovery import Recovery
-from controller.core.scheduler import Counters, Scheduler
+from controller.core.scheduler import Scheduler
 from controller.options import JobOptions
 
 # Characters of a worker's queues, and of its labels, in the status report (which must fit
@@ -185,12 +186,13 @@ class Core:
 
     def pause(self, queue: str) -> None:
         """Hand out none of `queue`'s tasks until `resume` (they stay pending)."""
-        self.scheduler.pause(queue)
+        self.scheduler.pending.pause(queue)
 
     def resume(self, queue: str) -> list[Action]:
         """Hand out `queue`'s tasks again; returns the placements that follow."""
+        self.scheduler.pending.resume(queue)
         actions: list[Action] = []
-        self.scheduler.resume(queue, actions)
+        self.scheduler.dispatch(actions)
         return actions
 
     def expire(self, now: float) -> list[Action]:

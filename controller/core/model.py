@@ -10,7 +10,7 @@ enums are the generated protobuf ones, never copies.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from controller.options import DEFAULT as DEFAULT_OPTIONS
@@ -348,3 +348,24 @@ class PerformTask:
 
 
 Action = Reply | Dial | WatchPid | TaskProgress | TaskFinished | HandOut | PerformTask
+
+
+@dataclass
+class Counters:
+    """Running totals for status and metrics."""
+
+    submitted: int = 0
+    succeeded: int = 0
+    errors: int = 0
+    failed_post: int = 0
+    canceled: int = 0
+    retries: int = 0
+    restarts_sent: int = 0
+    registered: int = 0
+    worker_losses: dict[str, int] = field(default_factory=dict)
+
+
+def progress(task: Task, waited: float = 0.0) -> TaskProgress:
+    """The journal's and the metrics' view of a task that started or went back to the queue."""
+    failed_on = tuple(sorted(task.failed_on))
+    return TaskProgress(task.ref, task.state, task.attempts, failed_on, waited)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from controller.core.model import Action, Task, TaskState, Worker
-from controller.core.scheduler import Scheduler, progress
+from controller.core.model import Action, Task, TaskState, Worker, progress
+from controller.core.scheduler import Scheduler
 from controller.options import JobOptions
 
 log = logging.getLogger("controller.core")

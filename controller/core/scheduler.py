@@ -11,32 +11,32 @@ and timeout; "prefer a worker it has not failed on" and the times are decided he
 for every kind. A task waiting for its time (a delay, run_at, or a retry's delay) is
 SCHEDULED: a deadline puts it back among the pending.
 
-Deadlines of every part of the core live in one heap (`controller.deadlines`)
-with lazy deletion: each entry names its handler, and the handler checks the
-record it names when it comes due. Lookups are dicts; nothing scans all
-workers or all tasks.
+Deadlines of every part of the core wait in one heap (`controller.deadlines`),
+except placement deadlines, which have their own (placements.py: two deques and a
+heap). Both delete lazily: each entry names its record (and in the heap its
+handler), which is checked when it comes due. Lookups are dicts; nothing scans
+all workers or all tasks.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import random
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from controller.core.model import (
     Action,
+    Counters,
     Task,
     TaskEvent,
     TaskFinished,
-    TaskProgress,
     TaskState,
     Worker,
     WorkerEvent,
+    progress,
 )
 from controller.core.pending import Pending
+from controller.core.placements import PlacementDeadlines
 from controller.deadlines import Deadlines
 from controller.options import JobOptions
 
@@ -44,21 +44,6 @@ log = logging.getLogger("controller.core")
 
 # A deadline's handler: (the time it was due, its record, now, actions to add to).
 Handler = Callable[[float, object, float, list[Action]], None]
-
-
-@dataclass
-class Counters:
-    """Running totals for status and metrics."""
-
-    submitted: int = 0
-    succeeded: int = 0
-    errors: int = 0
-    failed_post: int = 0
-    canceled: int = 0
-    retries: int = 0
-    restarts_sent: int = 0
-    registered: int = 0
-    worker_losses: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -85,14 +70,8 @@ class Scheduler:
         self.counters = Counters()
         self.deadlines: Deadlines[tuple[Handler, object]] = Deadlines()
         # Placement deadlines, one per pending task with a placement timeout, the task found
-        # by its ref when due. Most come in order (now + the same timeout): those go in two
-        # deques side by side, the deadline and the ref (two pointers to objects the task
-        # holds anyway: 16 bytes an entry); the rest (a task back in the queue with the time
-        # it had left, or another timeout) in a heap of (when, ref) pairs (72). With 100,000
-        # jobs queued the pairs alone were 6 MB.
-        self._when_in_order: deque[float] = deque()
-        self._ref_in_order: deque[int] = deque()
-        self._placements: list[tuple[float, int]] = []
+        # by its ref when due.
+        self.placements = PlacementDeadlines()
         self.next_ref = 1
         # Called for every task that is placed on a worker or ends: it can no longer be
         # claimed by a worker that held it before a restart (see recovery.py).
@@ -122,12 +101,7 @@ class Scheduler:
         return task.state if task is not None else None
 
     def next_deadline(self) -> float:
-        first = self.deadlines.next()
-        if self._placements:
-            first = min(first, self._placements[0][0])
-        if self._when_in_order:
-            first = min(first, self._when_in_order[0])
-        return first
+        return min(self.deadlines.next(), self.placements.next())
 
     # ------------------------------------------------------------ tasks in
 
@@ -190,14 +164,9 @@ class Scheduler:
         while (due := deadlines.pop_due(now)) is not None:
             when, (handler, obj) = due
             handler(when, obj, now, actions)
-        placements, whens, refs = self._placements, self._when_in_order, self._ref_in_order
-        while True:  # the two kinds of placement deadline merged, earliest first
-            if whens and whens[0] <= now and not (placements and placements[0][0] < whens[0]):
-                when, ref = whens.popleft(), refs.popleft()
-            elif placements and placements[0][0] <= now:
-                when, ref = heapq.heappop(placements)
-            else:
-                break
+        placements = self.placements
+        while (placement := placements.pop_due(now)) is not None:
+            when, ref = placement
             task = self.tasks.get(ref)
             if task is not None:
                 self._placement_due(when, task, now, actions)
@@ -206,16 +175,6 @@ class Scheduler:
     def at(self, when: float, handler: Handler, obj: object) -> None:
         """Call `handler` once `when` has come (it must check that `obj` still needs it)."""
         self.deadlines.push(when, (handler, obj))
-
-    # ------------------------------------------------------------ queues
-
-    def pause(self, queue: str) -> None:
-        """Hand out none of `queue`'s tasks until `resume` (they stay pending)."""
-        self.pending.pause(queue)
-
-    def resume(self, queue: str, actions: list[Action]) -> None:
-        self.pending.resume(queue)
-        self.dispatch(actions)
 
     # ------------------------------------------------------------ what the worker kinds report
 
@@ -369,12 +328,7 @@ class Scheduler:
         if limit > 0:
             left = limit if placement_left is None else max(0.0, placement_left)
             task.deadline = when = now + left
-            whens = self._when_in_order
-            if not whens or when >= whens[-1]:
-                whens.append(when)
-                self._ref_in_order.append(task.ref)
-            else:
-                heapq.heappush(self._placements, (when, task.ref))
+            self.placements.push(when, task.ref)
         else:
             task.deadline = 0.0
         self.pending.add(task, front)
@@ -542,9 +496,3 @@ class Scheduler:
             )
             obj.last_error = f"exceeded its timeout of {limit:g} s"
             self.take_back(worker, now, actions, cause="task timeout", failed=True)
-
-
-def progress(task: Task, waited: float = 0.0) -> TaskProgress:
-    """The journal's and the metrics' view of a task that started or went back to the queue."""
-    failed_on = tuple(sorted(task.failed_on))
-    return TaskProgress(task.ref, task.state, task.attempts, failed_on, waited)
