@@ -20,9 +20,9 @@ import redis
 import trio
 
 from controller import datagram as dg
-from controller import streams
 from controller.client import AsyncClient, Client, ControllerError
 from controller.client.jobfields import option_fields
+from controller.doors.redis import codec
 from controller.options import DEFAULT, BadOption, parse
 from tests.helpers import REDIS_SERVER, RedisServer, redis_server
 
@@ -346,7 +346,7 @@ def test_redis_retry_makes_the_hash_pending_and_announces_the_id(redis_url):
     r.hset("job:C1", mapping={"state": "canceled", "error": "canceled by a user"})
     r.hset("job:W1", mapping={"state": "working"})
     listener = r.pubsub(ignore_subscribe_messages=True)
-    listener.subscribe(streams.retry_channel("retry"))
+    listener.subscribe(codec.retry_channel("retry"))
     try:
         with Client(f"{redis_url}?stream=retry") as client:
             job = client.retry("F1")

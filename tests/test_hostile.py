@@ -656,7 +656,7 @@ async def test_a_later_change_the_journal_cannot_store_fails_its_job_saying_why(
 
 
 async def test_the_redis_cancel_channel_cancels_redis_jobs_only(sockdir: Path) -> None:
-    from controller.shell.redis_door import RedisDoor
+    from controller.doors.redis.door import RedisDoor
 
     config = Config(socket_dir=sockdir, journal=None, redis=RedisSettings(url="redis://x:1/0"))
     shell, desk, _ = assemble(config)

@@ -19,7 +19,7 @@ import redis
 import trio
 
 from controller.client import AsyncClient, Client, ControllerError, JobFailed
-from controller.streams import entry_job_id, shown_url
+from controller.doors.redis.codec import entry_job_id, shown_url
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
@@ -473,7 +473,7 @@ class _RetryDesk:
 
 def _door_holding(jobs: list[_HeldJob], desk: _RetryDesk) -> Any:
     """A Redis door with only what hearing a retry touches (no Redis, no controller)."""
-    from controller.shell.redis_door import RedisDoor
+    from controller.doors.redis.door import RedisDoor
 
     door = RedisDoor.__new__(RedisDoor)
     door.book = {job.id: job for job in jobs}  # type: ignore[assignment]

@@ -12,9 +12,9 @@ import pytest
 import redis
 import trio
 
+from controller.doors.redis import base
 from controller.jobs import JobState
 from controller.options import JobOptions
-from controller.shell import redis_door
 from tests.helpers import REDIS_SERVER, RedisServer, wait_until
 from tests.test_redis_queues import controller_here, r, server  # noqa: F401 (fixtures)
 
@@ -40,7 +40,7 @@ async def test_a_queue_stream_of_another_type_stops_that_queue_alone(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(redis_door, "LANE_BACKOFF_FIRST", 0.2, raising=False)  # tried again sooner
+    monkeypatch.setattr(base, "LANE_BACKOFF_FIRST", 0.2)  # tried again sooner
     r.set("jobs.q2", "notastream")  # before the door first sets its group up
     with caplog.at_level(logging.WARNING, "controller.redis"):
         async with controller_here(sockdir, server.url) as here:

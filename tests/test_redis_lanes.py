@@ -10,10 +10,7 @@ import pytest
 
 from controller.core import Core
 from controller.core.model import Worker, WorkerState
-from controller.jobs import Job, JobState
-from controller.options import BadOption, JobOptions
-from controller.shell.redis_calls import Entry
-from controller.shell.redis_lanes import (
+from controller.doors.redis.queue_lanes import (
     PREFETCH,
     Lanes,
     Parked,
@@ -21,6 +18,9 @@ from controller.shell.redis_lanes import (
     entry_options,
     free_by_queue,
 )
+from controller.doors.redis.stream_calls import Entry
+from controller.jobs import Job, JobState
+from controller.options import BadOption, JobOptions
 
 DEFAULTS = JobOptions(owner="redis", max_retries=3)
 NOW = 1_800_000_000.0

@@ -1,6 +1,7 @@
-"""The Redis door's busy-path link (controller/shell/redis_link.py) against a real redis-server:
-answers matched to callers in order, scripts loaded again when Redis forgot them, error
-answers, AUTH and SELECT, Unix sockets, and every failure as redis-py's exception."""
+"""The Redis door's busy-path link (controller/doors/redis/script_link.py) against a real
+redis-server: answers matched to callers in order, scripts loaded again when Redis forgot
+them, error answers, AUTH and SELECT, Unix sockets, and every failure as redis-py's
+exception."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 import redis
 import trio
 
+from controller.doors.redis.script_link import LoopLink, ThreadLink, link_for
 from controller.reactor import Reactor
-from controller.shell.redis_link import LoopLink, ThreadLink, link_for
 from tests.helpers import (
     REDIS_SERVER,
     RedisServer,

@@ -20,13 +20,13 @@ import trio
 
 from controller.config import Config, RedisSettings
 from controller.core.model import Worker
+from controller.doors.redis.door import RedisDoor
+from controller.doors.redis.stream_calls import StreamCalls
 from controller.jobs import Job, JobState
 from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 from controller.shell.main import assemble
-from controller.shell.redis_calls import StreamCalls
-from controller.shell.redis_door import RedisDoor
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,

@@ -1,7 +1,7 @@
 """Periodic jobs without processes: due times and ids (controller/schedules.py, with explicit
 times and hypothesis), the config key, the journal's record, and the shell
-(controller/shell/schedules.py, redis_claims.py) on trio's autojump clock with a wall clock
-that follows it."""
+(controller/shell/schedules.py, controller/doors/redis/periodic_claims.py) on trio's
+autojump clock with a wall clock that follows it."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controller.config import Config, ConfigError, parse_config
+from controller.doors.redis.periodic_claims import RedisClaims
 from controller.journal import Journal
 from controller.schedules import Schedule, parse_entries
 from controller.shell.committer import Committer
 from controller.shell.main import assemble
-from controller.shell.redis_claims import RedisClaims
 from controller.shell.schedules import PeriodicJobs
 from tests.helpers import controller_argv, write_config
 

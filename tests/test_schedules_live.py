@@ -20,8 +20,8 @@ import pytest
 import redis
 import trio
 
+from controller.doors.redis.periodic_claims import RedisClaims
 from controller.schedules import Schedule
-from controller.shell.redis_claims import RedisClaims
 from tests.helpers import (
     REDIS_SERVER,
     RedisServer,

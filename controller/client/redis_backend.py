@@ -3,7 +3,7 @@
 `submit` marks the job `pending` (or `scheduled`, when it waits for a time) in
 `job:<id>` unless it has a state already, then adds the entry (XADD) to its queue's
 stream, in one round trip; `get` reads the hash; `cancel` and `retry` run the cancel
-and retry scripts of controller/streams.py. Waiting for an outcome never polls: one
+and retry scripts of controller/doors/redis/codec.py. Waiting for an outcome never polls: one
 thread per client reads `<stream>:results` with a blocking XREAD and wakes the
 waiters of the ids it sees; a waiter reads the hash after it has registered (and
 after that thread has fixed where it starts), so an outcome written before the wait
@@ -20,10 +20,10 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 
-from controller import streams
+from controller.doors.redis import codec as streams
+from controller.doors.redis.codec import NO_LISTENER
 from controller.httpapi import ID_RULE, valid_id
 from controller.options import DEFAULT_QUEUE, rfc3339
-from controller.streams import NO_LISTENER
 
 __all__ = ["NO_LISTENER", "RedisBackend", "parse_url"]
 

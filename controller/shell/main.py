@@ -219,12 +219,12 @@ async def run_controller(
     # when configured: together they are about 20 MB of a controller's memory.
     stream = None
     if config.redis is not None:
-        from controller.shell.redis_door import RedisDoor
+        from controller.doors.redis.door import RedisDoor
 
         stream = RedisDoor(config, desk, shell)
     claims: Claims | None = None
     if stream is not None and config.schedules:
-        from controller.shell.redis_claims import RedisClaims
+        from controller.doors.redis.periodic_claims import RedisClaims
 
         claims = RedisClaims(
             stream.calls.redis, stream.consumer, config.result_retention, stream.in_thread

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from controller import streams
 from controller.core import Core
 from controller.core.model import Worker, WorkerState
+from controller.doors.redis import codec
+from controller.doors.redis.stream_calls import Entry
 from controller.jobs import Job, JobState
 from controller.options import DEFAULT_QUEUE, OPTION_NAMES, BadOption, JobOptions, parse
-from controller.shell.redis_calls import Entry
 
 # Entries read beyond the idle workers, so that a worker never waits for a round trip.
 PREFETCH = 10
@@ -76,7 +76,7 @@ class Lanes:
             defaults = self.defaults
             if queue != defaults.queue:
                 defaults = replace(defaults, queue=queue)
-            lane = Lane(queue, streams.queue_stream(self.stream, queue), defaults)
+            lane = Lane(queue, codec.queue_stream(self.stream, queue), defaults)
             self.by_queue[queue] = lane
             self.by_stream[lane.stream] = lane
         return lane
@@ -140,7 +140,7 @@ def entry_options(
     if options.queue != lane.queue:
         raise BadOption(
             f"queue {options.queue!r} given in stream {lane.stream!r}, which is queue "
-            f"{lane.queue!r}: its stream is {streams.queue_stream(stream, options.queue)!r}"
+            f"{lane.queue!r}: its stream is {codec.queue_stream(stream, options.queue)!r}"
         )
     return options
 

@@ -1,13 +1,12 @@
 """The Redis stream door's calls to Redis, and the arguments and answers of its scripts.
 
-The door's busy calls, the scripts of controller/streams.py that read new
-entries and write outcomes, go through a link (controller/shell/redis_link.py);
-this class builds their arguments and reads their answers. Its other calls
-(blocking reads, claims, group set-up, lag) are blocking redis-py calls that
-`controller/shell/redis_door.py` runs in a worker thread. It holds the
-connection pool and no state of the door's (what it holds, what waits to be
-written): arguments in, answers out. The one exception is the claim cursors
-(one per stream), which only the door's keeper task moves.
+The door's busy calls, the scripts of codec.py that read new entries and write
+outcomes, go through a link (script_link.py); this class builds their arguments
+and reads their answers. Its other calls (blocking reads, claims, group set-up,
+lag) are blocking redis-py calls that the door (base.py) runs in a worker
+thread. It holds the connection pool and no state of the door's (what it holds,
+what waits to be written): arguments in, answers out. The one exception is the
+claim cursors (one per stream), which only the door's keeper task moves.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from typing import Any
 
 import redis
 
-from controller import streams
 from controller.config import RedisSettings
+from controller.doors.redis import codec
 
 log = logging.getLogger("controller.redis")
 
@@ -34,7 +33,7 @@ TRIM_PAGE = 1000
 # Pending entries looked over per claim (our own among them are passed over).
 CLAIM_PAGE = 100
 # READ_SCRIPT's mark of a stream it could not read, as it comes back.
-READ_FAILED = streams.READ_FAILED.encode()
+READ_FAILED = codec.READ_FAILED.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +66,7 @@ class StreamCalls:
         self.group = settings.group
         self.consumer = consumer
         self.retention_ms = retention_ms
-        self.results = streams.results_stream(settings.stream)
+        self.results = codec.results_stream(settings.stream)
         self.claim_after_ms = claim_after_ms
         # ValueError for a URL redis-py cannot use (the door turns it into a StartupError).
         self.redis = redis.Redis.from_url(
@@ -105,14 +104,14 @@ class StreamCalls:
         return self.with_states(stream, raw), raw[-1][0].decode()
 
     def read_request(self, counts: dict[str, int]) -> tuple[list[Any], list[Any]]:
-        """Keys and arguments of `streams.READ_SCRIPT`: up to `counts[stream]` new entries of
+        """Keys and arguments of `codec.READ_SCRIPT`: up to `counts[stream]` new entries of
         each stream, no waiting."""
         return list(counts), [self.group, self.consumer, *counts.values()]
 
     def entries_of(
         self, waiting: Sequence[Any], read: Sequence[str]
     ) -> tuple[list[Entry], dict[str, str]]:
-        """The entries in an answer of `streams.READ_SCRIPT` over the streams `read`, and
+        """The entries in an answer of `codec.READ_SCRIPT` over the streams `read`, and
         the streams it could not read, each with its error."""
         entries = []
         failed: dict[str, str] = {}
@@ -150,7 +149,7 @@ class StreamCalls:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for entry in entries:
-            pipe.hget(streams.job_key(entry.job_id), "state")
+            pipe.hget(codec.job_key(entry.job_id), "state")
         # A `job:<id>` of another type fails its entry alone, not the read.
         states = pipe.execute(raise_on_error=False)
         return [
@@ -163,18 +162,18 @@ class StreamCalls:
         given = fields.get(b"id")
         if given:
             return given.decode("utf-8", "replace")
-        return streams.entry_job_id(stream, entry_id)
+        return codec.entry_job_id(stream, entry_id)
 
     def outcomes_request(
         self, outcomes: dict[str, Outcome], acks: dict[str, list[EntryRef]], stamp: str
     ) -> tuple[list[Any], list[Any]]:
-        """Keys and arguments of `streams.OUTCOMES_SCRIPT` for these outcomes and entries."""
+        """Keys and arguments of `codec.OUTCOMES_SCRIPT` for these outcomes and entries."""
         keys = [self.results]
         now_ms = int(time.time() * 1000)
         oldest = f"{max(0, now_ms - self.retention_ms)}-0"
         args: list[Any] = [self.group, stamp, self.retention_ms, oldest, now_ms]
         for job_id, outcome in outcomes.items():
-            keys.append(streams.job_key(job_id))
+            keys.append(codec.job_key(job_id))
             acked = acks[job_id]
             # surrogatepass: an error text may hold a lone surrogate (legal in JSON, not UTF-8).
             error = outcome.error.encode("utf-8", "surrogatepass")
@@ -199,10 +198,10 @@ class StreamCalls:
                 args: list[Any] = [self.group, self.consumer]
                 for entry_id, claim in entries[start : start + WRITE_BATCH]:
                     args += [1 if claim else 0, entry_id]
-                pipe.eval(streams.HOLD_SCRIPT, 1, stream, *args)
+                pipe.eval(codec.HOLD_SCRIPT, 1, stream, *args)
                 asked.append(stream)
         for job_id in live:
-            pipe.hget(streams.job_key(job_id), "state")
+            pipe.hget(codec.job_key(job_id), "state")
         answers = pipe.execute(raise_on_error=False)
         gone: set[EntryRef] = set()
         wrong: dict[str, str] = {}
@@ -220,11 +219,11 @@ class StreamCalls:
         results stream to about `retention`; how many entries were deleted."""
         now_ms = int(time.time() * 1000)
         cutoff = max(0, now_ms - self.retention_ms)
-        keys = [streams.acked_set(stream), stream, self.results]
+        keys = [codec.acked_set(stream), stream, self.results]
         deleted = 0
         while True:
             done: Any = self.redis.eval(
-                streams.TRIM_SCRIPT, len(keys), *keys, cutoff, TRIM_PAGE, f"{cutoff}-0"
+                codec.TRIM_SCRIPT, len(keys), *keys, cutoff, TRIM_PAGE, f"{cutoff}-0"
             )
             deleted += int(done)
             if int(done) < TRIM_PAGE:
@@ -300,5 +299,5 @@ def _state(answer: Any) -> str:
     """A job hash's `state` as read in a pipeline: "" for none, WRONG_TYPE for a key that
     is not a hash."""
     if isinstance(answer, Exception):
-        return streams.WRONG_TYPE if "WRONGTYPE" in str(answer) else ""
+        return codec.WRONG_TYPE if "WRONGTYPE" in str(answer) else ""
     return answer.decode("utf-8", "replace") if answer else ""

@@ -1,7 +1,7 @@
 """The Redis door's busy path: script calls on one connection served by the controller's reactor.
 
 The door's two calls per batch of jobs, "new entries with their states" and
-"these outcomes, then acknowledge", are Lua scripts (controller/streams.py).
+"these outcomes, then acknowledge", are Lua scripts (codec.py).
 Run through redis-py in a worker thread they cost ~400 us of the controller's
 CPU each under load, not the ~110 us they cost alone: redis-py's Python
 running in a thread beside the busy trio loop makes both take turns at the
