@@ -150,9 +150,6 @@ class Config:
     def main_socket(self) -> Path:
         return self.socket_dir / "main.sock"
 
-    def worker_socket(self, worker_id: int) -> Path:
-        return self.socket_dir / f"{worker_id}.sock"
-
 
 # --- converters: each takes the JSON value and returns the typed one or raises ValueError ---
 

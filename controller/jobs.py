@@ -1,9 +1,10 @@
 """The job book: the one record of every job, whatever door it came in by. Pure.
 
-Every door (UDP today; HTTP and Redis next) turns its requests into jobs
-here, and reads them back here: duplicate detection (a job's `id` is
-unique while its record is kept), status questions, results. The journal
-persists exactly these records, and recovery rebuilds the book from it.
+Every door (UDP, HTTP, Redis) turns its requests into jobs here, and reads
+them back here: duplicate detection (a job's `id` is unique while its record
+is kept), status questions, results. The book also picks the wire numbers
+(`task_id`) of jobs whose door gives none. The journal persists exactly these
+records, and recovery rebuilds the book from it.
 
 A job's state uses the state names of docs/http-api.md ("States"): scheduled, pending,
 requested, working, finished, failed, canceled, deleted. While a job is

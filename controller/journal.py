@@ -213,12 +213,13 @@ class Journal:
         row = (state, attempts, failed, queued_at, *outcome, ref)
         self._staged[index] = (sql.PROGRESS_FINISH_KEEP if keep else sql.PROGRESS_FINISH, row)
 
-    def job_retried(self, ref: int, base: int) -> None:
+    def job_retried(self, ref: int, attempts: int) -> None:
         """A user put the failed or canceled job back: pending, max_retries counted anew
-        from `base` attempts."""
+        from its `attempts` so far (the column `base`)."""
         self._progressed.pop(ref, None)
-        if not self._fold(ref, sql.RETRIED_IN_INSERT, ("pending", base, None, None, False, "")):
-            self._stage((sql.RETRIED, (base, time.time(), ref)))
+        values = ("pending", attempts, None, None, False, "")
+        if not self._fold(ref, sql.RETRIED_IN_INSERT, values):
+            self._stage((sql.RETRIED, (attempts, time.time(), ref)))
 
     def queue_paused(self, queue: str, paused: bool) -> None:
         """A queue was paused or resumed."""

@@ -59,7 +59,7 @@ class JobRow:
     download_url: str = ""
     log: list[str] = field(default_factory=list)
     options: str = ""  # JSON (controller.options.to_json); "": the configuration's
-    base: int = 0
+    retried_at: int = 0  # column `base`: its attempts when a user last retried it
     history: str = ""  # JSON: its attempts that ended without ending it
     ran_on: int = 0
     usage: str = ""  # JSON: what its latest attempt used ("": not measured)
@@ -245,7 +245,7 @@ def read_back(db: sqlite3.Connection, path: Path, now_wall: float | None = None)
                     download_url=read_text(r[19]),
                     log=[str(line) for line in json.loads(r[20])],
                     options=str(r[21]),
-                    base=int(r[22]),
+                    retried_at=int(r[22]),
                     history=str(r[23]),
                     ran_on=int(r[24]),
                     usage=str(r[25]),

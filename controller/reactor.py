@@ -79,11 +79,6 @@ class Reactor:
         self._wake = trio.Event()
         self._timer_at = math.inf  # when the timer task wakes up next
 
-    @property
-    def poll_window(self) -> float:
-        """Seconds the adaptive reactor polls before its next sleep (0: it sleeps at once)."""
-        return self._window
-
     def watch(
         self,
         sock: _socket.socket,
@@ -128,11 +123,6 @@ class Reactor:
         if self._watched.pop(fd, None) is not None:
             self._last.discard(fd)
             self._listeners.discard(fd)
-
-    @property
-    def threads_running(self) -> int:
-        """Calls running through `in_thread` (the reactor does not poll while any runs)."""
-        return self._threads
 
     async def in_thread(
         self,

@@ -146,7 +146,7 @@ def test_full_cycle_and_next_task_goes_out_at_once():
     assert len(dials(actions, pb.CTRL_FETCH)) == 1
     actions = answer(core, wid, pb.CTRL_FETCH, 0.3, task_id=1, extra=b"result")
     [done] = finished(actions)
-    assert (done.task_id, done.state, done.result, done.owner) == (
+    assert (done.task_id, done.state, done.result, done.job) == (
         1,
         TaskState.SUCCESS,
         b"result",
@@ -488,9 +488,9 @@ def test_same_task_id_from_two_owners_kept_apart():
     answer(core, a, pb.CTRL_SET_TASK, 0.0, task_id=5)
     answer(core, b, pb.CTRL_SET_TASK, 0.0, task_id=5)
     [one] = finished(run_to_success(core, b, 5, 0.1, b"r2"))
-    assert one.owner == "client-2" and one.result == b"r2"
+    assert one.job == "client-2" and one.result == b"r2"
     [two] = finished(run_to_success(core, a, 5, 0.1, b"r1"))
-    assert two.owner == "client-1" and two.result == b"r1"
+    assert two.job == "client-1" and two.result == b"r1"
 
 
 # ---------------------------------------------------------------- cancel

@@ -309,7 +309,7 @@ def test_running_task_adopted_without_running_again():
     assert core.workers[wid].state is WorkerState.FETCHING
     done = core.handle(DialDone(wid, pb.CTRL_FETCH, pb.WorkerResponse(task_id=5), b"r"), 0.6)
     [finished] = [a for a in done if hasattr(a, "result")]
-    assert (finished.ref, finished.result, finished.owner) == (7, b"r", "client")
+    assert (finished.ref, finished.result, finished.job) == (7, b"r", "client")
 
 
 def test_unclaimed_running_task_replaced_after_grace_both_sides():
@@ -648,7 +648,7 @@ def test_version_3_journal_gains_options_and_its_jobs_take_the_configured_ones(t
         db.execute("PRAGMA user_version = 3")
     recovered = Journal.open(path).load()
     (row,) = recovered.jobs
-    assert (row.payload, row.options, row.base, recovered.paused) == (b"kept", "", 0, [])
+    assert (row.payload, row.options, row.retried_at, recovered.paused) == (b"kept", "", 0, [])
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 

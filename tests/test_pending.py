@@ -26,7 +26,7 @@ worker = st.tuples(
 
 
 def make_task(ref: int, owner: int, queue: str, priority: int, requires: frozenset[str]) -> Task:
-    task = Task(ref=ref, task_id=ref, payload=b"", owner=None)
+    task = Task(ref=ref, task_id=ref, payload=b"", job=None)
     task.opts = JobOptions(queue=queue, priority=priority, requires=requires, owner=f"o{owner}")
     return task
 

@@ -151,7 +151,7 @@ def test_a_retried_job_gets_a_fresh_max_retries_and_keeps_counting_attempts():
     again = core.scheduler.resubmit(task.ref, 1, b"x", "job-1", options, 1, 1.0)
     actions: list[object] = []
     core.scheduler.dispatch(actions)
-    assert core.workers[a].task is again and again.base == 1
+    assert core.workers[a].task is again and again.retried_at == 1
     [ended] = finished(fail_once(core, a, 1, 1.0))
     assert ended.state is TaskState.ERROR and "failed 2 times" in ended.error
 

@@ -345,20 +345,20 @@ async def test_adaptive_polling_opens_while_events_flow_and_closes_when_quiet(mo
             reactor = Reactor(busy_poll=None)
             await nursery.start(reactor.run)
             reactor.watch(a, select.EPOLLIN, lambda events: box(a.recv(64)))
-            assert reactor.poll_window == 0
+            assert reactor._window == 0
             windows = []
             for _ in range(20):  # a burst: each byte written as soon as the last is served
                 box.event = trio.Event()
                 b.send(b"x")
                 await box.wait()
-                windows.append(reactor.poll_window)
+                windows.append(reactor._window)
             # Open from the second event on (it grows only while polling falls short).
             assert all(0 < window <= 0.05 for window in windows[1:])
             await trio.sleep(0.3)  # quiet: far longer than any window
             box.event = trio.Event()
             b.send(b"x")
             await box.wait()
-            assert reactor.poll_window == 0
+            assert reactor._window == 0
             assert len(box.items) == 21
             nursery.cancel_scope.cancel()
 
@@ -376,13 +376,13 @@ async def test_in_thread_counts_its_calls_while_they_run_and_passes_results_and_
             box(await reactor.in_thread(lambda: release.wait(10) and "done"))
 
         nursery.start_soon(call)
-        await wait_until(lambda: reactor.threads_running == 1, timeout=5)
+        await wait_until(lambda: reactor._threads == 1, timeout=5)
         release.set()
         assert await box.wait() == "done"
-        assert reactor.threads_running == 0
+        assert reactor._threads == 0
         with pytest.raises(ZeroDivisionError):
             await reactor.in_thread(lambda: 1 / 0)
-        assert reactor.threads_running == 0
+        assert reactor._threads == 0
         # A call that mostly waits is not counted: the reactor may poll meanwhile.
         release.clear()
         entered = threading.Event()
@@ -398,7 +398,7 @@ async def test_in_thread_counts_its_calls_while_they_run_and_passes_results_and_
 
         nursery.start_soon(call_waiting)
         await wait_until(entered.is_set, timeout=5)
-        assert reactor.threads_running == 0
+        assert reactor._threads == 0
         release.set()
         assert await waited.wait() == "waited"
         nursery.cancel_scope.cancel()

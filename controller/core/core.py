@@ -148,14 +148,14 @@ class Core:
         self,
         task_id: int,
         payload: bytes,
-        owner: object,
+        job: object,
         now: float,
         options: JobOptions | None = None,
         wait: float = 0.0,
     ) -> tuple[Task, list[Action]]:
         """Queue a new task (after `wait` seconds when > 0: scheduled); returns it and the
         actions (a SET_TASK when a worker is free)."""
-        task = self.scheduler.submit(task_id, payload, owner, now, options, wait)
+        task = self.scheduler.submit(task_id, payload, job, now, options, wait)
         actions: list[Action] = []
         self.scheduler.dispatch(actions)
         return task, actions
@@ -251,7 +251,7 @@ class Core:
                 "running": by_state.get("running", 0),
                 "success": c.succeeded,
                 "error": c.errors,
-                "failed_post": c.failed_post,
+                "failed_post": c.placement_timeouts,
             },
             "submitted": c.submitted,
             "registered": c.registered,

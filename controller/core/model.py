@@ -1,10 +1,11 @@
 """States, the transition tables, and the events and actions of the controller core.
 
-Every state change of a task or a worker goes through `advance_task` /
-`advance_worker`, which look the (state, event) pair up in one table and raise
-`IllegalTransition` naming both when the pair is not there (the shape of h11's
-`_state.py`). Events in and actions out are small frozen dataclasses; wire
-enums are the generated protobuf ones, never copies.
+Every state change of a task or a worker goes through `Task.advance` /
+`Worker.advance` (`next_task_state` / `next_worker_state`), which look the
+(state, event) pair up in one table and raise `IllegalTransition` naming both
+when the pair is not there (the shape of h11's `_state.py`). Events in and
+actions out are small frozen dataclasses; wire enums are the generated protobuf
+ones, never copies.
 """
 
 from __future__ import annotations
@@ -167,10 +168,10 @@ class Task:
     ref: int  # the controller's own handle; task_id alone is not unique across clients
     task_id: int  # the client's number, sent on the wire
     payload: bytes
-    owner: object  # who submitted it (the front door's client address), opaque here
+    job: object  # the job it carries out (the desk's tasks: the job's id), opaque here
     state: TaskState = TaskState.QUEUED
     attempts: int = 0  # SET_TASKs that were (or may have been) accepted
-    base: int = 0  # `attempts` when a user last retried it: max_retries counts from there
+    retried_at: int = 0  # `attempts` when a user last retried it: max_retries counts from there
     failed_on: frozenset[int] = frozenset()  # workers it failed on (shared while empty)
     worker_id: int = 0  # holder while ASSIGNING / RUNNING
     queued_at: float = 0.0
@@ -319,7 +320,7 @@ class TaskFinished:
 
     ref: int
     task_id: int
-    owner: object
+    job: object  # the task's `job`
     state: TaskState
     result: bytes = b""
     error: str = ""
@@ -334,7 +335,7 @@ class HandOut:
 
     name: str
     ref: int
-    owner: object  # the task's owner: for the desk's tasks, the job's id
+    job: object  # the task's `job`: for the desk's tasks, the job's id
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +358,7 @@ class Counters:
     submitted: int = 0
     succeeded: int = 0
     errors: int = 0
-    failed_post: int = 0
+    placement_timeouts: int = 0  # tasks that found no worker in time (state failed_post)
     canceled: int = 0
     retries: int = 0
     restarts_sent: int = 0

@@ -62,7 +62,7 @@ class Pollers:
     def place(self, worker: Worker, task: Task, actions: list[Action]) -> None:
         """The shell answers the poller's waiting request, then calls `handed` (or
         `undeliverable` if that request is gone)."""
-        actions.append(HandOut(self.names[worker.worker_id], task.ref, task.owner))
+        actions.append(HandOut(self.names[worker.worker_id], task.ref, task.job))
 
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
         """Nothing to send: the poller learns it at its next PUT (409)."""

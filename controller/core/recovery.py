@@ -32,7 +32,7 @@ class Recovery:
         ref: int,
         task_id: int,
         payload: bytes,
-        owner: object,
+        job: object,
         now: float,
         *,
         running: bool,
@@ -42,16 +42,16 @@ class Recovery:
         grace: float = 3.0,
         lease: str = "",
         options: JobOptions | None = None,
-        base: int = 0,
+        retried_at: int = 0,
         wait: float | None = None,
     ) -> None:
         """Put back a task a previous run had accepted but not finished (`lease`: the
         token its poller holds, which it must show to keep it; `wait`: it was scheduled,
         due that many seconds from now)."""
         sched = self.scheduler
-        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task = Task(ref=ref, task_id=task_id, payload=payload, job=job, attempts=attempts)
         task.opts = sched.defaults if options is None else options
-        task.base = base
+        task.retried_at = retried_at
         task.lease = lease
         task.created_at = now
         task.failed_on = frozenset(failed_on)

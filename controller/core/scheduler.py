@@ -109,7 +109,7 @@ class Scheduler:
         self,
         task_id: int,
         payload: bytes,
-        owner: object,
+        job: object,
         now: float,
         options: JobOptions | None = None,
         wait: float = 0.0,
@@ -118,7 +118,7 @@ class Scheduler:
         many seconds ahead. `options` None: the configuration's defaults."""
         if task_id < 1:
             raise ValueError(f"task_id must be >= 1, got {task_id}")
-        task = Task(ref=self.next_ref, task_id=task_id, payload=payload, owner=owner)
+        task = Task(ref=self.next_ref, task_id=task_id, payload=payload, job=job)
         task.opts = self.defaults if options is None else options
         task.created_at = now
         self.next_ref += 1
@@ -143,16 +143,16 @@ class Scheduler:
         ref: int,
         task_id: int,
         payload: bytes,
-        owner: object,
+        job: object,
         options: JobOptions,
         attempts: int,
         now: float,
     ) -> Task:
         """A job that ended failed or canceled is back, pending, with a fresh max_retries
         (its attempts go on counting) and the same ref. The caller dispatches."""
-        task = Task(ref=ref, task_id=task_id, payload=payload, owner=owner, attempts=attempts)
+        task = Task(ref=ref, task_id=task_id, payload=payload, job=job, attempts=attempts)
         task.opts = options
-        task.base = attempts
+        task.retried_at = attempts
         task.created_at = now
         self.tasks[ref] = task
         self.enqueue(task, now)
@@ -395,7 +395,7 @@ class Scheduler:
         """The task's attempt failed (`failed`) or its worker was lost: queue it again (a
         failure after its retry_delay, a loss at once), or end it once retries are used up
         (`reason`: why this attempt ended, the job's once it ends so)."""
-        tries = task.attempts - task.base
+        tries = task.attempts - task.retried_at
         if tries > task.opts.max_retries:
             task.worker_id = 0
             task.advance(TaskEvent.FAIL)
@@ -451,7 +451,7 @@ class Scheduler:
             TaskFinished(
                 task.ref,
                 task.task_id,
-                task.owner,
+                task.job,
                 task.state,
                 result=result,
                 error=error,
@@ -471,7 +471,7 @@ class Scheduler:
         if task.state is TaskState.QUEUED and task.deadline == when:
             self.pending.remove(task)
             task.advance(TaskEvent.PLACEMENT_TIMEOUT)
-            self.counters.failed_post += 1
+            self.counters.placement_timeouts += 1
             limit = f"{task.opts.placement_timeout:g}"
             self._finish(
                 task, actions, now, error=f"no free worker within {limit} s", reason="placement"

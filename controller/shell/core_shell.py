@@ -101,9 +101,9 @@ class CoreShell:
         # Where a job for a poller goes (the HTTP door answers its waiting /ping/).
         self.on_hand_out: Callable[[HandOut], None] | None = None
         self.on_progress = on_progress
-        # Where a local worker's job output goes: (task ref, task owner, the bytes).
+        # Where a local worker's job output goes: (task ref, task job, the bytes).
         self.on_output: Callable[[int, object, bytes], None] | None = None
-        # Where what an attempt used goes, just before its outcome: (task ref, owner, usage).
+        # Where what an attempt used goes, just before its outcome: (task ref, task job, usage).
         self.on_usage: Callable[[int, object, Usage], None] | None = None
         # Told after every batch of actions: a door that reads only what it can start soon
         # (Redis) looks whether there is room now.
@@ -201,10 +201,10 @@ class CoreShell:
                 worker.deadline = max(worker.deadline, now + promise + grace)
 
     def submit(
-        self, task_id: int, payload: bytes, owner: object = None, options: JobOptions | None = None
+        self, task_id: int, payload: bytes, job: object = None, options: JobOptions | None = None
     ) -> Task:
         """The internal API: queue a task now; returns its record. Must run inside `serve`."""
-        task, actions = self.queue(task_id, payload, owner, options)
+        task, actions = self.queue(task_id, payload, job, options)
         self.execute(actions)
         return task
 
@@ -212,7 +212,7 @@ class CoreShell:
         self,
         task_id: int,
         payload: bytes,
-        owner: object,
+        job: object,
         options: JobOptions | None = None,
         wait: float = 0.0,
         now: float | None = None,
@@ -222,7 +222,7 @@ class CoreShell:
         times and the task's are then one float, not one each: 100,000 queued jobs, 3 MB)."""
         if now is None:
             now = trio.current_time()
-        return self.core.submit(task_id, payload, owner, now, options, wait)
+        return self.core.submit(task_id, payload, job, now, options, wait)
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""
@@ -367,7 +367,7 @@ class CoreShell:
         """What a local worker's job wrote to stderr: kept with the job it holds."""
         reply, task = self.core.local.output(PulseReceived(pulse, None, uid))
         if task is not None and extra and self.on_output is not None:
-            self.on_output(task.ref, task.owner, extra)
+            self.on_output(task.ref, task.job, extra)
         conn.reply(wire.encode_frame(reply.response))
 
     def _on_bad_pulse(
@@ -377,13 +377,13 @@ class CoreShell:
         if exc.can_reply:
             conn.reply(FAILED)
 
-    def attempt_used(self, ref: int, owner: object, usage: Usage) -> None:
+    def attempt_used(self, ref: int, job: object, usage: Usage) -> None:
         """What the running attempt of task `ref` used, from a worker of any kind, before its
         outcome: counted in the metrics and kept with the attempt."""
         if self.metrics is not None:
             self.metrics.attempt_used(usage)
         if self.on_usage is not None:
-            self.on_usage(ref, owner, usage)
+            self.on_usage(ref, job, usage)
 
     # ------------------------------------------------------------ deadlines
 

@@ -74,7 +74,7 @@ class Scheduling(Protocol):
         self,
         task_id: int,
         payload: bytes,
-        owner: object,
+        job: object,
         options: JobOptions | None = ...,
         wait: float = ...,
         now: float | None = ...,
@@ -82,7 +82,7 @@ class Scheduling(Protocol):
 
     def execute(self, actions: list[Any]) -> None: ...
 
-    def attempt_used(self, ref: int, owner: object, usage: Usage) -> None: ...
+    def attempt_used(self, ref: int, job: object, usage: Usage) -> None: ...
 
 
 class JobDesk:
@@ -277,16 +277,16 @@ class JobDesk:
         if self.on_output is not None:
             self.on_output(job)
 
-    def task_usage(self, ref: int, owner: object, usage: Usage) -> None:
+    def task_usage(self, ref: int, job_id: object, usage: Usage) -> None:
         """What the running attempt of task `ref` used, as its worker reported with its outcome
         (which follows): kept with that attempt."""
-        job = self.book.get(str(owner))
+        job = self.book.get(str(job_id))
         if job is not None and job.ref == ref:
             job.usage = usage
 
-    def task_output(self, ref: int, owner: object, data: bytes) -> None:
-        """Output from the worker holding task `ref` (the scheduler's owner is the job's id)."""
-        job = self.book.get(str(owner))
+    def task_output(self, ref: int, job_id: object, data: bytes) -> None:
+        """Output from the worker holding task `ref` (the task's `job` is the job's id)."""
+        job = self.book.get(str(job_id))
         if job is not None and job.ref == ref:
             self.output(job, data)
 
@@ -376,7 +376,7 @@ class JobDesk:
     def progress(self, action: TaskProgress) -> None:
         """A job started running, went back to the queue, or waits for its time."""
         task = self.scheduling.core.tasks.get(action.ref)
-        job = self.book.get(str(task.owner)) if task is not None else None
+        job = self.book.get(str(task.job)) if task is not None else None
         if job is not None and task is not None:
             if action.state is TaskState.RUNNING:
                 job.attempt_started(task.worker_id, trio.current_time())
@@ -400,7 +400,7 @@ class JobDesk:
     def finished(self, action: TaskFinished) -> None:
         now = trio.current_time()
         job = self.book.finish(
-            str(action.owner),  # the desk queues every task with its job's id as owner
+            str(action.job),  # the desk queues every task with its job's id as its `job`
             _FINAL[action.state],
             now,
             result=action.result,

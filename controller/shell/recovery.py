@@ -84,7 +84,7 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
                 else RECOVERY_GRACE,
                 lease=row.lease,
                 options=options,
-                base=row.base,
+                retried_at=row.retried_at,
                 wait=row.queued_at - wall if row.state == "scheduled" else None,
             )
             if row.lease:

@@ -91,5 +91,5 @@ class JournalRefusals:
         desk = self.desk
         task = desk.scheduling.core.tasks.get(ref)
         if task is not None:
-            return desk.book.get(str(task.owner))
+            return desk.book.get(str(task.job))
         return next((job for job in desk.book if job.ref == ref), None)  # ended: rare

@@ -67,12 +67,12 @@ class LinkHost(Protocol):
     config: Config
     core: Core
     reactor: Reactor
-    # Where a local worker's job output goes: (task ref, task owner, the bytes).
+    # Where a local worker's job output goes: (task ref, task job, the bytes).
     on_output: Callable[[int, object, bytes], None] | None
 
     def execute(self, actions: list[Action]) -> None: ...
 
-    def attempt_used(self, ref: int, owner: object, usage: Usage) -> None: ...
+    def attempt_used(self, ref: int, job: object, usage: Usage) -> None: ...
 
 
 class WorkerLinks:
@@ -192,7 +192,7 @@ class WorkerLinks:
         if ptype == pb.PULSE_OUTPUT:
             task = self.core.local.output(PulseReceived(pulse, None, uid))[1]
             if task is not None and extra and self.shell.on_output is not None:
-                self.shell.on_output(task.ref, task.owner, extra)
+                self.shell.on_output(task.ref, task.job, extra)
             return
         if ptype == pb.PULSE_REGISTER:
             channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _FAILED_RESPONSE))
@@ -307,7 +307,7 @@ class WorkerLinks:
         if usage is None:
             log.warning("worker %d: a usage report that cannot be true; ignored", wid)
             return
-        self.shell.attempt_used(task.ref, task.owner, usage)
+        self.shell.attempt_used(task.ref, task.job, usage)
 
     def _dialled(self, action: Dial, path: str, result: Result[pb.WorkerResponse]) -> None:
         try:
