@@ -13,7 +13,7 @@ import trio
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeController
 from tests.helpers import reap, worker_argv
-from worker.local import EXIT_RESTART
+from worker.local.base import EXIT_RESTART
 from worker.output import BUFFER_LIMIT, CHUNK, OutputSink
 
 MiB = 1024 * 1024

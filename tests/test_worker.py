@@ -21,7 +21,7 @@ from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeController
 from tests.helpers import reap, send_raw, wait_until
 from worker.errors import SetupError
-from worker.local import EXIT_RESTART, promised_next_pulse
+from worker.local.base import EXIT_RESTART, promised_next_pulse
 from worker.runner import TaskFailed, build_runner, run_command
 
 MiB = 1024 * 1024

@@ -3,7 +3,7 @@
 A worker holds at most one task. Its task id stays in every pulse from the
 moment SET_TASK is accepted until the result (or the failure) has been
 fetched, so that a controller that restarted in between can take the task
-over. The local worker's loop (`worker.local`) owns the sockets, the clock and
+over. The local worker's loop (`worker.local.worker`) owns the sockets, the clock and
 the running task; it asks this object what to do and reports back.
 """
 

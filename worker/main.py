@@ -22,7 +22,7 @@ from worker.errors import SetupError
 from worker.limits.cgroups import Cgroup
 from worker.limits.jail import Jail
 from worker.limits.users import become, resolve_job_user
-from worker.local import LocalWorker
+from worker.local.worker import LocalWorker
 from worker.output import capture_stderr
 from worker.parent import parent_alive, tie_to_parent
 from worker.poller import Poller

@@ -3,7 +3,7 @@
 `os.posix_spawn` (glibc starts the child with vfork semantics: no copy of the
 worker's memory, no thread hop) in a session of its own, a pidfd for its exit,
 and its stdin, stdout, stderr and pidfd in an epoll set: `Command` in the
-local worker's own loop (worker/local.py), `spawn_and_wait` in a trio task
+local worker's own loop (worker/local/job.py), `spawn_and_wait` in a trio task
 (calculators, pollers). No process object, no task per pipe. Stopping a job
 early (RESTART, task_timeout, SIGTERM past the drain) kills the whole
 process group (and the job's cgroup, if it has one) and reaps it; so does the end of its
