@@ -5,7 +5,7 @@ controller and one worker, both ways, as ChannelFrames (`wire.encode_channel`,
 `wire.StreamDecoder`). `ChannelConn` owns the connection on the `Reactor`: it reads
 frames as they arrive and hands each to `on_frame`, writes what it is given in order
 (buffering what the kernel does not take at once), and reports its end once to `on_end`
-with the reason. What the frames mean is the caller's (controller/shell/core_shell.py).
+with the reason. What the frames mean is the caller's (controller/shell/worker_links.py).
 
 Every peer is hostile: a header or an extra size over its cap, a frame cut off, a peer
 that stops in the middle of a frame or stops reading what is written to it for `timeout`

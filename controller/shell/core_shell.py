@@ -1,10 +1,12 @@
 """The core's trio shell: the pure `Core` against main.sock, the worker sockets and the clock.
 
-It accepts pulses on main.sock, dials the workers' sockets, sleeps until the
-core's next deadline, watches worker pids, and hands each event to the core
-with `now=trio.current_time()`. Whatever the core returns is carried out by
-`execute`. Jobs that end and jobs that start or go back to the queue leave
-through `on_finished` and `on_progress` (the job desk, or a test).
+It accepts pulses on main.sock (bound by main_socket.py, and bound again when its
+file is removed or replaced), reaches the workers through their sockets and
+channels (worker_links.py), sleeps until the core's next deadline, watches worker
+pids, and hands each event to the core with `now=trio.current_time()`. Whatever
+the core returns is carried out by `execute`. Jobs that end and jobs that start
+or go back to the queue leave through `on_finished` and `on_progress` (the job
+desk, or a test).
 """
 
 from __future__ import annotations
