@@ -7,7 +7,7 @@
 2. One job at a time: POST then GET ?wait= (p50, p99), beside the UDP door.
 3. Pulse latency on main.sock (a pulse exchange, p50/p99) with no long-poll open
    and with 1,000 `GET /job/{id}/?wait=60` open on jobs that stay pending.
-4. (`python -m bench.http_bench keepalive`) controller/shell/keepalive.py's idle timer
+4. (`python -m bench.http_bench keepalive`) controller/doors/http/keepalive.py's idle timer
    against hypercorn's own, beside each other in one run: the AsyncClient throughput and
    the controller's CPU per job, each controller measured twice, alternating.
 """
@@ -181,7 +181,7 @@ def main() -> dict[str, Any]:
 _OWN_TIMER = (
     sys.executable,
     "-c",
-    "import sys; from controller.shell import keepalive; keepalive.usable = lambda: False; "
+    "import sys; from controller.doors.http import keepalive; keepalive.usable = lambda: False; "
     "from controller.shell.main import main; sys.exit(main(sys.argv[4:]))",
 )
 

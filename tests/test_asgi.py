@@ -1,4 +1,4 @@
-"""The HTTP door's router (controller/shell/asgi.py) driven as an ASGI app: paths with and
+"""The HTTP door's router (controller/doors/http/asgi.py) driven as an ASGI app: paths with and
 without their slash, /job/{id}/, HEAD, 404, 405, a failing handler, the body stream."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from controller import containment
-from controller.shell.asgi import (
+from controller.doors.http.asgi import (
     ClientDisconnect,
     Request,
     Response,

@@ -7,12 +7,12 @@ import re
 import httpx
 import trio
 
+from controller.doors.http import access
+from controller.doors.http.access import BLOCK_SECONDS, Strikes
+from controller.doors.http.console.handlers import page_of
+from controller.doors.http.console.session import Sessions, TokenFile, parse_cookies
+from controller.doors.http.console.stats import SPAN_SECONDS, EndRate
 from controller.jobs import JobState
-from controller.shell import http_access
-from controller.shell.console.handlers import page_of
-from controller.shell.console.session import Sessions, TokenFile, parse_cookies
-from controller.shell.console.stats import SPAN_SECONDS, EndRate
-from controller.shell.http_access import BLOCK_SECONDS, Strikes
 from tests.helpers import wait_until
 from tests.test_http import client, http_controller
 
@@ -417,7 +417,7 @@ def test_strikes_block_an_address_after_ten_within_a_minute(monkeypatch):
     for n in range(10):  # ten spread over more than a minute: no block
         strikes.strike("c", 1000.0 + 7 * n)
     assert strikes.until("c", 1064.0) == 0.0
-    monkeypatch.setattr(http_access, "MAX_ADDRESSES", 3)
+    monkeypatch.setattr(access, "MAX_ADDRESSES", 3)
     for n in range(10):  # many addresses: the least recently struck are forgotten
         strikes.strike(f"x{n}", 2000.0)
     assert len(strikes._recent) == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from controller.shell.console import pages
+from controller.doors.http.console import pages
 from tests.test_http import client, http_controller
 
 

@@ -11,12 +11,12 @@ import pytest
 from controller import declared
 from controller.client.udp_output import format_status
 from controller.core import Core, PulseReceived, Reply
+from controller.doors.http.codec import ApiError, parse_declared
+from controller.doors.http.console.pages import workers_table
+from controller.doors.http.console.views import worker_data
 from controller.doors.udp.calclink import Heartbeat
 from controller.doors.udp.codec import FrontDoor, fit_status
-from controller.httpapi import ApiError, parse_declared
 from controller.jobs import JobBook
-from controller.shell.console.pages import workers_table
-from controller.shell.console.views import worker_data
 from gen import worker_protocol_pb2 as pb
 from worker.core import WorkerSession
 from worker.main import build_parser, check_arguments

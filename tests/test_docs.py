@@ -198,7 +198,7 @@ def test_udp_error_codes_are_documented() -> None:
 def test_udp_and_http_limits_are_the_documented_ones() -> None:
     """The figures docs/protocol.md, docs/http-api.md and the CHANGELOG give are the code's."""
     from controller import datagram as dg
-    from controller.shell.http import IDLE_TIMEOUT
+    from controller.doors.http.shell import IDLE_TIMEOUT
 
     def words(path: str) -> str:  # the text with its line breaks undone
         return " ".join((ROOT / path).read_text().split())

@@ -31,11 +31,11 @@ from hypothesis import strategies as st
 from controller import datagram as datagram_module
 from controller import journal as journal_module
 from controller.config import ClientAddress, Config, RedisSettings
+from controller.doors.http.access import Gate
+from controller.doors.http.console.session import TokenFile
 from controller.jobs import Job, JobState
 from controller.journal import Journal
 from controller.shell.committer import Committer
-from controller.shell.console.session import TokenFile
-from controller.shell.http_access import Gate
 from controller.shell.main import assemble
 from tests.helpers import (
     REDIS_SERVER,

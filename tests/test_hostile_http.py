@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import trio
 
-from controller.shell.asgi import error_response
+from controller.doors.http.asgi import error_response
 from tests.helpers import wait_until
 from tests.test_http import http_controller
 from tests.test_http_conn import _read_until_closed

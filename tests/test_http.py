@@ -21,13 +21,13 @@ import pytest
 import trio
 
 from controller.config import ClientAddress, Config
+from controller.doors.http.console.session import token_hash
+from controller.doors.http.shell import IDLE_TIMEOUT, HttpDoor
 from controller.jobs import JobState
 from controller.journal import Journal
 from controller.shell.committer import Committer
-from controller.shell.console.session import token_hash
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.http import IDLE_TIMEOUT, HttpDoor
 from controller.shell.main import assemble
 from tests.helpers import run_udp_client, wait_until
 from tests.worker_handlers import EXECUTIONS, start_workers
@@ -649,7 +649,7 @@ async def test_a_waiting_ping_gets_a_job_submitted_later(sockdir):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poll)
-            await wait_until(lambda: "w" in ctl.web._pings)
+            await wait_until(lambda: "w" in ctl.web.pollers.pings)
             with trio.fail_after(5):
                 await http.post("/job/", json={"id": "later"})
         assert got[0]["id"] == "later" and got[0]["state"] == "requested"

@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from controller import containment
-from controller.shell import http as http_module
-from controller.shell import http_conn, keepalive
+from controller.doors.http import connections, keepalive
+from controller.doors.http import shell as http_module
 from tests.helpers import live_controller, run_udp_client, wait_for_condition, wait_until
 from tests.test_http import client, http_controller
 
@@ -244,9 +244,9 @@ async def test_connections_that_fail_log_one_traceback_not_one_each(monkeypatch,
     await listener.bind(("127.0.0.1", 0))
     listener.listen()
     port = listener.getsockname()[1]
-    connections = http_conn.Connections(10)
+    slots = connections.Connections(10)
     async with trio.open_nursery() as nursery:
-        await nursery.start(http_conn.serve_connections, [(listener, None)], failing, connections)
+        await nursery.start(connections.serve_connections, [(listener, None)], failing, slots)
         for _ in range(20):
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             await _read_until_closed(stream)  # closed: that connection alone

@@ -98,7 +98,7 @@ def test_the_schemathesis_command_finds_nothing(tmp_path: Path) -> None:
 def test_the_document_names_429_and_503_with_retry_after() -> None:
     """Every operation that asks for a token also names its 429; POST /job/'s 503 (the
     journal, or max_pending) carries Retry-After, as the answers do."""
-    from controller.shell.openapi import OPENAPI
+    from controller.doors.http.openapi import OPENAPI
 
     for path, operations in OPENAPI["paths"].items():
         for method, operation in operations.items():

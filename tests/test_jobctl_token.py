@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.client import jobctl
-from controller.shell.http_access import read_tokens
+from controller.doors.http.access import read_tokens
 from controller.tokens import read_token
 from tests.helpers import live_controller
 from worker import poller

@@ -1,4 +1,4 @@
-"""The HTTP door's keep-alive timer (controller/shell/keepalive.py) under trio's MockClock,
+"""The HTTP door's keep-alive timer (controller/doors/http/keepalive.py) under trio's MockClock,
 standing in for hypercorn's TCPServer; and in place in a live hypercorn."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import trio
 
-from controller.shell import keepalive
-from controller.shell.keepalive import GRACE, IdleTimer
+from controller.doors.http import keepalive
+from controller.doors.http.keepalive import GRACE, IdleTimer
 
 KEEP_ALIVE = 4.0  # what the HTTP door gives hypercorn: its idle time minus GRACE
 

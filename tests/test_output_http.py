@@ -9,8 +9,8 @@ import httpx
 import trio
 
 from controller import wire
+from controller.doors.http import shell as http_module
 from controller.journal import Journal
-from controller.shell import http as http_module
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import exchange, send_raw, wait_until
 from tests.test_http import Running, client, http_controller

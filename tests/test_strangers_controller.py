@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 import trio
 
-from controller import httpapi, options
+from controller import options
 from controller.config import ConfigError, parse_config
 from controller.core import TaskState
+from controller.doors.http import codec
 from controller.joblimits import JobLimits
 from controller.jobs import Usage
 from controller.shell.core_shell import (
@@ -502,7 +503,7 @@ async def test_a_limit_failure_ends_the_job_at_once_with_its_usage_and_reason(so
         assert job is not None
         await wait_until(lambda: job.state.final)
         assert worker.kinds().count(pb.CTRL_SET_TASK) == 1  # never placed again
-        shown = httpapi.job_json(job, desk.book.wall_offset)
+        shown = codec.job_json(job, desk.book.wall_offset)
         assert (shown["state"], shown["reason"], shown["error"]) == (
             "failed",
             "limit",
@@ -528,7 +529,7 @@ async def test_other_failures_are_retried_and_each_attempt_keeps_its_usage(sockd
         job = desk.book.get("flaky")
         assert job is not None
         await wait_until(lambda: job.state.final)
-        shown = httpapi.job_json(job, desk.book.wall_offset)
+        shown = codec.job_json(job, desk.book.wall_offset)
         assert (shown["state"], shown["reason"], shown["attempts"]) == ("failed", "error", 2)
         assert [a.usage for a in job.attempts_made()] == [Usage(0.5, 0.25, 0)] * 2
 
@@ -552,7 +553,7 @@ async def test_a_finished_job_has_usage_and_no_reason_and_a_placement_failure_sa
         job = desk.book.get("ok")
         assert job is not None
         await wait_until(lambda: job.state.final)
-        shown = httpapi.job_json(job, desk.book.wall_offset)
+        shown = codec.job_json(job, desk.book.wall_offset)
         assert (shown["state"], shown["reason"]) == ("finished", None)
         assert shown["usage"] == {"wall": 0.25, "cpu": 0.125, "max_rss": 1024, "memory_peak": 2048}
         waiting = options.parse({"placement_timeout": 0.1, "queue": "nobody"}, DEFAULT_OPTS, 0.0)
@@ -560,8 +561,8 @@ async def test_a_finished_job_has_usage_and_no_reason_and_a_placement_failure_sa
         late = desk.book.get("late")
         assert late is not None
         await wait_until(lambda: late.state.final)
-        assert httpapi.job_json(late, 0.0)["reason"] == "placement"
-        assert httpapi.job_json(late, 0.0)["usage"] is None
+        assert codec.job_json(late, 0.0)["reason"] == "placement"
+        assert codec.job_json(late, 0.0)["usage"] is None
 
 
 async def test_a_usage_report_that_cannot_be_true_is_ignored(sockdir, nursery):
@@ -603,14 +604,14 @@ async def test_a_real_worker_reports_usage_and_a_cpu_limit_hit(sockdir):
             spin = desk.book.get("spin")
             assert spin is not None
             await wait_until(lambda: spin.state.final, timeout=30)
-            shown = httpapi.job_json(spin, desk.book.wall_offset)
+            shown = codec.job_json(spin, desk.book.wall_offset)
             assert (shown["state"], shown["reason"], shown["attempts"]) == ("failed", "limit", 1)
             assert shown["usage"] is not None and shown["usage"]["cpu"] >= 0.5
             desk.submit("next", "http", None, 2, b"", trio.current_time())
             after = desk.book.get("next")
             assert after is not None
             await wait_until(lambda: after.state.final, timeout=20)
-            shown = httpapi.job_json(after, desk.book.wall_offset)
+            shown = codec.job_json(after, desk.book.wall_offset)
             assert (shown["state"], shown["reason"]) == ("finished", None)
             assert set(shown["usage"]) >= {"wall", "cpu", "max_rss"}
             assert shown["usage"]["max_rss"] > 0
@@ -668,8 +669,8 @@ def test_metrics_sum_what_attempts_used_and_count_failures_by_reason():
 
 def test_the_console_and_jobctl_show_what_each_attempt_used():
     from controller.client.jobctl_tables import job_details
+    from controller.doors.http.console import pages_jobs, views
     from controller.jobs import Attempt, Job, JobState
-    from controller.shell.console import pages_jobs, views
 
     job = Job("j", 1, 1, "http", None)
     job.history = [Attempt(2, 10.0, 11.5, "failed", "boom", Usage(1.5, 0.75, 3 << 20))]
@@ -681,7 +682,7 @@ def test_the_console_and_jobctl_show_what_each_attempt_used():
         ("1.500 s", "0.750 s", "3.0 MiB", ""),
         ("0.500 s", "0.250 s", "5.0 MiB", "7.0 MiB"),
     ]
-    shown = httpapi.job_json(job, 0.0)
+    shown = codec.job_json(job, 0.0)
     page = pages_jobs.job_page(shown, b"", b"", attempts, [], "csrf", False)
     assert "max rss" in page and "7.0 MiB" in page and "1.500 s" in page
     details = job_details(shown)

@@ -22,7 +22,7 @@ import redis
 
 from controller.doors.redis import codec as streams
 from controller.doors.redis.codec import NO_LISTENER
-from controller.httpapi import ID_RULE, valid_id
+from controller.job_ids import ID_RULE, valid_id
 from controller.options import DEFAULT_QUEUE, rfc3339
 
 __all__ = ["NO_LISTENER", "RedisBackend", "parse_url"]

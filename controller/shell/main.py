@@ -239,7 +239,7 @@ async def run_controller(
     notifier = Notifier()
     web = None
     if config.http_address is not None:
-        from controller.shell.http import HttpDoor
+        from controller.doors.http.shell import HttpDoor
 
         web = HttpDoor(config, desk, shell)
         web.bind()  # before main.sock appears: local workers, and tests, take that as ready

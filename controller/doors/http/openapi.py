@@ -6,8 +6,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from controller import httpapi, options
+from controller import options
 from controller.declared import MAX_NAME_CHARS, MAX_NAMES
+from controller.doors.http import codec
+from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
 from controller.jobs import JobState
 from controller.options import NAME_RULE
 
@@ -59,7 +61,7 @@ _WAIT = {
     "in": "query",
     "required": False,
     "description": "seconds to wait for an answer",
-    "schema": {"type": "number", "minimum": 0, "maximum": httpapi.MAX_WAIT},
+    "schema": {"type": "number", "minimum": 0, "maximum": codec.MAX_WAIT},
 }
 _TEXT = {"type": "string"}
 # A poller's queues or labels: up to MAX_NAMES names, comma separated (the two lists
@@ -77,7 +79,7 @@ def _declared(name: str, description: str) -> dict[str, Any]:
     }
 
 
-_SHORT = {"type": "string", "maxLength": httpapi.MAX_TEXT}
+_SHORT = {"type": "string", "maxLength": MAX_TEXT}
 _NAME = {"type": "string", "pattern": "^" + options.NAME_RULE + "$"}
 _SECONDS = {"type": "number", "minimum": 0, "maximum": options.MAX_SECONDS}
 
@@ -123,7 +125,7 @@ _OPTIONS_IN: dict[str, Any] = {
     "retry_delay": {"type": "number", "minimum": 0, "maximum": options.MAX_RETRY_DELAY},
     "timeout": _SECONDS,
     "placement_timeout": _SECONDS,
-    "owner": {"type": "string", "pattern": httpapi.ID_PATTERN},
+    "owner": {"type": "string", "pattern": ID_PATTERN},
     "limits": {
         "type": "object",
         "additionalProperties": False,
@@ -180,7 +182,7 @@ OPENAPI: dict[str, Any] = {
                         "name": "limit",
                         "in": "query",
                         "required": False,
-                        "schema": {"type": "integer", "minimum": 1, "maximum": httpapi.MAX_LIMIT},
+                        "schema": {"type": "integer", "minimum": 1, "maximum": codec.MAX_LIMIT},
                     },
                     {"name": "queue", "in": "query", "required": False, "schema": _NAME},
                 ],
@@ -310,7 +312,7 @@ OPENAPI: dict[str, Any] = {
                         "schema": {
                             "type": "string",
                             "minLength": 1,
-                            "maxLength": httpapi.MAX_ID_LENGTH,
+                            "maxLength": MAX_ID_LENGTH,
                         },
                     },
                     _WAIT,
@@ -376,7 +378,7 @@ OPENAPI: dict[str, Any] = {
                     {"not": {"required": ["delay", "run_at"]}},
                 ],
                 "properties": {
-                    "id": {"type": "string", "pattern": httpapi.ID_PATTERN},
+                    "id": {"type": "string", "pattern": ID_PATTERN},
                     "name": _SHORT,
                     "info_url": _SHORT,
                     "download_url": _SHORT,
@@ -404,19 +406,19 @@ OPENAPI: dict[str, Any] = {
                 "properties": {
                     "state": {
                         "type": "string",
-                        "enum": sorted(httpapi.USER_STATES | httpapi.POLLER_STATES),
+                        "enum": sorted(codec.USER_STATES | codec.POLLER_STATES),
                     },
-                    "log": {"type": "string", "maxLength": httpapi.MAX_LOG},
-                    "worker": {"type": "string", "maxLength": httpapi.MAX_ID_LENGTH},
+                    "log": {"type": "string", "maxLength": codec.MAX_LOG},
+                    "worker": {"type": "string", "maxLength": MAX_ID_LENGTH},
                     "lease": {
                         "type": "string",
-                        "maxLength": httpapi.MAX_LEASE,
+                        "maxLength": codec.MAX_LEASE,
                         "description": "a poller's report (a PUT naming `worker`) must carry the "
                         "lease its claim (GET /ping/) gave; without it or with another: 409",
                     },
                     "result": _TEXT,
                     "result_b64": {"type": "string", "format": "byte"},
-                    "error": {"type": "string", "maxLength": httpapi.MAX_ERROR},
+                    "error": {"type": "string", "maxLength": codec.MAX_ERROR},
                 },
             },
             "Claim": {

@@ -22,7 +22,7 @@ runs hypercorn's own `action` (which waits the keep-alive timeout, or the
 server's end, and closes the connection); a request meanwhile cancels that. So an idle connection is
 closed after `GRACE` plus hypercorn's `keep_alive_timeout`: the HTTP door sets
 the latter to its idle time minus `GRACE`. Once the connection has ended (`end`,
-told by controller/shell/http_conn.py), the watcher leaves at once: hypercorn
+told by controller/doors/http/connections.py), the watcher leaves at once: hypercorn
 waits for it before it lets the connection go, and the connection's place in
 `max_connections` with it.
 

@@ -1,10 +1,10 @@
 """The little of ASGI the HTTP door needs: a request, a response, and a router.
 
-Six paths, each also without its trailing slash, and `/job/{id}/`: an exact
-dict lookup, then the one pattern. Starlette did this before; its layers
-(error and exception middlewares, the router's regex per route, a wrapper
-around every `send`) cost ~6% of the controller's CPU per request with the
-door busy, which is the door's ceiling (docs/performance.md, "What bounds the figures").
+Fixed paths, each also without its trailing slash, then `/job/{id}/` and a few
+patterns: an exact dict lookup first. No framework: Starlette's layers (error and
+exception middlewares, the router's regex per route, a wrapper around every `send`)
+cost ~6% of the controller's CPU per request with the door busy, which is the door's
+ceiling (docs/performance.md, "What bounds the figures").
 A handler that raises is logged and answered 500 with the JSON error object;
 the lifespan protocol is answered so that hypercorn starts and stops cleanly.
 """
@@ -21,8 +21,8 @@ from urllib.parse import parse_qsl
 
 import trio
 
-from controller import httpapi
 from controller.containment import INTERNAL_MESSAGE, contained
+from controller.doors.http import codec
 
 log = logging.getLogger("controller.http")
 
@@ -155,7 +155,7 @@ async def _until_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
 
 
 def json_response(body: Any, status: int = 200) -> Response:
-    return Response(httpapi.dumps(body), status, "application/json")
+    return Response(codec.dumps(body), status, "application/json")
 
 
 def error_response(status: int, message: str) -> Response:
@@ -166,10 +166,6 @@ def error_response(status: int, message: str) -> Response:
 
 
 _PHRASES = {status.value: status.phrase for status in http.HTTPStatus}
-
-
-def html_response(html: bytes) -> Response:
-    return Response(html, 200, "text/html; charset=utf-8")
 
 
 Endpoint = Callable[[Request], Awaitable[Response | StreamingResponse]]

@@ -10,9 +10,9 @@ from urllib.parse import parse_qsl, quote
 
 import trio
 
-from controller.httpapi import ApiError
-from controller.shell.asgi import BodyTimeout, ClientDisconnect, Request, Response
-from controller.shell.console.session import Sessions, parse_cookies
+from controller.doors.http.asgi import BodyTimeout, ClientDisconnect, Request, Response
+from controller.doors.http.codec import ApiError
+from controller.doors.http.console.session import Sessions, parse_cookies
 
 # A form's body (a filter, a token, a button) is small; one longer than this is refused.
 MAX_FORM = 16 * 1024
@@ -42,7 +42,7 @@ def is_console_path(path: str) -> bool:
 
 
 def static_files() -> dict[str, bytes]:
-    folder = resources.files("controller.shell.console") / "static"
+    folder = resources.files("controller.doors.http.console") / "static"
     return {
         item.name: item.read_bytes()
         for item in folder.iterdir()

@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from controller.declared import shown
-from controller.jobs import Job, JobBook, JobState, Usage
+from controller.jobs import Job, JobBook, JobState
 from controller.options import rfc3339
+from controller.usage import Usage
 
 MAX_WORKERS_SHOWN = 200
 # Characters of a worker's queues, and of its labels, shown in its row.
@@ -30,7 +31,7 @@ def worker_data(core: Any, now: float) -> tuple[list[dict[str, Any]], int]:
                 "id": core.worker_name(worker.worker_id),
                 "kind": worker.kind.label,
                 "state": worker.state.value,
-                "job": str(task.owner) if task is not None else "",
+                "job": str(task.job) if task is not None else "",
                 "pulse_ago": now - worker.last_pulse,
                 "done": worker.done,
                 "queues": shown(worker.queues, NAMES_SHOWN),
@@ -57,7 +58,7 @@ def counters(core: Any, http: dict[str, int], refused: int) -> list[tuple[str, i
         ("submitted", c.submitted),
         ("finished", c.succeeded),
         ("failed", c.errors),
-        ("failed_post", c.failed_post),
+        ("failed_post", c.placement_timeouts),
         ("canceled", c.canceled),
         ("retries", c.retries),
         ("restarts sent", c.restarts_sent),

@@ -1,6 +1,6 @@
 """The HTTP job API's codec, pure: request bodies in, job objects out, errors as values.
 
-The shell (controller/shell/http.py) owns the server and the clock; this
+The shell (controller/doors/http/shell.py) owns the server and the clock; this
 module decides what a body means and what a job looks like in JSON, so that
 every rule about fields and errors is in one place and testable without a
 server. A bad request can only raise `ApiError`, which carries the HTTP
@@ -20,8 +20,17 @@ from controller import datagram as dg
 from controller import declared, options
 from controller.core.model import TaskState
 from controller.datagram import BadPacket
-from controller.jobs import Job, JobState, Usage, usage_from_json
+from controller.job_ids import (
+    ID_RULE,
+    MAX_ID_LENGTH,
+    MAX_TEXT,
+    UDP_ID_PREFIX,
+    UDP_ID_RULE,
+    valid_id,
+)
+from controller.jobs import Job, JobState
 from controller.options import JobOptions, rfc3339
+from controller.usage import Usage, usage_from_json
 
 # ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
 MAX_WAIT = 60.0
@@ -29,12 +38,7 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 # Room for JSON and base64 around the largest payload (base64 grows it by 4/3).
 BODY_OVERHEAD = 64 * 1024
-# A job id is text a person can read and put in a URL path as it is.
-MAX_ID_LENGTH = 200
-ID_PATTERN = r"^[A-Za-z0-9._:~@+=-]{1,200}$"
-_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:~@+=-")
-# Longest text fields.
-MAX_TEXT = 10_000
+# Longest text fields (MAX_TEXT, the default, is controller/job_ids.py's).
 MAX_ERROR = 100_000
 MAX_LOG = 1_000_000
 
@@ -87,20 +91,6 @@ class Update:
 def max_body(max_payload: int) -> int:
     """The largest request body worth reading for payloads up to `max_payload` bytes."""
     return max_payload * 4 // 3 + BODY_OVERHEAD
-
-
-# What a submitter-given job id may be, as an error message says it (every door, the client).
-ID_RULE = f"id must be 1 to {MAX_ID_LENGTH} of the characters A-Z a-z 0-9 and . _ : ~ @ + = -"
-
-
-# Ids of this form name UDP jobs (udp-<host>-<port>-<task_id>): no other door may take one.
-UDP_ID_PREFIX = "udp-"
-UDP_ID_RULE = "an id starting with 'udp-' names a UDP job: give another id"
-
-
-def valid_id(job_id: str) -> bool:
-    """A job id a submitter may give: 1 to 200 of the characters of ID_PATTERN."""
-    return 0 < len(job_id) <= MAX_ID_LENGTH and set(job_id) <= _ID_CHARS
 
 
 def new_job_id() -> str:

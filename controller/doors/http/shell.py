@@ -1,22 +1,21 @@
-"""The HTTP job API and the console: an ASGI app on hypercorn's trio server, in our loop.
+"""The HTTP door's shell: the job API's routes and its server, on hypercorn's trio server in
+the controller's own loop.
 
 Every handler runs in the controller's own trio loop, so it reads the job book
 and calls the job desk directly: no threads, no locks, no copies. What a body
-means and what a job looks like is controller/httpapi.py; this module only
-routes, checks who may ask (`allowed_clients`, bearer tokens) and waits:
-a new job's 201 waits for its journal commit (`WriteAhead.committed`), and
-`?wait=` long-polls wait on one trio.Event per job, set when the job ends, so
-a thousand of them cost no CPU while they wait.
+means and what a job looks like is codec.py; who may ask is access.py; the
+pollers' `/ping/` and leases are pollers.py; the console's pages are console/.
+This module routes and waits: a new job's 201 waits for its journal commit
+(`WriteAhead.committed`), and `?wait=` long-polls wait on one trio.Event per
+job, set when the job ends, so a thousand of them cost no CPU while they wait.
 """
 
 from __future__ import annotations
 
 import codecs
 import logging
-import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -24,13 +23,10 @@ from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.worker_context import WorkerContext
 
-from controller import httpapi
 from controller.config import Config
-from controller.core import HandOut
-from controller.httpapi import ApiError
-from controller.jobs import Job, JobState
-from controller.shell import keepalive
-from controller.shell.asgi import (
+from controller.doors.http import codec, keepalive
+from controller.doors.http.access import Gate, read_tokens
+from controller.doors.http.asgi import (
     BodyTimeout,
     ClientDisconnect,
     Endpoint,
@@ -41,44 +37,36 @@ from controller.shell.asgi import (
     error_response,
     json_response,
 )
-from controller.shell.console.handlers import Console
-from controller.shell.console.session import TokenFile
-from controller.shell.core_shell import CoreShell, StartupError
-from controller.shell.desk import RETRY_AFTER, JobDesk
-from controller.shell.http_access import Gate, read_tokens
-from controller.shell.http_conn import (
+from controller.doors.http.codec import ApiError
+from controller.doors.http.connections import (
     Connections,
     OneOneServer,
     OneOneStream,
     serve_connections,
 )
-from controller.shell.openapi import OPENAPI
-from controller.shell.queues import idle_queue, queue_report
+from controller.doors.http.console.handlers import Console
+from controller.doors.http.console.session import TokenFile
+from controller.doors.http.openapi import OPENAPI
+from controller.doors.http.pollers import PollerDoor
+from controller.doors.http.queues import idle_queue, queue_report
+from controller.errors import StartupError
+from controller.jobs import Job, JobState
+from controller.shell.core_shell import CoreShell
+from controller.shell.desk import RETRY_AFTER, JobDesk
 
 log = logging.getLogger("controller.http")
 
 
 # A connection that sends no request for this long is closed (also the keep-alive idle time),
-# and so is one silent this long in the middle of a request's body. Read when the door
-# starts serving and at each body: tests lower it by setting controller.shell.http.IDLE_TIMEOUT.
+# and so is one silent this long in the middle of a request's body. Read when the door starts
+# serving and at each body: tests lower it by setting controller.doors.http.shell.IDLE_TIMEOUT.
 IDLE_TIMEOUT = 5.0
 # What GET /job/{id}/output/ answers.
 TEXT = "text/plain; charset=utf-8"
-# Bytes of randomness in a poller's lease (128 bits).
-LEASE_BYTES = 16
 # A 503 (the journal refuses, or no room for more jobs) says when to try again.
 _RETRY_AFTER_HEADER = ((b"retry-after", b"%d" % RETRY_AFTER),)
 # How much of a body over the limit is read and dropped before the 413 goes out.
 DRAIN_LIMIT = 4 * 1024 * 1024
-
-
-@dataclass(eq=False)
-class PingWaiter:
-    """A poller's /ping/ waiting for a job."""
-
-    event: trio.Event = field(default_factory=trio.Event)
-    job: Job | None = None
-    lease: str = ""
 
 
 class HttpDoor:
@@ -88,18 +76,16 @@ class HttpDoor:
         assert config.http_address is not None
         self.config = config
         self.desk = desk
-        self.core = core = shell.core
-        self.execute = shell.execute
-        shell.on_hand_out = self.hand_out
+        self.core = shell.core
         self.book = desk.book
+        self.pollers = PollerDoor(desk, shell, self._refuse)  # /ping/ and the leases
         self.max_payload = config.max_extra_size
-        self.max_body = httpapi.max_body(config.max_extra_size)
+        self.max_body = codec.max_body(config.max_extra_size)
         self.started_at = 0.0
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
         self.redis_status: Callable[[], dict[str, Any]] | None = None  # the Redis door's
         self._ended: dict[str, trio.Event] = {}
         self._grew: dict[str, trio.Event] = {}  # by job id: set when its output grows or it ends
-        self._pings: dict[str, PingWaiter] = {}  # by poller name
         self._sockets: Any = None
         # The bearer tokens, for the API and the console's logins alike: the file must be
         # usable at start (else the start stops), then it is read again as it changes.
@@ -110,7 +96,7 @@ class HttpDoor:
         routes: list[tuple[str, Endpoint, list[str]]] = [
             ("/health/", self.health, ["GET"]),
             ("/job/", self.jobs, ["GET", "POST"]),
-            ("/ping/", self.ping, ["GET"]),
+            ("/ping/", self.pollers.ping, ["GET"]),
             ("/openapi.json", self.openapi, ["GET"]),
             ("/queue/", self.queues, ["GET"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
@@ -130,7 +116,6 @@ class HttpDoor:
         desk.on_finished = self.job_ended
         desk.on_output = self.output_grew
         self._rate = self.console.job_ended
-        self.pollers = core.pollers
         self.connections = Connections(config.max_connections, config.max_connections_per_client)
         self._idle_timer = keepalive.usable()
 
@@ -227,20 +212,6 @@ class HttpDoor:
         hc.backlog = 1024
         return hc
 
-    def hand_out(self, action: HandOut) -> None:
-        """The scheduler placed a job on a poller: answer its waiting /ping/ with it."""
-        now = trio.current_time()
-        waiter = self._pings.pop(action.name, None)
-        job = self.book.get(str(action.owner))
-        if waiter is None or job is None:
-            self.execute(self.pollers.undeliverable(action.name, now))
-            return
-        waiter.job = job
-        waiter.lease = secrets.token_urlsafe(LEASE_BYTES)
-        waiter.event.set()
-        self.pollers.handed(action.name, now, waiter.lease)
-        self.desk.leased(job.ref, waiter.lease)
-
     def job_ended(self, job: Job) -> None:
         """The desk's hook: a job ended (or was deleted): wake its long-polls, count it for
         the console's chart."""
@@ -274,15 +245,15 @@ class HttpDoor:
             if request.method == "POST":
                 return await self._add(request)
             query = request.query_params
-            state = httpapi.parse_state(query.get("state"))
-            queue = httpapi.parse_queue(query.get("queue"))
-            limit = httpapi.parse_number(
-                query.get("limit"), "limit", httpapi.DEFAULT_LIMIT, 1, httpapi.MAX_LIMIT, whole=True
+            state = codec.parse_state(query.get("state"))
+            queue = codec.parse_queue(query.get("queue"))
+            limit = codec.parse_number(
+                query.get("limit"), "limit", codec.DEFAULT_LIMIT, 1, codec.MAX_LIMIT, whole=True
             )
             offset = self.book.wall_offset
             name_of = self.core.worker_name
             listing = {
-                job.id: httpapi.job_json(job, offset, name_of)
+                job.id: codec.job_json(job, offset, name_of)
                 for job in self.book.latest(int(limit), state, queue)
             }
             return json_response(listing)
@@ -290,7 +261,7 @@ class HttpDoor:
             return self._refuse(exc)
 
     async def _add(self, request: Request) -> Response:
-        new = httpapi.parse_new_job(await self._body(request), self.max_payload, self.options)
+        new = codec.parse_new_job(await self._body(request), self.max_payload, self.options)
         if new.id is not None:
             existing = self.book.get(new.id)
             if existing is not None:
@@ -303,10 +274,10 @@ class HttpDoor:
             raise ApiError(503, desk.busy(len(new.payload)))
         now = trio.current_time()
         job = self.desk.submit(
-            new.id or httpapi.new_job_id(),
+            new.id or codec.new_job_id(),
             "http",
             None,
-            self.desk.pick_task_id(),
+            self.desk.book.pick_task_id(),
             new.payload,
             now,
             name=new.name,
@@ -325,8 +296,8 @@ class HttpDoor:
         try:
             job = self.lookup(request)
             if request.method == "GET":
-                wait = httpapi.parse_number(
-                    request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
+                wait = codec.parse_number(
+                    request.query_params.get("wait"), "wait", 0.0, 0.0, codec.MAX_WAIT
                 )
                 if wait > 0 and not job.state.final:
                     event = self._ended.get(job.id)
@@ -344,43 +315,20 @@ class HttpDoor:
             return self._refuse(exc)
 
     async def _update(self, job: Job, request: Request) -> Response:
-        update = httpapi.parse_update(await self._body(request), self.max_payload)
+        update = codec.parse_update(await self._body(request), self.max_payload)
         state = job.state
         if state is JobState.DELETED:
             raise ApiError(409, "the job is deleted: it takes no change")
         if update.log is not None and state.final:
             raise ApiError(409, f"the job is {state.value}: its log is closed")
-        name = update.worker
         if update.state is JobState.CANCELED:
             if state.final and state is not JobState.CANCELED:
                 raise ApiError(409, f"the job is {state.value}: it can no longer be canceled")
             if update.log is not None:
                 self.desk.logged(job, update.log, trio.current_time())
             self.desk.cancel(job, trio.current_time())
-        elif name is not None or update.state is not None:
-            # A poller's report: taken only from the poller holding the job, with its lease.
-            now = trio.current_time()
-            lease = update.lease or ""
-            holds = self.pollers.holds
-            if name and job.task is not None and not holds(name, job.ref, lease):
-                self.pollers.adopt(name, job.task_id, lease, now)  # held before a restart?
-            if not name or not holds(name, job.ref, lease):
-                who = f" ({name})" if name else ""
-                raise ApiError(
-                    409, f"no poller{who} holds this job under that lease: the report is refused"
-                )
-            if update.log is not None:  # first: a follower of the job sees it before its end
-                self.desk.logged(job, update.log, now)
-            final = update.state in (JobState.FINISHED, JobState.FAILED)
-            if final and update.usage is not None and job.task is not None:
-                self.desk.scheduling.attempt_used(job.ref, job.task.owner, update.usage)
-            if update.state is JobState.WORKING or update.state is None:
-                actions = self.pollers.working(name, job.ref, now)
-            elif update.state is JobState.FINISHED:
-                actions = self.pollers.finished(name, job.ref, update.result or b"", now)
-            else:
-                actions = self.pollers.failed(name, job.ref, update.error or "", now)
-            self.execute(actions)
+        elif update.worker is not None or update.state is not None:
+            self.pollers.report(job, update)  # a poller's: it must hold the job's lease
         elif update.log is not None:
             self.desk.logged(job, update.log, trio.current_time())
         await self.desk.write_ahead.committed()  # 200 only once the change is on disk
@@ -406,7 +354,7 @@ class HttpDoor:
         self.counters["requests"] += 1
         try:
             job = self.lookup(request)
-            follow = httpapi.parse_flag(request.query_params.get("follow"), "follow")
+            follow = codec.parse_flag(request.query_params.get("follow"), "follow")
         except ApiError as exc:
             return self._refuse(exc)
         if not follow or job.state.final or request.scope["method"] == "HEAD":
@@ -442,49 +390,14 @@ class HttpDoor:
         """PUT /queue/{name}/ {"paused": true|false}."""
         self.counters["requests"] += 1
         try:
-            name = httpapi.parse_queue(request.path_params["name"])
+            name = codec.parse_queue(request.path_params["name"])
             assert name is not None
-            paused = httpapi.parse_pause(await self._body(request))
+            paused = codec.parse_pause(await self._body(request))
             self.desk.pause(name, paused)
             await self.desk.write_ahead.committed()  # 200 only once that is on disk
             return json_response({name: queue_report(self.core).get(name, idle_queue(paused))})
         except ApiError as exc:
             return self._refuse(exc)
-
-    async def ping(self, request: Request) -> Response:
-        try:
-            worker = request.query_params.get("worker")
-            if not worker:
-                raise ApiError(400, "give ?worker=NAME")
-            if len(worker) > httpapi.MAX_ID_LENGTH:
-                raise ApiError(400, f"worker is longer than {httpapi.MAX_ID_LENGTH} characters")
-            wait = httpapi.parse_number(
-                request.query_params.get("wait"), "wait", 0.0, 0.0, httpapi.MAX_WAIT
-            )
-            serves = httpapi.parse_declared(request.query_params)
-        except ApiError as exc:
-            return self._refuse(exc)
-        waiter = PingWaiter()
-        earlier = self._pings.get(worker)
-        if earlier is not None:
-            earlier.event.set()  # one request per poller: the older one answers 204
-        self._pings[worker] = waiter
-        self.execute(self.pollers.ping(worker, trio.current_time(), serves))
-        try:
-            if waiter.job is None:
-                with trio.move_on_after(wait):
-                    await waiter.event.wait()
-        finally:
-            if self._pings.get(worker) is waiter:
-                del self._pings[worker]
-                if waiter.job is None:  # nothing came: the poller is idle no more
-                    self.execute(self.pollers.gave_up(worker, trio.current_time()))
-        if waiter.job is None:
-            return Response(status=204)
-        await self.desk.write_ahead.committed()  # the lease survives a restart
-        answer = httpapi.job_json(waiter.job, self.book.wall_offset, self.core.worker_name)
-        answer["lease"] = waiter.lease  # in this answer only
-        return json_response(answer)
 
     async def openapi(self, request: Request) -> Response:
         return json_response(OPENAPI)
@@ -527,11 +440,11 @@ class HttpDoor:
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(
-            httpapi.job_json(job, self.book.wall_offset, self.core.worker_name), status
+            codec.job_json(job, self.book.wall_offset, self.core.worker_name), status
         )
 
     def _refuse(self, exc: ApiError) -> Response:
         self.counters["errors"] += 1
         if exc.status == 503:  # what refuses new jobs now passes: they may come again later
-            return Response(httpapi.dumps(exc.body()), 503, "application/json", _RETRY_AFTER_HEADER)
+            return Response(codec.dumps(exc.body()), 503, "application/json", _RETRY_AFTER_HEADER)
         return error_response(exc.status, exc.message)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from controller.shell.console.pages import button_form, e, job_href, layout, table
+from controller.doors.http.console.pages import button_form, e, job_href, layout, table
 
 # Characters of a text payload or result shown on a job's page.
 TEXT_SHOWN = 100_000

@@ -35,6 +35,6 @@ def queue_report(core: Core) -> dict[str, dict[str, Any]]:
     for worker in core.workers.values():
         for name in worker.queues:
             entry(name)["workers"] += 1
-    for name in core.scheduler.pending.paused:
+    for name in core.paused:
         entry(name)["paused"] = True
     return dict(sorted(report.items()))

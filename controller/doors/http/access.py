@@ -32,10 +32,10 @@ from pathlib import Path
 import trio
 
 from controller.allowlist import cached_allowed
-from controller.shell.asgi import JOB_PREFIX, Response, Scope, error_response
-from controller.shell.console.session import TokenFile
-from controller.shell.console.web import is_console_path
-from controller.shell.core_shell import StartupError
+from controller.doors.http.asgi import JOB_PREFIX, Response, Scope, error_response
+from controller.doors.http.console.session import TokenFile
+from controller.doors.http.console.web import is_console_path
+from controller.errors import StartupError
 from controller.tokens import read_file, token_lines
 
 # Refused tokens from one address within STRIKE_WINDOW seconds that make it wait (429) ...

@@ -7,7 +7,7 @@ opens pages, never forms. Each action then calls the job desk, as the JSON API d
 for the journal, and answers 303 to the page to show next (post, redirect, get). The
 session cookie is taken on one API path only: `GET /job/{id}/output`, which a job's page
 shows in a frame (a read, so SameSite=Strict is all it needs). A wrong token at the login
-counts against its address as a wrong bearer token does (controller/shell/http_access.py).
+counts against its address as a wrong bearer token does (controller/doors/http/access.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
-from controller import httpapi
-from controller.httpapi import ApiError
-from controller.jobs import Job, JobState
-from controller.shell.asgi import Request, Response, Scope, error_response, json_response
-from controller.shell.console import pages, pages_jobs, views
-from controller.shell.console.session import Sessions, parse_cookies
-from controller.shell.console.stats import EndRate
-from controller.shell.console.web import (
+from controller.doors.http import codec
+from controller.doors.http.access import BEARER
+from controller.doors.http.asgi import Request, Response, Scope, error_response, json_response
+from controller.doors.http.codec import ApiError
+from controller.doors.http.console import pages, pages_jobs, views
+from controller.doors.http.console.session import Sessions, parse_cookies
+from controller.doors.http.console.stats import EndRate
+from controller.doors.http.console.web import (
     HTML,
     SECURITY_HEADERS,
     STATIC_TYPES,
@@ -38,16 +38,17 @@ from controller.shell.console.web import (
     static_files,
     then_target,
 )
-from controller.shell.http_access import BEARER
-from controller.shell.queues import queue_report
+from controller.doors.http.queues import queue_report
+from controller.job_ids import MAX_ID_LENGTH
+from controller.jobs import Job, JobState
 
 if TYPE_CHECKING:
     from controller.config import Config
     from controller.core import Core
+    from controller.doors.http.access import Gate
+    from controller.doors.http.console.session import TokenFile
     from controller.jobs import JobBook
-    from controller.shell.console.session import TokenFile
     from controller.shell.desk import JobDesk
-    from controller.shell.http_access import Gate
 
 T = TypeVar("T")
 
@@ -78,7 +79,7 @@ def page_of(found: Iterator[T], page: int, size: int) -> tuple[list[T], int, boo
 
 
 class Door(Protocol):
-    """What the console reads of the HTTP door that serves it (controller/shell/http.py)."""
+    """What the console reads of the HTTP door that serves it (controller/doors/http/shell.py)."""
 
     @property
     def config(self) -> Config: ...
@@ -275,10 +276,10 @@ class Console:
         query = request.query_params
         state_text = query.get("state", "")
         queue_text = query.get("queue", "")
-        state = httpapi.parse_state(state_text or None)
-        queue = httpapi.parse_queue(queue_text or None)
-        search = query.get("q", "")[: httpapi.MAX_ID_LENGTH].strip()
-        page = int(httpapi.parse_number(query.get("page"), "page", 0, 0, MAX_PAGE, whole=True))
+        state = codec.parse_state(state_text or None)
+        queue = codec.parse_queue(queue_text or None)
+        search = query.get("q", "")[:MAX_ID_LENGTH].strip()
+        page = int(codec.parse_number(query.get("page"), "page", 0, 0, MAX_PAGE, whole=True))
         now = trio.current_time()
         offset = self.book.wall_offset
         found = views.matching(self.book, state, queue, search)
@@ -317,7 +318,7 @@ class Console:
         job = self._job(request)
         offset = self.book.wall_offset
         name_of = self.core.worker_name
-        fields = httpapi.job_json(job, offset, name_of)
+        fields = codec.job_json(job, offset, name_of)
         finished = job.state is JobState.FINISHED
         html = pages_jobs.job_page(
             fields,
@@ -402,7 +403,7 @@ class Console:
 
     async def pause(self, request: Request, seen: Seen, form: dict[str, str]) -> Response:
         """Pause or resume the queue of the path, or (POST /ui/queues) of the form's `name`."""
-        name = httpapi.parse_queue(request.path_params.get("name", form.get("name", "")))
+        name = codec.parse_queue(request.path_params.get("name", form.get("name", "")))
         assert name is not None
         paused = form.get("paused")
         if paused not in ("0", "1"):
@@ -420,8 +421,8 @@ class Console:
         if form.get("state") != "failed":
             raise ApiError(400, "only failed jobs are retried or deleted all at once")
         queue_text = form.get("queue", "")
-        queue = httpapi.parse_queue(queue_text or None)
-        search = form.get("q", "")[: httpapi.MAX_ID_LENGTH]
+        queue = codec.parse_queue(queue_text or None)
+        search = form.get("q", "")[:MAX_ID_LENGTH]
         fields = [("state", "failed"), ("queue", queue_text), ("q", search)]
         found = views.matching(self.book, JobState.FAILED, queue, search)
         chosen = [job for _, job in zip(range(views.BULK_LIMIT + 1), found, strict=False)]
