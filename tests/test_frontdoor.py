@@ -69,7 +69,7 @@ class Door:
 
     def finish(self, ref, state, result, error, now):
         job = self.book.finish(
-            self.tasks[ref].owner,
+            self.tasks[ref].job,
             _FINAL[state],
             now,
             result=result,

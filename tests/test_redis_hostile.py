@@ -105,7 +105,9 @@ async def test_the_door_reads_no_more_entries_than_max_pending_leaves_room_for(
         nobody = JobOptions(queue="nobody-serves-it")
         now = trio.current_time()
         held = [
-            desk.submit(f"held-{n}", "http", None, desk.pick_task_id(), b"x", now, options=nobody)
+            desk.submit(
+                f"held-{n}", "http", None, desk.book.pick_task_id(), b"x", now, options=nobody
+            )
             for n in range(3)
         ]
         assert not desk.room(0)

@@ -24,6 +24,7 @@ from controller.journal import Journal
 from controller.schedules import Schedule, parse_entries
 from controller.shell.committer import Committer
 from controller.shell.main import assemble
+from controller.shell.refusals import JournalRefusals
 from controller.shell.schedules import PeriodicJobs
 from tests.helpers import controller_argv, write_config
 
@@ -292,7 +293,7 @@ async def test_a_due_time_already_made_is_not_made_again(
         # Journaled as made: nothing at start.
         periodic = PeriodicJobs(config, desk, last_due={"tick": BASE - 5}, wall=fake_wall)
         # The next one is in the book already (here: posted by hand with its id).
-        taken = desk.submit(tick_id(BASE + 5), "http", None, desk.pick_task_id(), b"mine", 0.0)
+        taken = desk.submit(tick_id(BASE + 5), "http", None, desk.book.pick_task_id(), b"mine", 0.0)
         await nursery.start(periodic.run)
         await trio.sleep(1)
         assert made(desk) == [tick_id(BASE + 5)]
@@ -399,7 +400,10 @@ async def test_the_due_time_is_journaled_with_its_job(
     config = Config(socket_dir=sockdir, journal=path, schedules=(tick,))
     recovered = journal.load()
     async with controller(config, journal) as (desk, nursery):
-        committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+        refusals = JournalRefusals(desk)
+        committer = Committer(
+            journal, on_committed=refusals.committed, on_rejected=refusals.rejected
+        )
         await nursery.start(committer.run)
         periodic = PeriodicJobs(config, desk, journal, recovered.schedules, wall=fake_wall)
         async with trio.open_nursery() as making:

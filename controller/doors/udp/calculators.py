@@ -69,9 +69,9 @@ class CalculatorShell:
             task = kind.held(action.address, action.task_id)
             if task is not None:  # kept with the job first: its followers see it before its end
                 if action.job_output:
-                    self.desk.task_output(task.ref, task.owner, action.job_output)
+                    self.desk.task_output(task.ref, task.job, action.job_output)
                 if action.usage is not None:
-                    self.shell.attempt_used(task.ref, task.owner, action.usage)
+                    self.shell.attempt_used(task.ref, task.job, action.usage)
             return kind.completed(
                 action.address, action.task_id, action.ok, action.output, action.error, now
             )
