@@ -37,6 +37,8 @@ from controller.jobs import Job, JobState
 from controller.journal import Journal
 from controller.shell.committer import Committer
 from controller.shell.main import assemble
+from controller.shell.recovery import recover
+from controller.shell.refusals import JournalRefusals
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
@@ -596,8 +598,9 @@ async def test_a_job_the_journal_cannot_store_is_refused_alone(
         client_address=ClientAddress("127.0.0.1", free_udp_port()),
     )
     shell, desk, door = assemble(config, journal)
-    desk.recover(journal.load(), trio.current_time())
-    committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+    recover(desk, journal.load(), trio.current_time())
+    refusals = JournalRefusals(desk)
+    committer = Committer(journal, on_committed=refusals.committed, on_rejected=refusals.rejected)
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(shell.serve)
@@ -635,13 +638,14 @@ async def test_a_later_change_the_journal_cannot_store_fails_its_job_saying_why(
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
     shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), journal)
-    desk.recover(journal.load(), trio.current_time())
-    committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+    recover(desk, journal.load(), trio.current_time())
+    refusals = JournalRefusals(desk)
+    committer = Committer(journal, on_committed=refusals.committed, on_rejected=refusals.rejected)
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(shell.serve)
         now = trio.current_time()
-        job = desk.submit("kept", "http", None, desk.pick_task_id(), b"p", now)
+        job = desk.submit("kept", "http", None, desk.book.pick_task_id(), b"p", now)
         await desk.write_ahead.committed()
         desk.cancel(job, trio.current_time())
         await desk.write_ahead.committed()  # the cancel's batch: its change refused
@@ -664,8 +668,8 @@ async def test_the_redis_cancel_channel_cancels_redis_jobs_only(sockdir: Path) -
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
         now = trio.current_time()
-        http_job = desk.submit("shared-name", "http", None, desk.pick_task_id(), b"", now)
-        redis_job = desk.submit("redis-job", "redis", "1-0", desk.pick_task_id(), b"", now)
+        http_job = desk.submit("shared-name", "http", None, desk.book.pick_task_id(), b"", now)
+        redis_job = desk.submit("redis-job", "redis", "1-0", desk.book.pick_task_id(), b"", now)
         door._cancel("shared-name")
         door._cancel("redis-job")
         assert (http_job.state, redis_job.state) == (JobState.PENDING, JobState.CANCELED)

@@ -29,6 +29,7 @@ from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 from controller.shell.main import assemble
+from controller.shell.recovery import recover
 from tests.helpers import run_udp_client, wait_until
 from tests.worker_handlers import EXECUTIONS, start_workers
 from tests.worker_handlers import executions as executions_in
@@ -76,7 +77,7 @@ async def http_controller(
             await nursery.start(committer.run)
         await nursery.start(desk.run)
         if recovered is not None:
-            desk.recover(recovered, trio.current_time())
+            recover(desk, recovered, trio.current_time())
         await nursery.start(shell.serve)
         await nursery.start(udp.serve)
         await nursery.start(web.serve)

@@ -29,18 +29,17 @@ from controller import options
 from controller.config import ConfigError, parse_config
 from controller.core import TaskState
 from controller.doors.http import codec
+from controller.errors import StartupError
 from controller.joblimits import JobLimits
-from controller.jobs import Usage
-from controller.shell.core_shell import (
-    CoreShell,
-    StartupError,
-    answers_a_pulse,
-    prepare_socket_dir,
-)
+from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 from controller.shell.main import assemble, slot_job_users
+from controller.shell.main_socket import answers_a_pulse, prepare_socket_dir
+from controller.shell.recovery import recover
+from controller.shell.refusals import JournalRefusals
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.transport import chmod_socket_file, listen_unix
+from controller.usage import Usage
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeWorker
 from tests.helpers import (
@@ -708,12 +707,13 @@ async def test_a_job_the_journal_cannot_record_fails_with_reason_error(
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
     shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), journal)
-    desk.recover(journal.load(), trio.current_time())
-    committer = Committer(journal, on_committed=desk.committed, on_rejected=desk.rejected)
+    recover(desk, journal.load(), trio.current_time())
+    refusals = JournalRefusals(desk)
+    committer = Committer(journal, on_committed=refusals.committed, on_rejected=refusals.rejected)
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(shell.serve)
-        job = desk.submit("kept", "http", None, desk.pick_task_id(), b"p", trio.current_time())
+        job = desk.submit("kept", "http", None, desk.book.pick_task_id(), b"p", trio.current_time())
         await desk.write_ahead.committed()
         desk.cancel(job, trio.current_time())
         await desk.write_ahead.committed()  # the cancel's batch: its change refused

@@ -14,19 +14,22 @@ from pathlib import Path
 
 import trio
 
-from controller.affinity import AffinityError, format_cpus, parse_cpus, pin
+from controller.affinity import format_cpus, parse_cpus, pin
 from controller.cli import DOCS, add_common_flags, setup_logging
-from controller.config import Config, ConfigError, load_config, secret_files
+from controller.config import Config, load_config, secret_files
 from controller.doors.udp.shell import UdpDoor
+from controller.errors import CannotStart, StartupError
 from controller.jobs import JobBook
-from controller.journal import Journal, JournalError
+from controller.journal import Journal
 from controller.priority import DEFAULT_ADJUSTMENT, adjust, parse_adjustment
 from controller.shell.committer import Committer
-from controller.shell.core_shell import CoreShell, StartupError
+from controller.shell.core_shell import CoreShell
 from controller.shell.descriptors import raise_nofile_limit
 from controller.shell.desk import JobDesk
 from controller.shell.durability import commit_load
 from controller.shell.metrics import Metrics
+from controller.shell.recovery import recover
+from controller.shell.refusals import JournalRefusals
 from controller.shell.schedules import Claims, PeriodicJobs
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
@@ -205,15 +208,14 @@ async def run_controller(
     committer = None
     if journal is not None:
         live = shell.core.tasks  # every door's queued and running tasks
-        scheduler = shell.core.scheduler
+        core = shell.core
         held = desk.write_ahead
+        refusals = JournalRefusals(desk)
         committer = Committer(
             journal,
-            on_committed=desk.committed,
-            in_flight=lambda: commit_load(
-                len(live), scheduler.queued, scheduler.scheduled, len(held)
-            ),
-            on_rejected=desk.rejected,
+            on_committed=refusals.committed,
+            in_flight=lambda: commit_load(len(live), core.queued, core.scheduled, len(held)),
+            on_rejected=refusals.rejected,
         )
     # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
     # when configured: together they are about 20 MB of a controller's memory.
@@ -266,7 +268,7 @@ async def run_controller(
                 await nursery.start(committer.run)
             await nursery.start(desk.run)
             if recovered is not None:
-                desk.recover(recovered, trio.current_time())
+                recover(desk, recovered, trio.current_time())
             await nursery.start(shell.serve)
             await nursery.start(door.serve)
             if web is not None:
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             args.busy_poll,
             worker_nice,
         )
-    except (ConfigError, StartupError, JournalError, AffinityError) as exc:
+    except CannotStart as exc:
         print(f"controller: {exc}", file=sys.stderr)
         return 2
     return 0
