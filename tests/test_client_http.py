@@ -1,4 +1,4 @@
-"""The client's HTTP layer (controller/client/http.py, httpwire.py) against scripted
+"""The client's HTTP layer (controller/client/http.py, http_endpoint.py, httpwire.py) against scripted
 servers: kept connections, a server that closed one meanwhile, answers cut short or
 malformed, silence, refusal; blocking and async (trio and asyncio) alike. And the codec
 by property: any framing cut anywhere, random bytes."""
@@ -20,12 +20,8 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.client.http import (
-    AsyncHttpPool,
-    HttpPool,
-    _peer_closed,
-    http_address,
-)
+from controller.client.http import AsyncHttpPool, HttpPool, _peer_closed
+from controller.client.http_endpoint import endpoint
 from controller.client.httpwire import MAX_HEAD, Exchange, StreamedAnswer
 from controller.tokens import token_problem
 from tests.helpers import free_tcp_port, wait_until
@@ -266,9 +262,13 @@ async def test_async_errors_and_a_cancelled_request_leaves_no_kept_connection():
 def test_urls_and_tokens_that_cannot_be_used_are_value_errors():
     from controller.client import Client
 
-    assert http_address("http://ctl.example:8080/") == ("ctl.example", 8080)
-    assert http_address("http://[::1]:8080") == ("::1", 8080)
-    assert http_address("https://ctl.example:8443/jobs-api/") == ("ctl.example", 8443)
+    for url, host, port in (
+        ("http://ctl.example:8080/", "ctl.example", 8080),
+        ("http://[::1]:8080", "::1", 8080),
+        ("https://ctl.example:8443/jobs-api/", "ctl.example", 8443),
+    ):
+        where = endpoint(url)
+        assert (where.host, where.port) == (host, port)
     for bad in (
         "http://h:99999",
         "http://h:abc",
@@ -278,7 +278,7 @@ def test_urls_and_tokens_that_cannot_be_used_are_value_errors():
         "http://h:1/?q",
     ):
         with pytest.raises(ValueError, match=r"http\[s\]://HOST:PORT"):
-            http_address(bad)
+            endpoint(bad)
     for bad in ("http://h:99999", "udp://h:abc", "redis://h:abc/0"):
         with pytest.raises(ValueError, match="expected http://HOST:PORT"):
             Client(bad)

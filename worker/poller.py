@@ -28,7 +28,8 @@ import trio
 
 from controller import datagram as dg
 from controller import tokens
-from controller.client.http import AsyncHttpPool, Endpoint, endpoint
+from controller.client.http import AsyncHttpPool
+from controller.client.http_endpoint import Endpoint, endpoint
 from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.errors import SetupError

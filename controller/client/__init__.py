@@ -1,8 +1,8 @@
 """Clients of the controller.
 
-`Client`, `AsyncClient` (api.py): the Python library, over http://, https://, udp:// and
-redis://. Its exceptions (errors.py) share one base, `ClientError`: `JobFailed` and
-`ControllerError` under it.
+`Client` (sync_client.py), `AsyncClient` (async_client.py): the Python library, over
+http://, https://, udp:// and redis://. Its exceptions (errors.py) share one base,
+`ClientError`: `JobFailed` and `ControllerError` under it.
 `UdpSession` (udp_engine.py): the UDP engine of the `udp-client` command (udp_cli.py,
 udp_output.py), and of the library's udp:// backend (udp_backend.py).
 """
@@ -15,7 +15,8 @@ from controller.client.errors import ClientError, ControllerError, JobFailed
 from controller.client.udp_engine import Outcome, UdpSession
 
 if TYPE_CHECKING:
-    from controller.client.api import AsyncClient, AsyncJob, Client, Job
+    from controller.client.async_client import AsyncClient, AsyncJob
+    from controller.client.sync_client import Client, Job
 
 __all__ = [
     "AsyncClient",
@@ -32,8 +33,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # The library (and redis-py) is loaded on first use, so that udp-client starts quickly.
-    if name in {"AsyncClient", "AsyncJob", "Client", "Job"}:
-        from controller.client import api
+    if name in {"Client", "Job"}:
+        from controller.client import sync_client
 
-        return getattr(api, name)
+        return getattr(sync_client, name)
+    if name in {"AsyncClient", "AsyncJob"}:
+        from controller.client import async_client
+
+        return getattr(async_client, name)
     raise AttributeError(f"module 'controller.client' has no attribute {name!r}")

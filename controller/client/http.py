@@ -7,11 +7,8 @@ body bytes). Both keep idle connections for the next request, so a job's
 `POST` and its `GET ?wait=` cost no TCP (or TLS) handshake. The protocol is
 controller/client/httpwire.py (sans-IO); the two pools only move its bytes.
 
-Where they go is an `Endpoint` (`endpoint(url)`): `http://HOST:PORT[/PREFIX/]` or
-`https://...` (the certificate verified against the system's trust store, or only
-against `ca_file`), every request's path under PREFIX. `HTTPS_PROXY` / `HTTP_PROXY`
-(and `NO_PROXY`) from the environment send the connection through that proxy with
-CONNECT, for https and http alike, so the proxy sees no request and no token.
+Where they go is an `Endpoint` (controller/client/http_endpoint.py): the server, the
+path prefix, TLS and the proxy a URL and the environment name.
 
 Why not httpx: it spent ~550 us of CPU per request here, more than the
 controller's server side (docs/client.md).
@@ -27,7 +24,6 @@ proxy's refusal, a certificate not trusted), `TimeoutError` (no answer within
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import select
@@ -36,21 +32,18 @@ import ssl
 import struct
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
-from urllib.parse import SplitResult, unquote, urlsplit
 
 import anyio
 import anyio.abc
 from anyio.streams.tls import TLSStream
 
+from controller.client.http_endpoint import Endpoint, connection_error, endpoint
 from controller.client.httpwire import (
     Answer,
     Exchange,
     Headers,
-    Stale,
     StreamedAnswer,
     Tunnel,
     encode_json,
@@ -79,121 +72,6 @@ def _peer_closed(fd: int) -> bool:
         return bool(poller.poll(0))
     except OSError:
         return True
-
-
-def url_port(parts: SplitResult, default: int | None = None) -> int | None:
-    """A split URL's port, `default` when it names none, None when it is out of range or not
-    a number."""
-    try:
-        port = parts.port
-    except ValueError:
-        return None
-    return default if port is None else port
-
-
-URL_FORM = "http[s]://HOST:PORT[/PREFIX/]"
-
-
-@dataclass(frozen=True)
-class Proxy:
-    """An HTTP proxy that opens tunnels with CONNECT."""
-
-    host: str
-    port: int
-    authorization: str  # a Proxy-Authorization value (from the proxy URL's user:password), or ""
-
-    def __str__(self) -> str:
-        return f"{_netloc(self.host)}:{self.port}"
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where requests go: the server, the path prefix, TLS and the proxy."""
-
-    scheme: str  # http or https
-    host: str
-    port: int
-    prefix: str  # "" or "/PREFIX", put before every request's path
-    tls: ssl.SSLContext | None
-    proxy: Proxy | None
-
-    @property
-    def authority(self) -> str:
-        return f"{_netloc(self.host)}:{self.port}"
-
-    def __str__(self) -> str:
-        return f"{self.scheme}://{self.authority}{self.prefix}"
-
-
-def _netloc(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def endpoint(url: str, *, ca_file: str | None = None) -> Endpoint:
-    """The Endpoint of an `http[s]://HOST:PORT[/PREFIX/]` URL, with the proxy the
-    environment names for it; ValueError when it cannot be used."""
-    parts = urlsplit(url)
-    port = url_port(parts)
-    if (
-        parts.scheme not in ("http", "https")
-        or not parts.hostname
-        or not port
-        or parts.query
-        or parts.fragment
-        or parts.username is not None
-    ):
-        raise ValueError(f"expected an {URL_FORM} URL, got {url!r}")
-    prefix = parts.path.rstrip("/")
-    if any(c in prefix for c in " \r\n?#"):
-        raise ValueError(f"not a path prefix: {parts.path!r}")
-    tls = None
-    if parts.scheme == "https":
-        tls = tls_context(ca_file)
-    elif ca_file is not None:
-        raise ValueError("a CA file is for https:// URLs only")
-    return Endpoint(parts.scheme, parts.hostname, port, prefix, tls, _proxy_for(parts, port))
-
-
-def tls_context(ca_file: str | None) -> ssl.SSLContext:
-    """Certificates verified, host names checked: against the system's trust store, or
-    only against `ca_file` (PEM) when it is given."""
-    try:
-        return ssl.create_default_context(cafile=ca_file)
-    except (OSError, ValueError) as exc:  # missing, unreadable, not PEM (ssl.SSLError)
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ValueError(f"CA file {ca_file}: {why}") from None
-
-
-# The stdlib's reading of NO_PROXY (suffixes, "*", host:port), for the host given.
-_bypass: Callable[[str, dict[str, str]], bool] = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-
-
-def _proxy_for(parts: SplitResult, port: int) -> Proxy | None:
-    """The proxy HTTPS_PROXY or HTTP_PROXY (either case) names for this URL's scheme,
-    unless NO_PROXY covers its host."""
-    assert parts.hostname is not None
-    proxies = urllib.request.getproxies_environment()
-    url = proxies.get(parts.scheme)
-    if not url or _bypass(f"{parts.hostname}:{port}", proxies):
-        return None
-    if "://" not in url:
-        url = f"http://{url}"
-    proxy = urlsplit(url)
-    proxy_port = url_port(proxy, 80)
-    if proxy.scheme != "http" or not proxy.hostname or not proxy_port:
-        name = f"{parts.scheme.upper()}_PROXY"
-        raise ValueError(f"{name} must be an http://HOST:PORT proxy, got {url!r}")
-    authorization = ""
-    if proxy.username is not None:
-        pair = f"{unquote(proxy.username)}:{unquote(proxy.password or '')}"
-        authorization = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
-    return Proxy(proxy.hostname, proxy_port, authorization)
-
-
-def http_address(url: str) -> tuple[str, int]:
-    """(host, port) of a usable `http[s]://HOST:PORT[/PREFIX/]` URL; ValueError otherwise."""
-    where = endpoint(url)
-    return where.host, where.port
 
 
 class _Base:
@@ -251,7 +129,7 @@ class _Base:
             return TimeoutError(f"{self.where}: no answer within {limit:g} s")
         if reused and not exchange.got_bytes:
             return None
-        return _reason(exc, self.where)
+        return connection_error(exc, self.where)
 
 
 class _Kept:
@@ -357,7 +235,7 @@ class HttpPool(_Base):
             except TimeoutError:
                 raise TimeoutError(f"{self.where}: no answer within {limit:g} s") from None
             except OSError as exc:
-                raise _reason(exc, self.where) from None
+                raise connection_error(exc, self.where) from None
             yield Streamed(sock, answer, bytes(first), self.where)
 
     def close(self) -> None:
@@ -390,7 +268,7 @@ class HttpPool(_Base):
         except TimeoutError:
             raise TimeoutError(f"{self.where}: no connection within {timeout:g} s") from None
         except OSError as exc:
-            raise _reason(exc, self.where) from None
+            raise connection_error(exc, self.where) from None
 
     def _open(self, timeout: float) -> socket.socket:
         """A new connection, through the proxy's tunnel and TLS when they are asked for; the
@@ -448,7 +326,7 @@ class Streamed:
             try:
                 piece = self._answer.feed(self._sock.recv(READ_SIZE))
             except OSError as exc:
-                raise _reason(exc, self._where) from None
+                raise connection_error(exc, self._where) from None
             if piece:
                 yield piece
 
@@ -546,7 +424,9 @@ class AsyncHttpPool(_Base):
             cause = exc.__cause__
             if isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
                 cause = cause.exceptions[0]
-            raise _reason(cause if isinstance(cause, OSError) else exc, self.where) from None
+            raise connection_error(
+                cause if isinstance(cause, OSError) else exc, self.where
+            ) from None
 
     async def _connect(self) -> _AsyncKept:
         """A new connection, through the proxy's tunnel and TLS when they are asked for."""
@@ -584,19 +464,3 @@ async def _receive(stream: anyio.abc.ByteStream) -> bytes:
         return await stream.receive(READ_SIZE)
     except anyio.EndOfStream:
         return b""
-
-
-def _reason(exc: BaseException, where: str) -> ConnectionError:
-    """A ConnectionError naming the server (ConnectionRefusedError and the like keep their
-    type); a certificate that is not trusted says so, and what to give to trust it."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        why = exc.verify_message or exc.reason or str(exc)
-        return ConnectionError(
-            f"{where}: its TLS certificate is not trusted ({why}); "
-            "ca_file= (--ca-file) names the CA to trust"
-        )
-    if isinstance(exc, ssl.SSLError):
-        return ConnectionError(f"{where}: TLS failed: {exc.reason or exc}")
-    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    kind = type(exc) if isinstance(exc, ConnectionError) and type(exc) is not Stale else None
-    return (kind or ConnectionError)(f"{where}: {why or type(exc).__name__}")

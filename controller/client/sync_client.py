@@ -1,4 +1,5 @@
-"""The Python client: `Client` (blocking, shareable by threads) and `AsyncClient` (asyncio or trio).
+"""The blocking client: `Client` (shareable by threads) and its `Job`; `AsyncClient`
+(controller/client/async_client.py) is the same with coroutines, for asyncio or trio.
 
     from controller.client import Client, JobFailed
     with Client("http://127.0.0.1:8080") as client:
@@ -29,35 +30,28 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote, urlsplit
 
-import anyio
 import redis
 
-from controller import datagram as dg
-from controller.client.errors import ClientError, ControllerError, JobFailed
-from controller.client.http import Answer, AsyncHttpPool, HttpPool, url_port
+from controller.client.errors import ControllerError
+from controller.client.http import HttpPool
+from controller.client.job_calls import (
+    FINAL,
+    MAX_WAIT,
+    NO_SUCH_REQUEST,
+    checked,
+    job_path,
+    outcome,
+    payload_bytes,
+    remaining,
+    request_body,
+    split_url,
+    wait_query,
+)
 from controller.client.jobfields import as_text, initial_state, option_fields
 from controller.client.redis_backend import NO_LISTENER, RedisBackend
 from controller.client.udp_backend import UdpBackend
 
-__all__ = [
-    "AsyncClient",
-    "AsyncJob",
-    "Client",
-    "ClientError",
-    "ControllerError",
-    "Job",
-    "JobFailed",
-]
-
-# get, cancel and retry over udp://.
-_NO_SUCH_REQUEST = (
-    "get, cancel and retry need http:// or redis:// (the UDP door has no such request)"
-)
-FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
-# Longest single ?wait= the server allows; longer waits are several of them.
-MAX_WAIT = 60.0
 # What udp:// job states come back as, from the UDP door's words.
 _UDP_STATES = {
     "queued": "pending",
@@ -66,27 +60,6 @@ _UDP_STATES = {
     "error": "failed",
     "failed_post": "failed",
 }
-
-
-def _payload(payload: bytes | str) -> bytes:
-    if isinstance(payload, str):
-        return payload.encode("utf-8")
-    if isinstance(payload, bytes | bytearray | memoryview):
-        return bytes(payload)
-    raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
-
-
-def _body(
-    payload: bytes, name: str | None, job_id: str | None, options: dict[str, Any]
-) -> dict[str, Any]:
-    body: dict[str, Any] = {}
-    dg.put_bytes(body, "payload", payload)
-    if name is not None:
-        body["name"] = name
-    if job_id is not None:
-        body["id"] = job_id
-    body.update(options)
-    return body
 
 
 def _retried(job_id: str, state: str) -> None:
@@ -101,48 +74,6 @@ def _retried(job_id: str, state: str) -> None:
     raise ControllerError(409, f"job {job_id} is {state}: only a failed or canceled job is retried")
 
 
-def _outcome(data: dict[str, Any]) -> bytes:
-    """The result of an ended job object, or JobFailed."""
-    state = data.get("state", "")
-    if state == "finished":
-        return dg.read_bytes(data, "result") or b""
-    raise JobFailed(str(data.get("id")), str(state), str(data.get("error", "")))
-
-
-def _check(resp: Answer) -> dict[str, Any]:
-    try:
-        data = resp.json()
-    except ValueError:
-        raise ControllerError(resp.status, resp.text[:200]) from None
-    if resp.status >= 400:
-        message = data.get("message", "") if isinstance(data, dict) else ""
-        if resp.status == 404:
-            raise KeyError(message or "no such job")
-        raise ControllerError(resp.status, str(message))
-    return data if isinstance(data, dict) else {}
-
-
-def _job_path(job_id: str) -> str:
-    return f"/job/{quote(job_id, safe='')}/"
-
-
-def _wait_query(wait: float) -> dict[str, str] | None:
-    return {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else None
-
-
-def _split(url: str) -> tuple[str, str, int]:
-    parts = urlsplit(url)
-    port = url_port(parts, 6379 if parts.scheme == "redis" else None)
-    if parts.scheme == "redis" and parts.hostname and port is not None:
-        return parts.scheme, parts.hostname, port or 6379
-    if parts.scheme not in ("http", "https", "udp") or not parts.hostname or not port:
-        raise ValueError(
-            "expected http://HOST:PORT[/PREFIX/], https://HOST:PORT[/PREFIX/], udp://HOST:PORT"
-            f" or redis://HOST:PORT/DB, got {url!r}"
-        )
-    return parts.scheme, parts.hostname, port
-
-
 @contextlib.contextmanager
 def _redis_errors() -> Iterator[None]:
     """Redis failures as ControllerError("redis", why)."""
@@ -150,13 +81,6 @@ def _redis_errors() -> Iterator[None]:
         yield
     except redis.RedisError as exc:
         raise ControllerError("redis", str(exc) or type(exc).__name__) from None
-
-
-def _remaining(deadline: float | None) -> float:
-    return MAX_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-# ---------------------------------------------------------------- blocking
 
 
 class Job:
@@ -194,7 +118,7 @@ class Job:
         while self._data.get("state") not in FINAL:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id} did not end within {timeout:g} s")
-            self._data = self._client._fetch(self, _remaining(deadline))
+            self._data = self._client._fetch(self, remaining(deadline))
         return self._client._result(self, self._data)
 
     def __repr__(self) -> str:
@@ -212,7 +136,7 @@ class Client:
         ca_file: str | None = None,
         timeout: float = 30.0,
     ) -> None:
-        self.scheme, host, port = _split(url)
+        self.scheme, host, port = split_url(url)
         self.timeout = timeout
         self._http: HttpPool | None = None
         self._udp_backend: UdpBackend | None = None
@@ -271,14 +195,14 @@ class Client:
             placement_timeout=placement_timeout,
             owner=owner,
         )
-        return self._submit(_payload(payload), name, id, options)
+        return self._submit(payload_bytes(payload), name, id, options)
 
     def _submit(
         self, data: bytes, name: str | None, id: str | None, options: dict[str, Any]
     ) -> Job:
         if self._http is not None:
-            resp = self._http.request("POST", "/job/", json=_body(data, name, id, options))
-            return Job(self, _check(resp))
+            resp = self._http.request("POST", "/job/", json=request_body(data, name, id, options))
+            return Job(self, checked(resp))
         if self._redis is not None:
             state = initial_state(options)
             with _redis_errors():
@@ -288,7 +212,7 @@ class Client:
             raise ValueError("udp:// picks each job's task_id itself: id is not accepted")
         udp = self._udp()
         task_id = next(udp.task_ids)
-        params: dict[str, Any] = {"task_id": task_id, **_body(data, None, None, options)}
+        params: dict[str, Any] = {"task_id": task_id, **request_body(data, None, None, options)}
         udp.request("add_task", params, time.monotonic() + self.timeout)
         return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
 
@@ -299,17 +223,17 @@ class Client:
             if data is None:
                 raise KeyError(f"no job {id!r}")
             return Job(self, data)
-        return Job(self, _check(self._need_http().request("GET", _job_path(id))))
+        return Job(self, checked(self._need_http().request("GET", job_path(id))))
 
     def cancel(self, id: str) -> Job:
         if self._redis is not None:
             with _redis_errors():
                 self._redis.cancel(id)
             return self.get(id)
-        resp = self._need_http().request("PUT", _job_path(id), json={"state": "canceled"})
+        resp = self._need_http().request("PUT", job_path(id), json={"state": "canceled"})
         if resp.status == 409:  # it ended already: its final state is the answer
             return self.get(id)
-        return Job(self, _check(resp))
+        return Job(self, checked(resp))
 
     def retry(self, id: str) -> Job:
         """Put a failed or canceled job back to `pending` (a fresh `max_retries`); the job.
@@ -319,13 +243,13 @@ class Client:
                 state = self._redis.retry(id)
             _retried(id, state)
             return self.get(id)
-        return Job(self, _check(self._need_http().request("POST", _job_path(id) + "retry/")))
+        return Job(self, checked(self._need_http().request("POST", job_path(id) + "retry/")))
 
     # ------------------------------------------------------------ for Job
 
     def _need_http(self) -> HttpPool:
         if self._http is None:
-            raise ValueError(_NO_SUCH_REQUEST)
+            raise ValueError(NO_SUCH_REQUEST)
         return self._http
 
     def _udp(self) -> UdpBackend:
@@ -345,7 +269,7 @@ class Client:
                     data = self._redis.wait(job.id, time.monotonic() + wait)
             return data if data is not None else {"id": job.id, "state": "pending"}
         if self._http is not None:
-            return _check(self._http.request("GET", _job_path(job.id), query=_wait_query(wait)))
+            return checked(self._http.request("GET", job_path(job.id), query=wait_query(wait)))
         udp = self._udp()
         if wait <= 0:
             found = udp.peek(job._task_id)
@@ -359,156 +283,6 @@ class Client:
         if self._redis is not None and data.get("state") == "finished":
             return bytes(data.get("result", b""))
         if self._http is not None or data.get("state") != "finished":
-            return _outcome(data)
+            return outcome(data)
         deadline = time.monotonic() + self.timeout
         return self._udp().result_bytes(job._task_id, data["udp"], deadline)
-
-
-# ---------------------------------------------------------------- async (asyncio or trio)
-
-
-class AsyncJob:
-    """A submitted job (async); `state` is the latest state seen, `refresh()` reads it anew."""
-
-    def __init__(self, client: AsyncClient, data: dict[str, Any], sync: Job | None = None) -> None:
-        self._client = client
-        self._data = data
-        self._sync = sync  # udp:// and redis:// jobs run on the blocking backend, in a thread
-        self.id: str = str(data["id"])
-
-    @property
-    def state(self) -> str:
-        if self._sync is not None:
-            if self._client.scheme == "udp":  # udp:// reads what its receiver has seen
-                return self._sync.state
-            return str(self._sync._data.get("state", "pending"))
-        return str(self._data.get("state", "pending"))
-
-    async def refresh(self) -> str:
-        if self._sync is not None:
-            return await anyio.to_thread.run_sync(self._sync.refresh)
-        self._data = await self._client._get_json(self.id, 0.0)
-        return self.state
-
-    async def result(self, timeout: float | None = None) -> bytes:
-        if self._sync is not None:
-            # A cancelled wait leaves the thread to finish its (bounded) wait on its own.
-            return await anyio.to_thread.run_sync(
-                self._sync.result, timeout, abandon_on_cancel=True
-            )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._data.get("state") not in FINAL:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id} did not end within {timeout:g} s")
-            self._data = await self._client._get_json(self.id, _remaining(deadline))
-        return _outcome(self._data)
-
-    def __repr__(self) -> str:
-        return f"<AsyncJob {self.id} {self.state}>"
-
-
-class AsyncClient:
-    """The same as `Client`, with coroutines; runs under asyncio and trio alike."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        ca_file: str | None = None,
-        timeout: float = 30.0,
-    ) -> None:
-        self.scheme, _, _ = _split(url)
-        self._http: AsyncHttpPool | None = None
-        self._sync: Client | None = None
-        if self.scheme in ("http", "https"):
-            timeout = MAX_WAIT + timeout
-            self._http = AsyncHttpPool(url, token=token, timeout=timeout, ca_file=ca_file)
-        else:
-            self._sync = Client(url, token=token, timeout=timeout)
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-        if self._sync is not None:
-            await anyio.to_thread.run_sync(self._sync.close)
-
-    async def submit(
-        self,
-        payload: bytes | str = b"",
-        *,
-        name: str | None = None,
-        id: str | None = None,
-        queue: str | None = None,
-        priority: int | None = None,
-        requires: Sequence[str] | None = None,
-        delay: float | None = None,
-        run_at: datetime | None = None,
-        max_retries: int | None = None,
-        retry_delay: float | None = None,
-        timeout: float | None = None,
-        placement_timeout: float | None = None,
-        owner: str | None = None,
-    ) -> AsyncJob:
-        """As `Client.submit`."""
-        options = option_fields(
-            queue=queue,
-            priority=priority,
-            requires=requires,
-            delay=delay,
-            run_at=run_at,
-            max_retries=max_retries,
-            retry_delay=retry_delay,
-            timeout=timeout,
-            placement_timeout=placement_timeout,
-            owner=owner,
-        )
-        data = _payload(payload)
-        if self._sync is not None:
-            sync_client = self._sync
-            job = await anyio.to_thread.run_sync(
-                lambda: sync_client._submit(data, name, id, options)
-            )
-            return AsyncJob(self, {"id": job.id}, job)
-        assert self._http is not None
-        resp = await self._http.request("POST", "/job/", json=_body(data, name, id, options))
-        return AsyncJob(self, _check(resp))
-
-    async def get(self, id: str) -> AsyncJob:
-        if self._sync is not None and self.scheme == "redis":
-            job = await anyio.to_thread.run_sync(self._sync.get, id)
-            return AsyncJob(self, {"id": job.id}, job)
-        return AsyncJob(self, await self._get_json(id, 0.0))
-
-    async def cancel(self, id: str) -> AsyncJob:
-        if self._sync is not None and self.scheme == "redis":
-            job = await anyio.to_thread.run_sync(self._sync.cancel, id)
-            return AsyncJob(self, {"id": job.id}, job)
-        http = self._need_http()
-        resp = await http.request("PUT", _job_path(id), json={"state": "canceled"})
-        if resp.status == 409:
-            return await self.get(id)
-        return AsyncJob(self, _check(resp))
-
-    async def retry(self, id: str) -> AsyncJob:
-        """As `Client.retry`."""
-        if self._sync is not None and self.scheme == "redis":
-            job = await anyio.to_thread.run_sync(self._sync.retry, id)
-            return AsyncJob(self, {"id": job.id}, job)
-        resp = await self._need_http().request("POST", _job_path(id) + "retry/")
-        return AsyncJob(self, _check(resp))
-
-    def _need_http(self) -> AsyncHttpPool:
-        if self._http is None:
-            raise ValueError(_NO_SUCH_REQUEST)
-        return self._http
-
-    async def _get_json(self, job_id: str, wait: float) -> dict[str, Any]:
-        query = _wait_query(wait)
-        return _check(await self._need_http().request("GET", _job_path(job_id), query=query))

@@ -1,0 +1,102 @@
+"""What `Client` and `AsyncClient` share: the URL's scheme read, a job's request built, the
+controller's answers read.
+
+`split_url` tells http://, https://, udp:// and redis:// URLs apart; `request_body` is the JSON
+of a submitted job (HTTP and UDP alike); `checked` reads an HTTP answer, raising `KeyError`
+(404) or `ControllerError` for a refusal; `outcome` is an ended job's result bytes or
+`JobFailed`. Waits longer than the server's longest `?wait=` (MAX_WAIT) are several of them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from controller import datagram as dg
+from controller.client.errors import ControllerError, JobFailed
+from controller.client.http import Answer
+from controller.client.http_endpoint import url_port
+
+# get, cancel and retry over udp://.
+NO_SUCH_REQUEST = (
+    "get, cancel and retry need http:// or redis:// (the UDP door has no such request)"
+)
+FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
+# Longest single ?wait= the server allows; longer waits are several of them.
+MAX_WAIT = 60.0
+
+
+def payload_bytes(payload: bytes | str) -> bytes:
+    """A job's payload as bytes (a str in UTF-8); TypeError for anything else."""
+    if isinstance(payload, str):
+        return payload.encode("utf-8")
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    raise TypeError(f"payload must be bytes or str, got {type(payload).__name__}")
+
+
+def request_body(
+    payload: bytes, name: str | None, job_id: str | None, options: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON object a job is submitted with, over HTTP and UDP."""
+    body: dict[str, Any] = {}
+    dg.put_bytes(body, "payload", payload)
+    if name is not None:
+        body["name"] = name
+    if job_id is not None:
+        body["id"] = job_id
+    body.update(options)
+    return body
+
+
+def outcome(data: dict[str, Any]) -> bytes:
+    """The result of an ended job object, or JobFailed."""
+    state = data.get("state", "")
+    if state == "finished":
+        return dg.read_bytes(data, "result") or b""
+    raise JobFailed(str(data.get("id")), str(state), str(data.get("error", "")))
+
+
+def checked(resp: Answer) -> dict[str, Any]:
+    """An HTTP answer's JSON object; KeyError for a 404, ControllerError for another refusal
+    or an answer that is not JSON."""
+    try:
+        data = resp.json()
+    except ValueError:
+        raise ControllerError(resp.status, resp.text[:200]) from None
+    if resp.status >= 400:
+        message = data.get("message", "") if isinstance(data, dict) else ""
+        if resp.status == 404:
+            raise KeyError(message or "no such job")
+        raise ControllerError(resp.status, str(message))
+    return data if isinstance(data, dict) else {}
+
+
+def job_path(job_id: str) -> str:
+    """The path of a job's object in the HTTP API."""
+    return f"/job/{quote(job_id, safe='')}/"
+
+
+def wait_query(wait: float) -> dict[str, str] | None:
+    """The `?wait=` of a GET that waits `wait` seconds (at most MAX_WAIT); None: no wait."""
+    return {"wait": f"{min(wait, MAX_WAIT):.3f}"} if wait > 0 else None
+
+
+def split_url(url: str) -> tuple[str, str, int]:
+    """A client URL's (scheme, host, port); ValueError when it is none of the four kinds."""
+    parts = urlsplit(url)
+    port = url_port(parts, 6379 if parts.scheme == "redis" else None)
+    if parts.scheme == "redis" and parts.hostname and port is not None:
+        return parts.scheme, parts.hostname, port or 6379
+    if parts.scheme not in ("http", "https", "udp") or not parts.hostname or not port:
+        raise ValueError(
+            "expected http://HOST:PORT[/PREFIX/], https://HOST:PORT[/PREFIX/], udp://HOST:PORT"
+            f" or redis://HOST:PORT/DB, got {url!r}"
+        )
+    return parts.scheme, parts.hostname, port
+
+
+def remaining(deadline: float | None) -> float:
+    """How long the next wait may be: MAX_WAIT without a deadline."""
+    return MAX_WAIT if deadline is None else max(0.0, deadline - time.monotonic())
