@@ -1,4 +1,6 @@
-"""`worker` command line."""
+"""The `worker` command line: its flags, the job user and limits it sets up for `--exec` jobs
+(`build_jail`), and the worker it runs: a local worker (worker/local/), a calculator
+(`--udp`, worker/calculator.py) or a poller (`--hub`, worker/poller.py)."""
 
 from __future__ import annotations
 

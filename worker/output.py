@@ -15,7 +15,7 @@ The sink holds at most `BUFFER_LIMIT` bytes waiting to be sent: past it the
 oldest go, and what is sent next starts with a line saying how many bytes
 were dropped. Its owner takes the bytes out in pieces of at most
 `CHUNK` (`take`), at most every `BATCH_SECONDS` unless `CHUNK` bytes are
-waiting (`due`); `on_data` tells the owner that bytes arrived when there
+waiting; `on_data` tells the owner that bytes arrived when there
 were none (or a whole chunk is waiting), from whatever thread wrote them.
 """
 

@@ -1,15 +1,13 @@
-"""`worker --exit-with-parent PID`: a local worker never outlives the process that started it.
+"""`worker --exit-with-parent PID`: the worker's tie to the process that started it.
 
-The worker asks the kernel for `PARENT_DEATH_SIGNAL` when its parent ends
-(prctl PR_SET_PDEATHSIG), then checks that its parent is still the one it was
-started by: a parent that ended before the request was made sends nothing,
-and the worker has been handed to init or a subreaper instead. The kernel
-also sends the signal when the parent *thread* that forked the worker ends
-(trio and other libraries start processes from worker threads) while the
-parent process lives on; the parent is checked again on every signal, so
-only its real end counts. Until the shell listens for the signal, a handler
-that does nothing keeps a thread's end from killing the worker; the shell
-checks the parent once it listens, so a real end in between is not missed.
+At start the worker asks the kernel for `PARENT_DEATH_SIGNAL` when its parent ends (prctl
+PR_SET_PDEATHSIG), then checks that its parent is still the one it was started by: a parent
+that ended before the request was made sends nothing, and the worker has been handed to
+init or a subreaper instead (it exits at once then). The signal's handler does nothing: the
+kernel also sends the signal when the parent *thread* that forked the worker ends (trio and
+other libraries start processes from worker threads) while the parent process lives on, and
+that must not kill the worker. A local worker learns of its parent's real end from a pidfd
+on it, watched in its loop (worker/local/base.py).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ def tie_to_parent(expected: int) -> bool:
     """Ask for PARENT_DEATH_SIGNAL when the parent ends; False if `expected` is no longer the
     parent (it ended before the request took effect, so the signal will never come)."""
     # A handler, not SIG_IGN: job commands the worker starts get the default back at exec.
-    signal.signal(PARENT_DEATH_SIGNAL, _not_yet)
+    signal.signal(PARENT_DEATH_SIGNAL, _ignore)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) != 0:
         err = ctypes.get_errno()
@@ -41,5 +39,5 @@ def parent_alive(expected: int) -> bool:
     return expected > 1 and os.getppid() == expected
 
 
-def _not_yet(signum: int, frame: object) -> None:
-    """Until the shell listens: it checks the parent itself when it starts to."""
+def _ignore(signum: int, frame: object) -> None:
+    """PARENT_DEATH_SIGNAL: nothing (a parent thread's end must not kill the worker)."""

@@ -129,11 +129,6 @@ class Command:
         epoll.register(self.pidfd, select.EPOLLIN)
 
     @property
-    def fds(self) -> tuple[int, ...]:
-        """The descriptors registered in the caller's epoll set."""
-        return (self.in_w, self.out_r, self.err_r, self.pidfd)
-
-    @property
     def watched(self) -> set[int]:
         """The descriptors still in the caller's epoll set."""
         live = set(self._open)

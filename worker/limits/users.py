@@ -95,16 +95,6 @@ def set_capabilities(caps: Sequence[int]) -> None:
         prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
 
 
-def capabilities() -> tuple[int, int]:
-    """(effective, permitted) capability masks of this process, from /proc."""
-    fields = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    return int(fields.get("CapEff", "0"), 16), int(fields.get("CapPrm", "0"), 16)
-
-
 def become(user: str, *, keep_job_caps: bool) -> None:
     """`worker --user USER`: a worker started as root runs as USER from here on, keeping
     CAP_SETUID, CAP_SETGID and CAP_KILL when it starts jobs as job users, nothing else."""
