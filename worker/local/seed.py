@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from controller import wire
-from controller.transport import accept_unix, listen_unix
+from controller.transport import CONNECT_RETRY, accept_unix, listen_unix
 from gen import worker_protocol_pb2 as pb
 from worker.core import Effect
 from worker.local.base import EXIT_RESTART, Settings
@@ -34,9 +34,6 @@ _OUT = select.EPOLLOUT
 # The controller dials one connection at a time per worker, plus an occasional GET_STATUS.
 CONTROL_BACKLOG = 64
 
-# A full listen backlog on main.sock makes a non-blocking connect fail with EAGAIN:
-# try again after this pause, until the exchange's timeout.
-CONNECT_RETRY = 0.001
 # The longest error text a bad control frame is answered with.
 BAD_FRAME_TEXT = 1024
 # A refused peer on the control socket is logged at most this often (a count in between).
