@@ -79,7 +79,7 @@ class DoorBase:
         self.defaults = config.job_options("redis")
         self.lanes = Lanes(settings.stream, self.defaults)
         self._served: list[Lane] = []  # the lanes of the queues our workers serve
-        self._served_of = -1  # the scheduler's serving_version when _served was made
+        self._served_of = -1  # the core's serving_version when _served was made
         self.entries: dict[str, list[EntryRef]] = {}  # job id -> its entries not yet acknowledged
         self.outbox: dict[str, Outcome] = {}  # job id -> outcome to write
         self.progress: dict[str, str] = {}  # job id -> live state to write

@@ -10,11 +10,13 @@ is busy). Each queue has its own stream, read only while a worker here serves th
 - the reader (reading.py) takes new entries within the room this controller has and hands
   them to the job desk;
 - the writer (writing.py) writes each outcome and acknowledges its entries;
-- the keeper (keeping.py) keeps held entries this controller's, claims those of stopped
-  consumers and reads the groups' lag;
+- the keeper (keeping.py) re-claims the entries this controller holds, claims those of
+  stopped consumers and reads the groups' lag;
 - the listener (listening.py) hears cancels and retries at once.
 
-They share what the door holds and its retried calls (base.py). While Redis is unreachable
+They share what the door holds and its retried calls (base.py): each task's class adds its
+methods to the one below it (DoorBase, DoorListener, DoorReader, then DoorWriter and
+DoorKeeper), and `RedisDoor` is the whole. While Redis is unreachable
 each task retries with backoff (capped at 5 s), a log line says so (at most one per
 interval), and the other doors go on. A queue's stream key that holds another type
 (WRONGTYPE) stops that lane alone: it is left out of reads and claims and tried again with

@@ -1,13 +1,14 @@
 """The Redis door's keeper: what this controller holds stays its own, and what stopped
 consumers held comes to it.
 
-Once a second (KEEP_INTERVAL) the keeper re-claims held entries well within `claim_after`
-(parked ones are left to go stale, so that a controller with a suitable worker claims
-them; one claimed away is dropped here, never taken back), claims those of stopped
-consumers within the reader's room, reads the hashes of live held jobs for a cancel whose
-announcement was missed, writes the live state of held jobs that changed, reads the groups'
-lag and pending counts, and every TRIM_INTERVAL deletes acknowledged entries past
-`result_retention`.
+Every KEEP_INTERVAL (sooner when `claim_after` is short) the keeper settles held jobs that
+ended and hands the writer the live states that changed, claims the entries of stopped
+consumers within the reader's room, and reads the groups' lag and pending counts. Every
+third of `claim_after` it re-claims the entries this controller holds (parked ones are only
+looked at and left to go stale, so that a controller with a suitable worker claims them;
+one claimed away is dropped here, never taken back) and reads the hashes of live held jobs
+for a cancel whose announcement was missed. Every TRIM_INTERVAL it deletes acknowledged
+entries past `result_retention`.
 """
 
 from __future__ import annotations

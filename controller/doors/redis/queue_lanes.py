@@ -97,7 +97,7 @@ class Lanes:
         self, served: list[Lane], core: Core, held: Iterable[Job | None]
     ) -> dict[Lane, tuple[int, int]]:
         """Per lane `served`: how many more entries this controller can start soon, and how
-        many of its queue wait here. With one lane, the scheduler's counts (every door's
+        many of its queue wait here. With one lane, the core's counts (every door's
         queued jobs, every idle worker); with several, per queue: the idle workers serving
         it, less the jobs `held` of that queue not started yet; parked entries count too."""
         if len(served) == 1:

@@ -56,7 +56,7 @@ class DoorReader(DoorListener):
         """Per lane read: how many more entries this controller can start soon, and how many
         of that queue wait here (not started, or parked)."""
         served = self.served()
-        if len(served) < 2:  # none, or one queue (most controllers): the scheduler's counts
+        if len(served) < 2:  # none, or one queue (most controllers): the core's counts
             return self.lanes.rooms(served, self.core, ())
         held = (self.book.get(job_id) for job_id in self.entries)
         return self.lanes.rooms(served, self.core, held)
