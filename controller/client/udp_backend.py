@@ -24,10 +24,7 @@ import trio
 
 from controller import datagram as dg
 from controller.client.errors import ControllerError
-from controller.client.udp_engine import UdpSession
-
-# Without a notification this long, ask with get_task (it may have been lost).
-POLL_AFTER = 3.0
+from controller.client.udp_engine import POLL_AFTER, UdpSession
 
 
 class UdpBackend:
