@@ -1,7 +1,7 @@
-"""The client's HTTP layer (controller/client/http.py, http_endpoint.py, httpwire.py) against scripted
-servers: kept connections, a server that closed one meanwhile, answers cut short or
-malformed, silence, refusal; blocking and async (trio and asyncio) alike. And the codec
-by property: any framing cut anywhere, random bytes."""
+"""The client's HTTP layer (controller/client/http.py, http_endpoint.py, httpwire.py)
+against scripted servers: kept connections, a server that closed one meanwhile, answers cut
+short or malformed, silence, refusal; blocking and async (trio and asyncio) alike. And the
+codec by property: any framing cut anywhere, random bytes."""
 
 from __future__ import annotations
 
