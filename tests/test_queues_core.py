@@ -148,9 +148,7 @@ def test_a_retried_job_gets_a_fresh_max_retries_and_keeps_counting_attempts():
     task, _ = core.submit(1, b"x", "job-1", 0.0, options)
     [ended] = finished(fail_once(core, a, 1, 0.0))
     assert ended.state is TaskState.ERROR
-    again = core.scheduler.resubmit(task.ref, 1, b"x", "job-1", options, 1, 1.0)
-    actions: list[object] = []
-    core.scheduler.dispatch(actions)
+    again, _ = core.resubmit(task.ref, 1, b"x", "job-1", options, 1, 1.0)
     assert core.workers[a].task is again and again.retried_at == 1
     [ended] = finished(fail_once(core, a, 1, 1.0))
     assert ended.state is TaskState.ERROR and "failed 2 times" in ended.error

@@ -172,7 +172,9 @@ class Core:
     ) -> tuple[Task, list[Action]]:
         """Put a task that ended failed or canceled back to pending with a fresh max_retries
         (its attempts go on counting) and the same ref; returns it and the actions."""
-        task = self.scheduler.resubmit(ref, task_id, payload, job, options, attempts, now)
+        task = Task(ref=ref, task_id=task_id, payload=payload, job=job, attempts=attempts)
+        task.opts = options
+        self.scheduler.resubmit(task, now)
         actions: list[Action] = []
         self.scheduler.dispatch(actions)
         return task, actions

@@ -138,25 +138,13 @@ class Scheduler:
         task.deadline = when
         self.at(when, self._scheduled_due, task)
 
-    def resubmit(
-        self,
-        ref: int,
-        task_id: int,
-        payload: bytes,
-        job: object,
-        options: JobOptions,
-        attempts: int,
-        now: float,
-    ) -> Task:
-        """A job that ended failed or canceled is back, pending, with a fresh max_retries
-        (its attempts go on counting) and the same ref. The caller dispatches."""
-        task = Task(ref=ref, task_id=task_id, payload=payload, job=job, attempts=attempts)
-        task.opts = options
-        task.retried_at = attempts
+    def resubmit(self, task: Task, now: float) -> None:
+        """A job that ended failed or canceled is back as `task` (its ref, its attempts so
+        far), pending, with a fresh max_retries. The caller dispatches."""
+        task.retried_at = task.attempts
         task.created_at = now
-        self.tasks[ref] = task
+        self.tasks[task.ref] = task
         self.enqueue(task, now)
-        return task
 
     def expire(self, now: float, actions: list[Action]) -> None:
         """Run every deadline at or before `now`, then place what can be placed."""
