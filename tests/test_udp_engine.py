@@ -17,6 +17,7 @@ import trio
 
 from controller import datagram as dg
 from controller.client import udp_engine
+from controller.client.exit_status import EXIT_FAILED, EXIT_TIMEOUT
 from controller.client.udp_engine import Outcome, UdpSession
 from tests.helpers import wait_until
 
@@ -177,13 +178,13 @@ async def test_refusals_and_silences_end_each_job_with_a_reason(quick) -> None:
         await client.run_many([1, 2, 3], {}, 3, lambda o: outcomes.__setitem__(o.task_id, o))
         assert outcomes[1].status == "refused"
         assert outcomes[1].error == "bad_task_id: task_id must be >= 1"
-        assert outcomes[1].exit_code == udp_engine.EXIT_FAILED
+        assert outcomes[1].exit_code == EXIT_FAILED
         assert (outcomes[2].status, outcomes[2].error) == ("timeout", "no notification in time")
         assert (outcomes[3].status, outcomes[3].error) == (
             "timeout",
             "add_task was not acknowledged",
         )
-        assert outcomes[3].exit_code == udp_engine.EXIT_TIMEOUT
+        assert outcomes[3].exit_code == EXIT_TIMEOUT
         assert client._requests == {} and client._jobs == {}
 
 

@@ -23,10 +23,10 @@ from typing import Any, NoReturn
 from urllib.parse import quote, urlsplit
 
 from controller.cli import add_common_flags, positive_seconds, quiet_pipe
+from controller.client.exit_status import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 from controller.client.http import HttpPool
 from controller.client.httpwire import Answer
 from controller.client.jobctl_tables import job_details, jobs_table, queues_table
-from controller.client.udp_engine import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 from controller.tokens import read_token
 
 # The packaged controller's http_token_file (packaging/controller.json): read when no

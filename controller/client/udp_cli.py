@@ -22,15 +22,9 @@ import trio
 
 from controller import datagram as dg
 from controller.cli import add_common_flags, quiet_pipe
+from controller.client.exit_status import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE
 from controller.client.jobfields import add_cli_options, cli_fields
-from controller.client.udp_engine import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_TIMEOUT,
-    EXIT_USAGE,
-    Outcome,
-    UdpSession,
-)
+from controller.client.udp_engine import Outcome, UdpSession
 from controller.client.udp_output import Progress, format_status, outcome_json, summary
 
 

@@ -31,10 +31,9 @@ from typing import Any
 import trio
 
 from controller import datagram as dg
+from controller.client.exit_status import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT
 from controller.deadlines import Deadlines
 
-# udp-client's exit statuses: success, job error or failed_post, usage error, no answer.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
 # With no notification this long after the acknowledgement, ask with get_task (then again).
 POLL_AFTER = 3.0
 # Datagrams handled in a row before the receiver lets other tasks run.
