@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,26 @@ def test_delegate_cgroup_hands_over_only_a_worker_units_own_cgroup():
         assert proc.returncode == 0 and proc.stdout == proc.stderr == ""
     proc = subprocess.run(["sh", str(script)], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_the_wheel_holds_every_module_and_the_console_files(tmp_path):
+    """A package folder the build leaves out would install a controller that cannot start.
+    Built from a copy, so that no `build/` left in the checkout adds or hides a file."""
+    root = PACKAGING.parent
+    source = tmp_path / "source"
+    for top in ("controller", "worker", "gen"):
+        shutil.copytree(root / top, source / top, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    wanted = {
+        str(path.relative_to(source))
+        for path in source.rglob("*")
+        if path.is_file()
+        and (path.suffix in (".py", ".pyi", ".css", ".js") or path.name == "py.typed")
+    }
+    pip = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    proc = subprocess.run([*pip, "-w", str(tmp_path), str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = {n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n}
+    assert names == wanted
