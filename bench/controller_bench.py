@@ -88,7 +88,7 @@ async def _run_tasks(
     """Queue `tasks` at once (no await in between) for W fake workers that answer at once;
     tasks/s, controller CPU per task, and the controller's memory with all of them queued.
     `options(n)`: the n-th task's options; `serves`: the queues and labels every fake worker
-    is taken to serve (default: the default queue, no labels)."""
+    registers with (default: the default queue, no labels)."""
     done = 0
     finished = trio.Event()
 
@@ -102,15 +102,17 @@ async def _run_tasks(
     base = rss_mb(os.getpid())
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
+        declared = [
+            f"--{flag}={name}"
+            for flag, names in zip(("queue", "label"), serves or ((), ()), strict=True)
+            for name in sorted(names)
+        ]
         fakes = await trio.to_thread.run_sync(
-            lambda: start_fakes(sockdir, "--mode", "answer", "--count", str(workers))
+            lambda: start_fakes(sockdir, "--mode", "answer", "--count", str(workers), *declared)
         )
         try:
             while shell.core.idle_workers < workers:
                 await trio.sleep(0.01)
-            if serves is not None:
-                for worker in shell.core.workers.values():
-                    shell.core.scheduler.serves(worker, *serves)
             made = [options(i) for i in range(tasks)]  # a door makes them as jobs arrive
             cpu0, t0 = self_cpu(), time.perf_counter()
             for i in range(tasks):

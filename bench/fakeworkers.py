@@ -1,7 +1,8 @@
 """Many fake workers in one process, for controller benchmarks.
 
 `--mode pulse`: register COUNT workers and pulse each every PERIOD seconds, spread evenly.
-`--mode answer`: COUNT workers that accept SET_TASK and report FETCH_ME at once.
+`--mode answer`: COUNT workers that accept SET_TASK and report FETCH_ME at once; each
+registers with the queues (`--queue`, repeated; none: `default`) and labels (`--label`) given.
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ async def pulse_forever(main: str, wid: int, period: float, offset: float) -> No
 
 
 class AnsweringWorker:
-    def __init__(self, socket_dir: Path) -> None:
+    def __init__(self, socket_dir: Path, queues: list[str], labels: list[str]) -> None:
         self.dir = socket_dir
+        self.queues = queues
+        self.labels = labels
         self.main = str(socket_dir / "main.sock")
         self.wid = 0
         self.task_id = 0
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        reg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=60)
+        reg = pb.WorkerPulse(
+            type=pb.PULSE_REGISTER, next_pulse=60, queues=self.queues, labels=self.labels
+        )
         self.wid = (await exchange(self.main, reg)).worker_id
         sock = listen_unix(self.dir / f"{self.wid}.sock", 64)
         await exchange(
@@ -85,7 +90,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 )
         else:
             for _ in range(args.count):
-                await nursery.start(AnsweringWorker(socket_dir).run)
+                await nursery.start(AnsweringWorker(socket_dir, args.queue, args.label).run)
         print("ready", flush=True)
 
 
@@ -95,6 +100,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--mode", choices=["pulse", "answer"], default="answer")
     parser.add_argument("--period", type=float, default=1.0)
+    parser.add_argument("--queue", action="append", default=[])
+    parser.add_argument("--label", action="append", default=[])
     trio.run(main_async, parser.parse_args())
 
 
