@@ -18,6 +18,7 @@ into wall-clock seconds for the timestamps a person reads.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 from collections import deque
@@ -33,6 +34,15 @@ from controller.usage import Usage, usage_from_row
 # Records forgotten per expire() call: deletes reach the journal in bounded batches,
 # and a backlog after a restart does not stall the event loop.
 MAX_FORGET_PER_CALL = 1000
+
+
+class DoorName(enum.StrEnum):
+    """The door a job came in by. A member equals and hashes like its string, which is
+    what the journal stores and the HTTP API shows (`door`)."""
+
+    UDP = "udp"
+    HTTP = "http"
+    REDIS = "redis"
 
 
 class JobState(IdentityEnum):
@@ -138,7 +148,7 @@ class Job:
     id: str
     ref: int  # the scheduler's and the journal's handle
     task_id: int  # the number on the worker wire
-    door: str  # "udp", "http", "redis"
+    door: DoorName
     key: object  # the door's own handle: a UDP job's client address
     payload: bytes = b""
     notes: JobNotes | None = None  # name, links, log lines: None for most (UDP, Redis) jobs
