@@ -135,6 +135,24 @@ def test_paths_named_by_help_exist(command: str) -> None:
     assert missing == [], f"`{command} --help` names files that do not exist: {missing}"
 
 
+def test_architecture_names_every_module_and_nothing_else() -> None:
+    """docs/architecture.md is the map of the code: every module of controller/ and worker/
+    (package __init__.py files aside) is named there by its full path, and every path it
+    names (a module or a package folder) exists."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(REPO_PATH.findall(text))
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert missing == [], f"docs/architecture.md names what does not exist: {missing}"
+    modules = {
+        rel(path)
+        for package in ("controller", "worker")
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    unnamed = sorted(modules - named)
+    assert unnamed == [], f"docs/architecture.md does not name these modules: {unnamed}"
+
+
 # ---------------------------------------------------------------- the configuration reference
 
 
