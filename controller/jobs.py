@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from controller.core.model import IdentityEnum, Task, TaskState
+from controller.core.model import WAITING, IdentityEnum, Task, TaskState
 from controller.deadlines import Deadlines
 from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
@@ -46,6 +46,9 @@ class DoorName(enum.StrEnum):
 
 
 class JobState(IdentityEnum):
+    """A job's state; its values are the words of the job object's `state` (HTTP, Redis and
+    the client library). The UDP door's words are controller/doors/udp/words.py's."""
+
     SCHEDULED = "scheduled"
     PENDING = "pending"
     REQUESTED = "requested"
@@ -62,9 +65,7 @@ class JobState(IdentityEnum):
 
 _LIVE = frozenset({JobState.SCHEDULED, JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
 
-# Task states of a job that waits for a worker: it names none.
-_WAITING = frozenset({TaskState.SCHEDULED, TaskState.QUEUED})
-
+# A live job's state, from its scheduler task's: the one mapping of task states to job states.
 _FROM_TASK = {
     TaskState.SCHEDULED: JobState.SCHEDULED,
     TaskState.QUEUED: JobState.PENDING,
@@ -77,16 +78,10 @@ _FROM_TASK = {
     TaskState.CANCELED: JobState.CANCELED,
 }
 
-# The UDP door's own words for the same states (the words get_task and notify_task use).
-_UDP_WORDS = {
-    JobState.SCHEDULED: "queued",
-    JobState.PENDING: "queued",
-    JobState.REQUESTED: "running",
-    JobState.WORKING: "running",
-    JobState.FINISHED: "success",
-    JobState.CANCELED: "error",
-    JobState.DELETED: "error",
-}
+
+def live_state(task_state: TaskState) -> JobState:
+    """A live job's state, from the state of its scheduler task."""
+    return _FROM_TASK[task_state]
 
 
 def udp_job_id(host: str, port: int, task_id: int) -> str:
@@ -290,21 +285,13 @@ class Job:
         return _FROM_TASK[task.state] if task is not None else JobState.PENDING
 
     @property
-    def udp_status(self) -> str:
-        """The state in the UDP door's words (queued, running, success, error, failed_post)."""
-        state = self.state
-        if state is JobState.FAILED:
-            return "failed_post" if self.failed_post else "error"
-        return _UDP_WORDS[state]
-
-    @property
     def worker(self) -> int:
         """The worker that holds it from `requested` on; once it ended, the one that held it
         last (0: none; a job back to pending or scheduled names none)."""
         task = self.task
         if task is None:
             return self.ran_on if self.final is not None else 0
-        if task.worker_id or task.state in _WAITING:
+        if task.worker_id or task.state in WAITING:
             return task.worker_id
         return self.ran_on  # recovered after a restart: its holder has not spoken yet
 

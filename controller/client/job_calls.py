@@ -17,12 +17,14 @@ from controller import datagram as dg
 from controller.client.errors import ControllerError, JobFailed
 from controller.client.http import Answer
 from controller.client.http_endpoint import url_port
+from controller.jobs import JobState
 
 # get, cancel and retry over udp://.
 NO_SUCH_REQUEST = (
     "get, cancel and retry need http:// or redis:// (the UDP door has no such request)"
 )
-FINAL = frozenset({"finished", "failed", "canceled", "deleted"})
+# The states of an ended job object.
+FINAL = frozenset(state.value for state in JobState if state.final)
 # Longest single ?wait= the server allows; longer waits are several of them.
 MAX_WAIT = 60.0
 

@@ -51,15 +51,8 @@ from controller.client.job_calls import (
 from controller.client.jobfields import as_text, initial_state, option_fields
 from controller.client.redis_backend import NO_LISTENER, RedisBackend
 from controller.client.udp_backend import UdpBackend
-
-# What udp:// job states come back as, from the UDP door's words.
-_UDP_STATES = {
-    "queued": "pending",
-    "running": "working",
-    "success": "finished",
-    "error": "failed",
-    "failed_post": "failed",
-}
+from controller.doors.udp import words
+from controller.jobs import JobState
 
 
 def _retried(job_id: str, state: str) -> None:
@@ -257,7 +250,8 @@ class Client:
         return self._udp_backend
 
     def _udp_job(self, job_id: str, params: dict[str, Any]) -> dict[str, Any]:
-        state = _UDP_STATES.get(str(params.get("status")), "pending")
+        read = words.STATE_OF_WORD.get(str(params.get("status")), JobState.PENDING)
+        state = read.value
         return {"id": job_id, "state": state, "error": params.get("error", ""), "udp": params}
 
     def _fetch(self, job: Job, wait: float) -> dict[str, Any]:

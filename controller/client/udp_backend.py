@@ -25,6 +25,7 @@ import trio
 from controller import datagram as dg
 from controller.client.errors import ControllerError
 from controller.client.udp_engine import POLL_AFTER, UdpSession
+from controller.doors.udp import words
 
 
 class UdpBackend:
@@ -98,7 +99,7 @@ class UdpBackend:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no outcome for task {task_id} in time")
             status = self.request("get_task", {"task_id": task_id}, deadline)
-            if status.get("status") in ("success", "error", "failed_post"):
+            if status.get("status") in words.ENDED_WORDS:
                 return status
 
     def job_id(self, task_id: int) -> str:

@@ -33,6 +33,7 @@ import trio
 from controller import datagram as dg
 from controller.client.exit_status import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT
 from controller.deadlines import Deadlines
+from controller.doors.udp import words
 
 # With no notification this long after the acknowledgement, ask with get_task (then again).
 POLL_AFTER = 3.0
@@ -284,7 +285,7 @@ class UdpSession:
             self._finish(job, Outcome(job.task_id, "timeout", error="no notification in time"))
             return
         params = ack.get("params")
-        if isinstance(params, dict) and params.get("status") in ("success", "error", "failed_post"):
+        if isinstance(params, dict) and params.get("status") in words.ENDED_WORDS:
             self._settle(job, dict(params))  # a late notification now counts as a repeat
         else:
             self._wait_for_notification(job, trio.current_time())

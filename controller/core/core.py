@@ -14,6 +14,7 @@ from controller import declared
 from controller.core.calculators import Calculators
 from controller.core.local import LocalWorkers
 from controller.core.model import (
+    WAITING,
     Action,
     Counters,
     DialDone,
@@ -211,10 +212,12 @@ class Core:
     def status(self, now: float, max_workers: int = 200) -> dict[str, object]:
         """What `udp-client status` shows: workers, and tasks by state (an operator's query,
         so it may look at every record)."""
-        by_state: dict[str, int] = {}
+        waiting = held = 0  # live tasks waiting for a worker, and those a worker holds
         for task in self.tasks.values():
-            name = task.state.public
-            by_state[name] = by_state.get(name, 0) + 1
+            if task.state in WAITING:
+                waiting += 1
+            elif not task.state.finished:
+                held += 1
         c = self.counters
         workers = [
             {
@@ -249,8 +252,8 @@ class Core:
             "workers_total": len(self.workers),
             "kinds": kinds,
             "tasks": {
-                "queued": by_state.get("queued", 0),
-                "running": by_state.get("running", 0),
+                "queued": waiting,
+                "running": held,
                 "success": c.succeeded,
                 "error": c.errors,
                 "failed_post": c.placement_timeouts,

@@ -41,17 +41,6 @@ class TaskState(IdentityEnum):
     SCHEDULED = "scheduled"  # waiting for its time (delay, run_at, retry_delay)
 
     @property
-    def public(self) -> str:
-        """The status name UDP clients see (queued, running, success, error, failed_post)."""
-        if self is TaskState.ASSIGNING or self is TaskState.ORPHAN:
-            return "running"
-        if self is TaskState.CANCELED:
-            return "error"
-        if self is TaskState.SCHEDULED:
-            return "queued"
-        return str(self.value)
-
-    @property
     def finished(self) -> bool:
         return self in _FINISHED
 
@@ -59,6 +48,8 @@ class TaskState(IdentityEnum):
 _FINISHED = frozenset(
     {TaskState.SUCCESS, TaskState.ERROR, TaskState.FAILED_POST, TaskState.CANCELED}
 )
+# States of a task that waits for a worker (pending or for its time): it names none.
+WAITING = frozenset({TaskState.SCHEDULED, TaskState.QUEUED})
 
 
 class TaskEvent(IdentityEnum):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.core import Core, TaskState
+from controller.core import Core
+from controller.jobs import JobState, live_state
 
 
 def idle_queue(paused: bool = False) -> dict[str, Any]:
@@ -24,13 +25,8 @@ def queue_report(core: Core) -> dict[str, dict[str, Any]]:
         return found
 
     for task in core.tasks.values():
-        state = task.state
-        if state is TaskState.QUEUED:
-            word = "pending"
-        elif state is TaskState.SCHEDULED:
-            word = "scheduled"
-        else:
-            word = "working"
+        state = live_state(task.state)
+        word = "working" if state is JobState.REQUESTED else state.value
         entry(task.opts.queue)[word] += 1
     for worker in core.workers.values():
         for name in worker.queues:

@@ -21,10 +21,11 @@ import hashlib
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
+from controller.jobs import JobState
 from controller.options import DEFAULT_QUEUE
 
-# The states a job's hash may hold once it ended (finished, failed, canceled).
-FINAL_STATES = ("finished", "failed", "canceled", "deleted")
+# The states a job's hash may hold once it ended (finished, failed, canceled, deleted).
+FINAL_STATES = tuple(state.value for state in JobState if state.final)
 # How long a results stream grows before old entries are trimmed (approximately), where the
 # writer gives no time to trim by (a cancel through the client).
 RESULTS_MAXLEN = 100_000

@@ -39,7 +39,7 @@ from controller import options
 from controller.allowlist import Networks, cached_allowed
 from controller.containment import INTERNAL_MESSAGE
 from controller.datagram import BadPacket
-from controller.doors.udp import calclink
+from controller.doors.udp import calclink, words
 from controller.doors.udp.calclink import CalculatorAck, CalculatorAction
 from controller.jobs import Job, JobBook, JobState, udp_job_id
 from controller.options import JobOptions
@@ -268,7 +268,7 @@ class FrontDoor:
     def _get_task(self, params: dict[str, Any], addr: Address) -> dict[str, Any]:
         task_id = self._task_id(params)
         job = self._lookup(addr, task_id)
-        answer: dict[str, Any] = {"task_id": task_id, "status": job.udp_status}
+        answer: dict[str, Any] = {"task_id": task_id, "status": words.status(job)}
         if job.state is JobState.FINISHED:
             answer["result_size"] = len(job.result)
         elif job.state.final:
@@ -279,7 +279,7 @@ class FrontDoor:
         task_id = self._task_id(params)
         job = self._lookup(addr, task_id)
         if job.state is not JobState.FINISHED:
-            raise BadPacket("no_result", f"task {task_id} has no result ({job.udp_status})")
+            raise BadPacket("no_result", f"task {task_id} has no result ({words.status(job)})")
         offset = dg.int_field(params.get("offset", 0))
         length = dg.int_field(params.get("length", dg.MAX_CHUNK))
         if offset is None or offset < 0 or length is None or length < 0:
@@ -322,7 +322,7 @@ class FrontDoor:
         assert isinstance(addr, tuple)
         self.stats.notifications += 1
         if job.final is not JobState.FINISHED:
-            params = {"task_id": job.task_id, "status": job.udp_status, "error": job.error}
+            params = {"task_id": job.task_id, "status": words.status(job), "error": job.error}
             send = Send(dg.request("notify_task", params), addr, batched=True, job_id=job.id)
             return [send, Delivered(job.id)]
         txid = self.repeats.start(job.id, addr, now)
