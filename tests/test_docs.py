@@ -27,7 +27,7 @@ from tests.helpers import REDIS_SERVER, live_controller, redis_server, wait_for_
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-DOCUMENTS = [README, ROOT / "CHANGELOG.md", *DOCS]
+DOCUMENTS = [README, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *DOCS]
 
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```$", re.M | re.S)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
