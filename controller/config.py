@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from controller.errors import CannotStart
 from controller.joblimits import NO_LIMITS, JobLimits, LimitError, parse_limits
+from controller.jobs import DoorName
 from controller.options import MAX_RETRY_DELAY, JobOptions
 from controller.schedules import Schedule, parse_entries
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE
@@ -125,7 +126,7 @@ class Config:
             return users.replace("{slot}", str(slot))
         return users[slot]
 
-    def job_options(self, door: str) -> JobOptions:
+    def job_options(self, door: DoorName) -> JobOptions:
         """The options of a job from `door` that gives none: UDP jobs wait at most
         timeout_task_placement for a worker, the others without limit; the owner is the
         door's name (the UDP door puts its client's address instead); the limits are
@@ -134,7 +135,7 @@ class Config:
             max_retries=self.max_retries,
             retry_delay=self.retry_delay,
             timeout=self.task_timeout,
-            placement_timeout=self.timeout_task_placement if door == "udp" else 0.0,
+            placement_timeout=self.timeout_task_placement if door == DoorName.UDP else 0.0,
             owner=door,
             limits=self.job_limits,
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from controller import journal_sql as sql
 from controller.errors import CannotStart
+from controller.jobs import DoorName
 
 log = logging.getLogger("controller.journal")
 
@@ -38,7 +39,7 @@ class JournalError(CannotStart):
 class JobRow:
     ref: int
     id: str
-    door: str
+    door: DoorName
     host: str
     port: int
     task_id: int
@@ -224,7 +225,7 @@ def read_back(db: sqlite3.Connection, path: Path, now_wall: float | None = None)
                 JobRow(
                     ref=r[0],
                     id=read_text(r[1]),
-                    door=r[2],
+                    door=DoorName(r[2]),
                     host=r[3],
                     port=r[4],
                     task_id=r[5],

@@ -10,6 +10,7 @@ from typing import Any
 from controller.core import Core, PerformTask, TaskFinished, TaskState
 from controller.core.calculators import SILENT_REPORT_INTERVAL
 from controller.core.roster import MAX_REMEMBERED
+from controller.doors.udp.actions import Send
 from controller.doors.udp.calclink import (
     CalculatorAck,
     CalculatorLink,
@@ -20,7 +21,6 @@ from controller.doors.udp.calclink import (
 )
 from controller.doors.udp.codec import FrontDoor
 from controller.jobs import JobBook
-from controller.shell.door_actions import Send
 
 CALC = ("127.0.0.9", 7000)
 TIMEOUT = 5.0

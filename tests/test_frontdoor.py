@@ -15,9 +15,9 @@ from controller import datagram as dg
 from controller import transmissions
 from controller.core.model import Task, TaskState
 from controller.datagram import MAX_INLINE_RESULT
+from controller.doors.udp.actions import Delivered, Send, Submit
 from controller.doors.udp.codec import FrontDoor
-from controller.jobs import MAX_FORGET_PER_CALL, Job, JobBook, JobState
-from controller.shell.door_actions import Delivered, Send, Submit
+from controller.jobs import MAX_FORGET_PER_CALL, DoorName, Job, JobBook, JobState
 from controller.transmissions import NOTIFY_FIRST_INTERVAL, TRANSMISSION_MEMORY
 
 CLIENT = ("127.0.0.1", 40000)
@@ -32,7 +32,7 @@ _FINAL = {
 
 
 class Door:
-    """The pure door with a pure stand-in for the shell's job desk: Submit and Delivered
+    """The pure door with a pure stand-in for its shell and the job desk: Submit and Delivered
     are carried out on a real job book at once; the sends are returned."""
 
     def __init__(self, result_retention: float = 3600.0, **kwargs) -> None:
@@ -50,7 +50,7 @@ class Door:
                 ref = len(self.submitted) + 1
                 self.submitted.append((action.task_id, action.payload, action.addr))
                 task = self.tasks[ref] = Task(ref, action.task_id, action.payload, action.job_id)
-                job = Job(action.job_id, ref, action.task_id, "udp", action.addr, task=task)
+                job = Job(action.job_id, ref, action.task_id, DoorName.UDP, action.addr, task=task)
                 self.book.add(job)
             elif isinstance(action, Delivered):
                 self.book.retain(self.book.get(action.job_id), now)
@@ -621,7 +621,7 @@ def test_a_job_of_another_door_with_a_udp_id_is_not_the_clients() -> None:
     """An HTTP job named like a UDP job (accepted before such ids were refused, and still
     in an older journal) is neither answered for nor resent to the UDP client."""
     book = JobBook()
-    book.add(Job("udp-127.0.0.1-9-1", 1, 1, "http", None))
+    book.add(Job("udp-127.0.0.1-9-1", 1, 1, DoorName.HTTP, None))
     door = FrontDoor(book, allowed_clients=[ipaddress.ip_network("127.0.0.0/8")])
     for method in ("add_task", "get_task"):
         packet = {"method": method, "packet_type": 1, "transmission_id": 3}

@@ -1,12 +1,13 @@
 """The job desk: where every door's jobs meet the job book, the journal and the scheduler.
 
-Doors are codecs: they turn requests into actions (`Submit`, `Delivered`,
-`Send`) and never touch the scheduler or the journal. The desk carries the
-actions out, state changes first (book, journal, scheduler), then the
-answers, which go through `WriteAhead` so that none leaves before what it
-announces is on disk. Going the other way, a job that ends in the scheduler
-is recorded in the book and the journal here, and its door is asked to tell
-the submitter. Retention (forgetting old outcomes) runs here too. Putting
+Every door calls the same methods, whatever its wire: `submit` a new job, `delivered`
+(its submitter has the outcome: retention starts), `cancel`, `retry`, `delete`, `pause`;
+and `answer_after_commit` holds a door's answers until the journal has what they announce
+(`WriteAhead`), so a door makes its state changes first, then hands its answers here.
+Doors never touch the scheduler or the journal themselves. Going the other way, a job
+that ends in the scheduler is recorded in the book and the journal here, and its door
+(`doors`, by `DoorName`) is asked to tell the submitter (`Door.job_finished`).
+Retention (forgetting old outcomes) runs here too. Putting
 the journal's jobs back at start is recovery.py's; settling the changes the
 journal refuses is refusals.py's.
 
@@ -20,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -29,6 +30,7 @@ from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
 from controller.jobs import (
     DEFAULT_MAX_LOG_SIZE,
     DEFAULT_OUTPUT_RETENTION,
+    DoorName,
     Job,
     JobBook,
     JobState,
@@ -37,7 +39,6 @@ from controller.jobs import (
 )
 from controller.journal import Journal
 from controller.options import JobOptions
-from controller.shell.door_actions import Delivered, DoorAction, Send, Submit
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 from controller.usage import Usage
@@ -58,11 +59,26 @@ _FINAL = {
 class Door(Protocol):
     """What the desk needs of a door's shell."""
 
-    def job_finished(self, job: Job, now: float) -> list[DoorAction]: ...
+    def job_finished(self, job: Job, now: float) -> None:
+        """Tell the submitter of `job` (one of this door's, just ended) its outcome; call
+        the desk's `delivered` once the submitter has it (or never will)."""
 
-    def forget(self, job: Job) -> None: ...
+    def forget(self, job: Job) -> None:
+        """The book forgot `job` (or its outcome is no longer news): nothing more to send."""
 
-    def transmit(self, sends: Sequence[Send]) -> None: ...
+
+class Answer(Protocol):
+    """An answer a door holds until the journal has what it announces."""
+
+    @property
+    def job_id(self) -> str:
+        """The job the answer is about ("": none)."""
+
+    def refused(self) -> Answer | None:
+        """What goes instead when the journal refused the job's record (None: nothing)."""
+
+
+AnswerT = TypeVar("AnswerT", bound=Answer)
 
 
 class Scheduling(Protocol):
@@ -173,52 +189,34 @@ class JobDesk:
 
     # ------------------------------------------------------------ from the doors
 
-    def apply(self, door: Door, actions: Sequence[DoorAction], now: float) -> None:
-        """Carry out a door's actions: state changes first, then the answers."""
-        if not actions:
-            return
-        sends: list[Send] = []
-        for action in actions:
-            if isinstance(action, Send):
-                if action.independent:  # reveals nothing recorded: it need not wait
-                    door.transmit((action,))
-                else:
-                    sends.append(action)
-            elif isinstance(action, Submit):
-                self.submit(
-                    action.job_id,
-                    "udp",
-                    action.addr,
-                    action.task_id,
-                    action.payload,
-                    now,
-                    options=action.options,
-                )
-            elif isinstance(action, Delivered):
-                self.delivered(action.job_id, now)
-        if sends:
-            self.write_ahead.after_commit(self._release, (door, sends))
+    def answer_after_commit(
+        self, transmit: Callable[[list[AnswerT]], None], answers: list[AnswerT]
+    ) -> None:
+        """`transmit(answers)` once everything the journal has staged so far is on disk (now,
+        if it is): a door calls it after the state changes its answers announce. Answers
+        about a job the journal could not record are replaced by their `refused()`, or
+        dropped."""
+        if answers:
+            self.write_ahead.after_commit(self._release, (transmit, answers))
 
-    def _release(self, held: tuple[Door, list[Send]]) -> None:
-        """Answers whose journal commit is done go out (those about a job the journal could
-        not record are replaced by their refusal, or dropped)."""
-        door, sends = held
+    def _release(self, held: tuple[Callable[[list[Any]], None], list[Any]]) -> None:
+        transmit, answers = held
         if self.refused:
             screened = []
-            for send in sends:
-                if send.job_id in self.refused:
-                    instead = send.refused()
+            for answer in answers:
+                if answer.job_id in self.refused:
+                    instead = answer.refused()
                     if instead is not None:
                         screened.append(instead)
                 else:
-                    screened.append(send)
-            sends = screened
-        door.transmit(sends)
+                    screened.append(answer)
+            answers = screened
+        transmit(answers)
 
     def submit(
         self,
         job_id: str,
-        door: str,
+        door: DoorName,
         key: object,
         task_id: int,
         payload: bytes,
@@ -291,6 +289,8 @@ class JobDesk:
             self.output(job, data)
 
     def delivered(self, job_id: str, now: float) -> None:
+        """The job's submitter has its outcome (or never will): the job is kept for
+        result_retention, then forgotten."""
         job = self.book.get(job_id)
         if job is None:
             return
@@ -298,18 +298,6 @@ class JobDesk:
         if self.journal is not None:
             self.journal.job_delivered(job.ref, self.book.result_retention)
         self.timer.poke_at(job.expires_at)
-
-    def evict(self, job_id: str) -> None:
-        """Forget a delivered job before its retention ends (its door is over its memory)."""
-        job = self.book.get(job_id)
-        if job is None or not job.delivered:
-            return
-        self.book.forget(job)
-        if self.journal is not None:
-            self.journal.job_forgotten(job.ref)
-        door = self.doors.get(job.door)
-        if door is not None:
-            door.forget(job)
 
     def cancel(self, job: Job, now: float) -> bool:
         """Cancel a live job (a local worker holding it gets RESTART); False if it ended."""
@@ -426,7 +414,7 @@ class JobDesk:
         if door is None:
             self.delivered(job.id, now)  # nobody to tell: keep it for retention
         else:
-            self.apply(door, door.job_finished(job, now), now)
+            door.job_finished(job, now)
 
     def _expire(self, now: float) -> None:
         for job in self.book.expire(now):

@@ -11,6 +11,7 @@ import logging
 import time
 
 from controller.jobs import (
+    DoorName,
     Job,
     JobState,
     history_from_json,
@@ -37,7 +38,7 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
     desk.book.wall_offset = wall - now
     core.continue_numbering(recovered.first_worker_id, recovered.next_ref)
     counts: dict[str, int] = {}
-    picked = [row.task_id for row in recovered.jobs if row.door != "udp"]
+    picked = [row.task_id for row in recovered.jobs if row.door != DoorName.UDP]
     if picked:  # numbers the controller picks stay unique among live jobs after a restart
         desk.book.continue_picking(max(picked))
     defaults = core.defaults
@@ -46,7 +47,7 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
     for row in recovered.jobs:
         counts[row.state] = counts.get(row.state, 0) + 1
         options = from_json(row.options, defaults) if row.options else defaults
-        key: object = (row.host, row.port) if row.door == "udp" else None
+        key: object = (row.host, row.port) if row.door == DoorName.UDP else None
         job = Job(
             id=row.id,
             ref=row.ref,

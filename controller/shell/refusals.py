@@ -15,7 +15,7 @@ import logging
 
 import trio
 
-from controller.jobs import Job, JobState
+from controller.jobs import DoorName, Job, JobState
 from controller.journal import Rejected
 from controller.shell.desk import JobDesk
 
@@ -78,7 +78,7 @@ class JournalRefusals:
         door = desk.doors.get(job.door)
         if door is not None:
             door.forget(job)  # nothing more goes out about what it was
-        if added and job.door != "redis":
+        if added and job.door != DoorName.REDIS:
             desk.book.discard(job)  # the submitter was told it failed: it never was
             return
         if not added and desk.journal is not None:

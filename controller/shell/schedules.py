@@ -39,6 +39,7 @@ import trio
 
 from controller.config import Config
 from controller.containment import contained
+from controller.jobs import DoorName
 from controller.journal import Journal
 from controller.options import rfc3339
 from controller.schedules import Schedule
@@ -81,7 +82,7 @@ class PeriodicJobs:
         self.claims = claims
         self.wall = wall
         self.made = 0
-        defaults = config.job_options("http")
+        defaults = config.job_options(DoorName.HTTP)
         self._options = {
             schedule.name: replace(
                 defaults,
@@ -211,7 +212,7 @@ class PeriodicJobs:
             return
         job = self.desk.submit(
             job_id,
-            "http",
+            DoorName.HTTP,
             None,
             self.desk.book.pick_task_id(),
             schedule.payload.encode(),

@@ -50,7 +50,7 @@ from controller.doors.http.openapi import OPENAPI
 from controller.doors.http.pollers import PollerDoor
 from controller.doors.http.queues import idle_queue, queue_report
 from controller.errors import StartupError
-from controller.jobs import Job, JobState
+from controller.jobs import DoorName, Job, JobState
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import RETRY_AFTER, JobDesk
 
@@ -112,7 +112,7 @@ class HttpDoor:
         self.app = Router(
             routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal, patterns=patterns
         )
-        self.options = config.job_options("http")
+        self.options = config.job_options(DoorName.HTTP)
         desk.on_finished = self.job_ended
         desk.on_output = self.output_grew
         self._rate = self.console.job_ended
@@ -275,7 +275,7 @@ class HttpDoor:
         now = trio.current_time()
         job = self.desk.submit(
             new.id or codec.new_job_id(),
-            "http",
+            DoorName.HTTP,
             None,
             self.desk.book.pick_task_id(),
             new.payload,

@@ -28,7 +28,7 @@ from controller.doors.redis.queue_lanes import Lane, Lanes
 from controller.doors.redis.script_link import link_for
 from controller.doors.redis.stream_calls import EntryRef, Outcome, StreamCalls, wrong_type
 from controller.errors import StartupError
-from controller.jobs import Job, JobState
+from controller.jobs import DoorName, Job, JobState
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 
@@ -76,7 +76,7 @@ class DoorBase:
         self.book = desk.book
         self.core = shell.core
         self.in_thread = shell.reactor.in_thread  # no polling while a Redis call runs
-        self.defaults = config.job_options("redis")
+        self.defaults = config.job_options(DoorName.REDIS)
         self.lanes = Lanes(settings.stream, self.defaults)
         self._served: list[Lane] = []  # the lanes of the queues our workers serve
         self._served_of = -1  # the core's serving_version when _served was made

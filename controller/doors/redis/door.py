@@ -27,7 +27,7 @@ stream (or gone).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -40,7 +40,6 @@ from controller.doors.redis.writing import DoorWriter
 from controller.jobs import Job
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.door_actions import DoorAction, Send
 
 log = logging.getLogger("controller.redis")
 
@@ -85,13 +84,9 @@ class RedisDoor(DoorKeeper, DoorWriter):
 
     # ------------------------------------------------------------ the desk's side
 
-    def job_finished(self, job: Job, now: float) -> list[DoorAction]:
+    def job_finished(self, job: Job, now: float) -> None:
         """A job of this door ended: write its outcome, then acknowledge its entries."""
         self._queue_outcome(job.id, outcome_of(job))
-        return []
 
     def forget(self, job: Job) -> None:
-        pass
-
-    def transmit(self, sends: Sequence[Send]) -> None:
         pass

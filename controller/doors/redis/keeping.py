@@ -22,6 +22,7 @@ from controller.doors.redis.base import LaneStopped, outcome_of
 from controller.doors.redis.queue_lanes import can_take
 from controller.doors.redis.reading import DoorReader
 from controller.doors.redis.stream_calls import EntryRef, Outcome
+from controller.jobs import DoorName
 
 log = logging.getLogger("controller.redis")
 
@@ -154,7 +155,7 @@ class DoorKeeper(DoorReader):
             if job_id in self.outbox:
                 continue
             job = self.book.get(job_id)
-            if job is None or job.door != "redis":  # another door's job: not ours to write
+            if job is None or job.door != DoorName.REDIS:  # another door's job: not ours to write
                 continue
             state = job.state
             if state.final:

@@ -12,6 +12,7 @@ import trio
 from controller.doors.redis import codec
 from controller.doors.redis.base import DoorBase, outcome_of
 from controller.doors.redis.stream_calls import Outcome
+from controller.jobs import DoorName
 
 log = logging.getLogger("controller.redis")
 
@@ -42,7 +43,7 @@ class DoorListener(DoorBase):
             self._queue_outcome(job_id, Outcome("canceled", b"", codec.CANCEL_ERROR))
             return
         job = self.book.get(job_id)
-        if job is not None and job.door == "redis" and not job.state.final:
+        if job is not None and job.door == DoorName.REDIS and not job.state.final:
             self.counters["canceled"] += 1
             log.info("redis: job %s canceled by a user", job_id)
             self.desk.cancel(job, trio.current_time())
@@ -52,7 +53,7 @@ class DoorListener(DoorBase):
         controller that holds it puts it back, and writes its outcome when it ends again.
         Refused here, the job's outcome is written back over the hash."""
         job = self.book.get(job_id)
-        if job is None or job.door != "redis" or not job.state.final:
+        if job is None or job.door != DoorName.REDIS or not job.state.final:
             return  # not ours (another controller ran it) or live already
         # JobDesk.retry(job, now) -> bool: False when the job's state does not allow it.
         if self.desk.retry(job, trio.current_time()):

@@ -23,7 +23,7 @@ from controller.core import Core
 from controller.core.model import Worker, WorkerState
 from controller.doors.redis import codec
 from controller.doors.redis.stream_calls import Entry
-from controller.jobs import Job, JobState
+from controller.jobs import DoorName, Job, JobState
 from controller.options import DEFAULT_QUEUE, OPTION_NAMES, BadOption, JobOptions, parse
 
 # Entries read beyond the idle workers, so that a worker never waits for a round trip.
@@ -107,7 +107,7 @@ class Lanes:
         counts = dict.fromkeys(served, 0)
         by_queue = {lane.queue: lane for lane in served}
         for job in held:
-            if job is not None and job.door == "redis" and job.state is JobState.PENDING:
+            if job is not None and job.door == DoorName.REDIS and job.state is JobState.PENDING:
                 lane = by_queue.get(job.options.queue)
                 if lane is not None:
                     counts[lane] += 1

@@ -29,6 +29,7 @@ from controller.doors.redis.listening import DoorListener
 from controller.doors.redis.queue_lanes import PREFETCH, Lane, Parked, can_take, entry_options
 from controller.doors.redis.stream_calls import Entry, Outcome, wrong_type
 from controller.job_ids import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, valid_id
+from controller.jobs import DoorName
 from controller.options import BadOption, JobOptions
 
 log = logging.getLogger("controller.redis")
@@ -173,7 +174,7 @@ class DoorReader(DoorListener):
                 if (entry.stream, entry.entry_id) not in held:
                     held.append((entry.stream, entry.entry_id))
                 job = self.book.get(entry.job_id)
-                if job is None or job.door != "redis":
+                if job is None or job.door != DoorName.REDIS:
                     self._queue_outcome(entry.job_id, Outcome("failed", b"", INTERNAL_MESSAGE))
 
     def _take_one(self, entry: Entry, claimed: bool, now: float) -> None:
@@ -187,7 +188,7 @@ class DoorReader(DoorListener):
             return
         self.entries[job_id] = [ref]
         job = self.book.get(job_id)
-        if job is not None and job.door != "redis":  # another door's: changes nothing
+        if job is not None and job.door != DoorName.REDIS:  # another door's: changes nothing
             self.counters["claimed" if claimed else "read"] += 1
             bad = f"id in use by a job of the {job.door} door"
             log.warning("redis: entry %s refused: %s", entry.entry_id, bad)
@@ -233,7 +234,7 @@ class DoorReader(DoorListener):
         name = fields.get(b"name", b"").decode("utf-8", "surrogateescape")
         self.desk.submit(
             entry.job_id,
-            "redis",
+            DoorName.REDIS,
             entry.entry_id,
             self.desk.book.pick_task_id(),
             fields.get(b"payload", b""),
@@ -261,5 +262,5 @@ class DoorReader(DoorListener):
 
     def _settle_if_ended(self, job_id: str) -> None:
         job = self.book.get(job_id)
-        if job is not None and job.door == "redis" and job.state.final:
+        if job is not None and job.door == DoorName.REDIS and job.state.final:
             self._queue_outcome(job_id, outcome_of(job))

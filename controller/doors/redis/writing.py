@@ -16,6 +16,7 @@ import trio
 from controller.doors.redis import codec
 from controller.doors.redis.reading import DoorReader
 from controller.doors.redis.stream_calls import WRITE_BATCH, EntryRef, Outcome
+from controller.jobs import DoorName
 from controller.options import rfc3339
 
 # While other held jobs are live, every write waits up to WRITE_GATHER_WAIT seconds for this
@@ -65,7 +66,7 @@ class DoorWriter(DoorReader):
             else:
                 self.entries.pop(job_id, None)
             job = self.book.get(job_id)
-            if job is not None and job.door == "redis":
+            if job is not None and job.door == DoorName.REDIS:
                 self.desk.delivered(job_id, now)
         if outcomes:
             self._maybe_room()

@@ -17,6 +17,7 @@ import trio
 
 from controller.config import Config
 from controller.core import Action, PerformTask
+from controller.doors.udp.actions import Send
 from controller.doors.udp.calclink import (
     CalculatorAction,
     CalculatorLink,
@@ -25,7 +26,6 @@ from controller.doors.udp.calclink import (
 )
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.door_actions import Send
 
 # Transmission ids of perform_tasks: from the wall clock in ms (unique across restarts),
 # far above the door's own notify_task ids.

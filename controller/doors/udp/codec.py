@@ -6,8 +6,9 @@ datagram, `Delivered` (the client has an outcome: its retention starts), and
 what a calculator said (`Heartbeat`, `Completed`, `CalculatorAck`: see
 calclink.py). It reads the job book (duplicates, statuses, results) but never
 changes it, and it calls neither the scheduler nor the journal: the door's
-shell hands the clients' actions to the job desk, state changes before sends
-(controller/shell/desk.py), and the calculators' to the calculators' shell.
+shell (shell.py) carries out the clients' actions (actions.py) with the job
+desk, state changes before sends, and hands the calculators' to the
+calculators' shell.
 
 Routing: a datagram from an address in `allowed_clients` is a client's, one
 from `allowed_calculators` a calculator's (an address in both is both); a
@@ -40,10 +41,10 @@ from controller.allowlist import Networks, cached_allowed
 from controller.containment import INTERNAL_MESSAGE
 from controller.datagram import BadPacket
 from controller.doors.udp import calclink, words
+from controller.doors.udp.actions import ClientAction, Delivered, Send, Submit
 from controller.doors.udp.calclink import CalculatorAck, CalculatorAction
-from controller.jobs import Job, JobBook, JobState, udp_job_id
+from controller.jobs import DoorName, Job, JobBook, JobState, udp_job_id
 from controller.options import JobOptions
-from controller.shell.door_actions import Delivered, DoorAction, Send, Submit
 from controller.transmissions import PLAIN_ACK, TRANSMISSION_MEMORY, Address, Repeats, Seen
 
 log = logging.getLogger("controller.frontdoor")
@@ -52,9 +53,9 @@ log = logging.getLogger("controller.frontdoor")
 LOG_INTERVAL = 10.0
 
 
-# What the codec returns: the job desk's actions for the clients' datagrams, the
-# calculators' shell's for the calculators'.
-UdpAction = DoorAction | CalculatorAction
+# What the codec returns: the clients' actions (carried out with the job desk) for the
+# clients' datagrams, the calculators' shell's for the calculators'.
+UdpAction = ClientAction | CalculatorAction
 CALCULATOR_METHODS = frozenset({"heartbeat", "completed_task"})
 # Client hosts whose default options (their address as owner) are kept made.
 MAX_OWNERS_KEPT = 4096
@@ -223,12 +224,12 @@ class FrontDoor:
     def _task_id(params: dict[str, Any]) -> int:
         return dg.task_id_field(params.get("task_id"))
 
-    def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[DoorAction]:
+    def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[ClientAction]:
         task_id = self._task_id(params)
         payload = dg.bytes_param(params, "payload", self.max_payload) or b""
         job_id = udp_job_id(addr[0], addr[1], task_id)
         job = self.book.get(job_id)
-        if job is not None and job.door != "udp":  # an older journal's: not this client's
+        if job is not None and job.door != DoorName.UDP:  # an older journal's: not this client's
             raise BadPacket("bad_task_id", f"task {task_id} is in use by a job of another door")
         if job is not None:
             self.stats.duplicates += 1
@@ -294,7 +295,7 @@ class FrontDoor:
 
     def _lookup(self, addr: Address, task_id: int) -> Job:
         job = self.book.get(udp_job_id(addr[0], addr[1], task_id))
-        if job is None or job.door != "udp":
+        if job is None or job.door != DoorName.UDP:
             raise BadPacket("unknown_task", f"no task {task_id} from this address")
         return job
 
@@ -316,7 +317,7 @@ class FrontDoor:
 
     # ------------------------------------------------------------ outbound
 
-    def job_finished(self, job: Job, now: float) -> list[DoorAction]:
+    def job_finished(self, job: Job, now: float) -> list[ClientAction]:
         """Tell the submitter of an ended UDP job its outcome."""
         addr = job.key
         assert isinstance(addr, tuple)
@@ -328,10 +329,10 @@ class FrontDoor:
         txid = self.repeats.start(job.id, addr, now)
         return [Send(self._success_packet(job, txid), addr, batched=True, job_id=job.id)]
 
-    def expire(self, now: float) -> list[DoorAction]:
+    def expire(self, now: float) -> list[ClientAction]:
         """Repeat due notifications; give up on those out of repeats; forget old requests."""
         again, gave_up = self.repeats.due(now)
-        out: list[DoorAction] = []
+        out: list[ClientAction] = []
         for pending in again:
             job = self.book.get(pending.job_id)
             if job is None:  # forgotten meanwhile (its retention ran out)

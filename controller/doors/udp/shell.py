@@ -1,9 +1,11 @@
 """The UDP door's trio shell: one socket, the pure `FrontDoor` codec, and the door's timer.
 
-A datagram goes to the codec; the clients' actions it returns go to the job desk (state
-changes first, then the answers, each held until the journal has what it announces), the
-calculators' to the calculators' shell (calculators.py). Without a journal, answers to
-submitters leave in batches while many jobs are in flight (`Pace`).
+A datagram goes to the codec; the shell carries out the clients' actions it returns with
+the job desk (state changes first: `submit`, `delivered`; then the answers, each held until
+the journal has what it announces: `answer_after_commit`), and hands the calculators' to
+the calculators' shell (calculators.py); an ended job's notification takes the same path.
+Without a journal, answers to submitters leave in batches while many jobs are in flight
+(`Pace`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import select
 import socket as stdsocket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import trio
@@ -22,15 +24,14 @@ import trio
 from controller.config import Config
 from controller.containment import contained
 from controller.datagram import MAX_DATAGRAM
-from controller.doors.udp.calclink import CalculatorAck, Completed, Heartbeat
+from controller.doors.udp.actions import Delivered, Send, Submit
 from controller.doors.udp.calculators import CalculatorShell
 from controller.doors.udp.codec import FrontDoor, UdpAction
 from controller.errors import StartupError
-from controller.jobs import Job, JobState
+from controller.jobs import DoorName, Job, JobState
 from controller.reactor import Timer
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.door_actions import DoorAction, Send
 from controller.shell.durability import Pace
 from controller.shell.timer import DeadlineTimer
 from controller.transmissions import NOTIFY_FIRST_INTERVAL
@@ -89,7 +90,7 @@ class UdpDoor:
             max_payload=config.max_extra_size,
             allowed_calculators=config.allowed_calculators,
             max_result=config.max_extra_size,
-            options=config.job_options("udp"),
+            options=config.job_options(DoorName.UDP),
             # Transmission ids stay unique across restarts: start from the wall clock in ms.
             first_txid=int(time.time() * 1000),
             memory=config.udp_memory,
@@ -107,7 +108,7 @@ class UdpDoor:
         self._batching = desk.journal is None
         self._pace = Pace()
         self._live_tasks = shell.core.tasks  # every door's unfinished tasks
-        desk.doors["udp"] = self
+        desk.doors[DoorName.UDP] = self
 
     def bind(self) -> tuple[str, int]:
         """Open the socket (before the nursery, so errors stay plain); returns the bound address."""
@@ -173,24 +174,41 @@ class UdpDoor:
                 self.transmit(door.internal_error(data, known))
         self._timer.poke()
 
-    def _apply(self, actions: list[UdpAction], now: float) -> None:
-        """The calculators' actions to their shell, then the clients' to the job desk (whose
-        answers wait for the journal to hold what the calculators' changed)."""
-        for_desk: list[DoorAction] = []
+    def _apply(self, actions: Iterable[UdpAction], now: float) -> None:
+        """Carry out the codec's actions, in order: the calculators' go to their shell, new
+        jobs and delivered outcomes to the job desk, `independent` answers out at once; the
+        other answers wait for the journal to hold what the actions before them changed."""
+        desk = self.desk
+        held: list[Send] = []
         for action in actions:
-            if isinstance(action, (Heartbeat, Completed, CalculatorAck)):
-                self.calculators.handle(action, now)
+            if isinstance(action, Send):
+                if action.independent:  # reveals nothing recorded: it need not wait
+                    self.transmit((action,))
+                else:
+                    held.append(action)
+            elif isinstance(action, Submit):
+                desk.submit(
+                    action.job_id,
+                    DoorName.UDP,
+                    action.addr,
+                    action.task_id,
+                    action.payload,
+                    now,
+                    options=action.options,
+                )
+            elif isinstance(action, Delivered):
+                desk.delivered(action.job_id, now)
             else:
-                for_desk.append(action)
-        self.desk.apply(self, for_desk, now)
+                self.calculators.handle(action, now)
+        desk.answer_after_commit(self.transmit, held)
 
     # ------------------------------------------------------------ the desk's side
 
-    def job_finished(self, job: Job, now: float) -> list[DoorAction]:
+    def job_finished(self, job: Job, now: float) -> None:
         actions = self.door.job_finished(job, now)
         if job.final is JobState.FINISHED:  # a success: its first repeat is now due then
             self._timer.poke_at(now + NOTIFY_FIRST_INTERVAL)
-        return actions
+        self._apply(actions, now)
 
     def forget(self, job: Job) -> None:
         self.door.forget(job)
@@ -199,8 +217,7 @@ class UdpDoor:
         return min(self.door.next_deadline(), self.calculators.next_deadline())
 
     def _expire(self, now: float) -> None:
-        repeats: list[DoorAction] = [*self.calculators.expire(now), *self.door.expire(now)]
-        self.desk.apply(self, repeats, now)
+        self._apply([*self.calculators.expire(now), *self.door.expire(now)], now)
 
     def transmit(self, sends: Sequence[Send]) -> None:
         sock = self._sock

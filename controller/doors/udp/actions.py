@@ -1,9 +1,10 @@
-"""What a door hands the job desk to carry out (controller/shell/desk.py).
+"""What the UDP door's codec (codec.py) asks its shell (shell.py) to carry out.
 
 `Submit` records and queues a new job, `Delivered` starts an ended job's retention (its
-submitter has the outcome), `Send` is an answer that leaves once the journal holds what it
-announces (unless it is `independent`). The UDP door makes all three; the desk's other doors
-call its methods directly.
+submitter has the outcome), `Send` is a datagram that leaves once the journal holds what it
+announces (unless it is `independent`). The shell turns `Submit` and `Delivered` into the
+job desk's `submit` and `delivered`, and holds the `Send`s with the desk's
+`answer_after_commit`.
 """
 
 from __future__ import annotations
@@ -61,4 +62,5 @@ class Delivered:
     job_id: str
 
 
-DoorAction = Send | Submit | Delivered
+# What the codec returns for a client's datagram or an ended job.
+ClientAction = Send | Submit | Delivered
