@@ -9,8 +9,9 @@ datagram format (controller/datagram.py, `resend_after`) until the controller
 acknowledges it; past that rule's count, it goes with every heartbeat instead,
 so that a controller that was away long gets it when it is back. A controller
 that restarts simply hears the next heartbeat. A result
-too large for one datagram is reported as an error. SIGTERM/SIGINT: finish
-the running job and its report (bounded by --drain-timeout), then exit 0.
+too large for one datagram is reported as an error. SIGTERM/SIGINT, or the
+end of the --exit-with-parent process: finish the running job and its report
+(bounded by --drain-timeout), then exit 0 (worker/leaving.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Calculator:
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
         declared: Declared = DECLARED_DEFAULT,
+        parent_pid: int | None = None,
     ) -> None:
         infos = socket.getaddrinfo(server[0], server[1], type=socket.SOCK_DGRAM)
         family, _, _, _, address = infos[0]
@@ -56,6 +58,7 @@ class Calculator:
         self.runner = runner
         self.pulse_period = pulse_period
         self.drain_timeout = drain_timeout
+        self.parent_pid = parent_pid  # its end drains the worker (None: not watched)
         # Every heartbeat says what the calculator serves and has.
         self._declared = {
             "queues": sorted(declared.queues),
@@ -100,7 +103,7 @@ class Calculator:
             self._beat_now = trio.Event()
 
     async def _signals(self, scope: trio.CancelScope) -> None:
-        await leave_on_signals(scope, self._drain, self.drain_timeout)
+        await leave_on_signals(scope, self._drain, self.drain_timeout, self.parent_pid)
 
     async def _drain(self) -> None:
         self._draining = True

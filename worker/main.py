@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             pulse_period=args.pulse,
             drain_timeout=args.drain_timeout,
             declared=declared,
+            parent_pid=parent,
         )
         log.info("calculator for %s:%d", *args.udp)
         try:
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 pulse_period=args.pulse,
                 drain_timeout=args.drain_timeout,
                 declared=declared,
+                parent_pid=parent,
             )
         except SetupError as exc:
             print(f"worker: {exc}", file=sys.stderr)

@@ -6,8 +6,9 @@ that ended before the request was made sends nothing, and the worker has been ha
 init or a subreaper instead (it exits at once then). The signal's handler does nothing: the
 kernel also sends the signal when the parent *thread* that forked the worker ends (trio and
 other libraries start processes from worker threads) while the parent process lives on, and
-that must not kill the worker. A local worker learns of its parent's real end from a pidfd
-on it, watched in its loop (worker/local/base.py).
+that must not kill the worker. A worker learns of its parent's real end from a pidfd on it:
+a local worker watches it in its loop (worker/local/base.py), a calculator or a poller in
+worker/leaving.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ stopped at once and the poller asks for the next. While the controller is
 unreachable it retries with capped backoff, logging once per outage.
 Over https the controller's certificate is checked against the system's trust
 store, or only against --ca-file; HTTPS_PROXY/HTTP_PROXY/NO_PROXY are honoured.
-SIGTERM/SIGINT: finish the running job and report it (bounded by
---drain-timeout), then exit 0.
+SIGTERM/SIGINT, or the end of the --exit-with-parent process: finish the
+running job and report it (bounded by --drain-timeout), then exit 0
+(worker/leaving.py).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Poller:
         pulse_period: float = 1.0,
         drain_timeout: float = 30.0,
         declared: Declared = DECLARED_DEFAULT,
+        parent_pid: int | None = None,
     ) -> None:
         try:
             self._where: Endpoint = endpoint(hub, ca_file=ca_file)
@@ -95,6 +97,7 @@ class Poller:
         self._token = read_token(token_file) if token_file else None
         self.pulse_period = pulse_period
         self.drain_timeout = drain_timeout
+        self.parent_pid = parent_pid  # its end drains the worker (None: not watched)
         # Every /ping/ says what the poller serves and has (labels only when it has some).
         self._declared = {"queues": ",".join(sorted(declared.queues))}
         if declared.labels:
@@ -116,7 +119,7 @@ class Poller:
         return 0
 
     async def _signals(self, scope: trio.CancelScope) -> None:
-        await leave_on_signals(scope, self._drain, self.drain_timeout)
+        await leave_on_signals(scope, self._drain, self.drain_timeout, self.parent_pid)
 
     async def _drain(self) -> None:
         self._draining = True
