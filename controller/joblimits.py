@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,34 +102,40 @@ def _count(value: Any) -> int:
 
 
 def _seconds(value: Any) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise LimitError(f"must be a number of seconds, got {value!r}") from None
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or not 0 < value <= _MAX_SECONDS
-    ):
-        raise LimitError(f"must be seconds above 0, at most {_MAX_SECONDS:g}, got {value!r}")
-    return float(value)
+    return _finite(
+        value,
+        "must be a number of seconds",
+        lambda v: 0 < v <= _MAX_SECONDS,
+        f"must be seconds above 0, at most {_MAX_SECONDS:g}",
+    )
 
 
 def _quota(value: Any) -> float:
+    return _finite(
+        value,
+        "must be a fraction of one CPU like 0.5",
+        lambda v: 0.01 <= v <= 4096,
+        "must be a fraction of one CPU from 0.01 to 4096",
+    )
+
+
+def _finite(
+    value: Any, unreadable: str, in_range: Callable[[float], bool], out_of_range: str
+) -> float:
+    """A finite number (text is read as one) for which `in_range` holds. LimitError: the
+    message `unreadable` for text that is no number, else `out_of_range`; each names `value`."""
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
-            raise LimitError(f"must be a fraction of one CPU like 0.5, got {value!r}") from None
+            raise LimitError(f"{unreadable}, got {value!r}") from None
     if (
         not isinstance(value, int | float)
         or isinstance(value, bool)
         or not math.isfinite(value)
-        or not 0.01 <= value <= 4096
+        or not in_range(value)
     ):
-        raise LimitError(f"must be a fraction of one CPU from 0.01 to 4096, got {value!r}")
+        raise LimitError(f"{out_of_range}, got {value!r}")
     return float(value)
 
 

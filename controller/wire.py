@@ -197,26 +197,10 @@ class FrameDecoder(Generic[M]):
 
     def _parse_header(self) -> bool:
         buf = self._buf
-        length = 0
-        shift = 0
-        pos = 0
-        while True:
-            if pos >= len(buf):
-                if pos >= MAX_VARINT_BYTES:
-                    raise VarintTooLong("length prefix longer than 10 bytes")
-                return False
-            byte = buf[pos]
-            length |= (byte & 0x7F) << shift
-            pos += 1
-            if not byte & 0x80:
-                break
-            if pos >= MAX_VARINT_BYTES:
-                raise VarintTooLong("length prefix longer than 10 bytes")
-            shift += 7
-        if length > MAX_HEADER_SIZE:
-            raise HeaderTooLarge(
-                f"{self._type.__name__} header of {length} bytes exceeds {MAX_HEADER_SIZE}"
-            )
+        prefix = _length_prefix(buf, 0, len(buf), self._type)
+        if prefix is None:
+            return False
+        length, pos = prefix
         if len(buf) < pos + length:
             return False
         msg, extra_size = self._decode(bytes(buf[pos : pos + length]))
@@ -227,6 +211,34 @@ class FrameDecoder(Generic[M]):
 
     def _decode(self, body: bytes) -> tuple[M, int]:
         return _decode(self._type, body, self._max_extra)
+
+
+def _length_prefix(
+    buf: bytes | bytearray, pos: int, end: int, msg_type: type[Message]
+) -> tuple[int, int] | None:
+    """The header length a frame at `pos` announces and where its header starts; None while
+    the prefix is still incomplete before `end`. Raises VarintTooLong or HeaderTooLarge."""
+    length = 0
+    shift = 0
+    at = pos
+    while True:
+        if at >= end:
+            if at - pos >= MAX_VARINT_BYTES:
+                raise VarintTooLong("length prefix longer than 10 bytes")
+            return None
+        byte = buf[at]
+        length |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            break
+        if at - pos >= MAX_VARINT_BYTES:
+            raise VarintTooLong("length prefix longer than 10 bytes")
+        shift += 7
+    if length > MAX_HEADER_SIZE:
+        raise HeaderTooLarge(
+            f"{msg_type.__name__} header of {length} bytes exceeds {MAX_HEADER_SIZE}"
+        )
+    return length, at
 
 
 def _decode(msg_type: type[M], body: bytes, max_extra: int) -> tuple[M, int]:
@@ -309,26 +321,10 @@ class StreamDecoder(Generic[M]):
         end = len(buf)
         while True:
             if self._msg is None:
-                length = 0
-                shift = 0
-                at = pos
-                while True:
-                    if at >= end:
-                        if at - pos >= MAX_VARINT_BYTES:
-                            raise VarintTooLong("length prefix longer than 10 bytes")
-                        return pos
-                    byte = buf[at]
-                    length |= (byte & 0x7F) << shift
-                    at += 1
-                    if not byte & 0x80:
-                        break
-                    if at - pos >= MAX_VARINT_BYTES:
-                        raise VarintTooLong("length prefix longer than 10 bytes")
-                    shift += 7
-                if length > MAX_HEADER_SIZE:
-                    raise HeaderTooLarge(
-                        f"{self._type.__name__} header of {length} bytes exceeds {MAX_HEADER_SIZE}"
-                    )
+                prefix = _length_prefix(buf, pos, end, self._type)
+                if prefix is None:
+                    return pos
+                length, at = prefix
                 if end < at + length:
                     return pos
                 self._msg, self._extra_size = _decode(
