@@ -7,9 +7,8 @@ and `answer_after_commit` holds a door's answers until the journal has what they
 Doors never touch the scheduler or the journal themselves. Going the other way, a job
 that ends in the scheduler is recorded in the book and the journal here, and its door
 (`doors`, by `DoorName`) is asked to tell the submitter (`Door.job_finished`).
-Retention (forgetting old outcomes) runs here too. Putting
-the journal's jobs back at start is recovery.py's; settling the changes the
-journal refuses is refusals.py's.
+Retention (forgetting old outcomes) runs here too. Putting the journal's jobs back at
+start is recovery.py's; settling the changes the journal refuses is refusals.py's.
 
 The desk also owns the bound on queued work (`max_pending`, `max_pending_bytes`): it
 counts the jobs not yet ended and the bytes of their payloads as they come and go (one
