@@ -26,8 +26,8 @@ handful, waits for nothing; and the UDP door's answers wait only while they come
 close enough together for company to arrive in the wait (`Pace`).
 
 The doors' state changes (a job added, an outcome delivered) must be staged
-before the answers that depend on them are handed here: the job desk carries
-out a door's actions in that order.
+before the answers that depend on them are handed here: a door makes them with
+the job desk first, then hands its answers to the desk's `answer_after_commit`.
 """
 
 from __future__ import annotations
