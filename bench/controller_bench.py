@@ -98,7 +98,8 @@ async def _run_tasks(
         if done == tasks:
             finished.set()
 
-    shell = CoreShell(Config(socket_dir=sockdir, journal=None), on_finished=on_finished)
+    shell = CoreShell(Config(socket_dir=sockdir, journal=None))
+    shell.connect(finished=on_finished)
     base = rss_mb(os.getpid())
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)

@@ -182,7 +182,7 @@ _OWN_TIMER = (
     sys.executable,
     "-c",
     "import sys; from controller.doors.http import keepalive; keepalive.usable = lambda: False; "
-    "from controller.shell.main import main; sys.exit(main(sys.argv[4:]))",
+    "from controller.main import main; sys.exit(main(sys.argv[4:]))",
 )
 
 

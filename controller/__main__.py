@@ -1,3 +1,3 @@
-from controller.shell.main import main
+from controller.main import main
 
 raise SystemExit(main())

@@ -272,7 +272,8 @@ async def running_controller(
 ) -> AsyncIterator[tuple[CoreShell, Outcomes]]:
     outcomes = Outcomes()
     config = Config(socket_dir=sockdir, journal=None).replace(**settings)
-    shell = CoreShell(config, on_finished=outcomes)
+    shell = CoreShell(config)
+    shell.connect(finished=outcomes)
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
         yield shell, outcomes

@@ -87,14 +87,16 @@ async def test_output_and_usage_arrive_before_the_outcome(sockdir):
     try:
         async with running_controller(sockdir) as (shell, outcomes):
             seen: list[tuple[str, object]] = []
-            shell.on_output = lambda ref, owner, data: seen.append(("output", data))
-            shell.on_usage = lambda ref, owner, usage: seen.append(("usage", usage))
 
             def finished(done: TaskFinished) -> None:
                 seen.append(("outcome", done.result))
                 outcomes(done)
 
-            shell.on_finished = finished
+            shell.connect(
+                finished=finished,
+                output=lambda ref, job, data: seen.append(("output", data)),
+                usage=lambda ref, job, usage: seen.append(("usage", usage)),
+            )
             await wait_until(lambda: shell.core.idle_workers == 1)
             shell.submit(1, b"")
             await outcomes.wait(1)

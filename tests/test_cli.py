@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from controller.cli import positive_seconds, quiet_pipe
-from controller.shell.main import build_parser
+from controller.main import build_parser
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -219,7 +219,7 @@ def test_the_controller_loads_optional_doors_libraries_only_when_configured():
     # hypercorn (HTTP), redis-py (Redis) and prometheus_client (metrics) are imported by
     # the door that uses them: a controller without them starts lighter (~15 MB of RSS).
     code = (
-        "import sys, controller.shell.main\n"
+        "import sys, controller.main\n"
         "print(sorted(m for m in ('hypercorn', 'redis', 'prometheus_client') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

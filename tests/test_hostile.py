@@ -30,15 +30,13 @@ from hypothesis import strategies as st
 
 from controller import datagram as datagram_module
 from controller import journal as journal_module
+from controller.app import assemble
 from controller.config import ClientAddress, Config, RedisSettings
 from controller.doors.http.access import Gate
 from controller.doors.http.console.session import TokenFile
 from controller.jobs import Job, JobState
 from controller.journal import Journal
-from controller.shell.committer import Committer
-from controller.shell.main import assemble
 from controller.shell.recovery import recover
-from controller.shell.refusals import JournalRefusals
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
@@ -597,10 +595,11 @@ async def test_a_job_the_journal_cannot_store_is_refused_alone(
         journal=path,
         client_address=ClientAddress("127.0.0.1", free_udp_port()),
     )
-    shell, desk, door = assemble(config, journal)
+    ctl = assemble(config, journal)
+    shell, desk, door = ctl.shell, ctl.desk, ctl.udp
     recover(desk, journal.load(), trio.current_time())
-    refusals = JournalRefusals(desk)
-    committer = Committer(journal, on_committed=refusals.committed, on_rejected=refusals.rejected)
+    committer = ctl.committer
+    assert committer is not None
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(shell.serve)
@@ -637,10 +636,11 @@ async def test_a_later_change_the_journal_cannot_store_fails_its_job_saying_why(
     )
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
-    shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), journal)
+    ctl = assemble(Config(socket_dir=sockdir, journal=path), journal)
+    shell, desk, _ = ctl.shell, ctl.desk, ctl.udp
     recover(desk, journal.load(), trio.current_time())
-    refusals = JournalRefusals(desk)
-    committer = Committer(journal, on_committed=refusals.committed, on_rejected=refusals.rejected)
+    committer = ctl.committer
+    assert committer is not None
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(shell.serve)
@@ -660,11 +660,12 @@ async def test_a_later_change_the_journal_cannot_store_fails_its_job_saying_why(
 
 
 async def test_the_redis_cancel_channel_cancels_redis_jobs_only(sockdir: Path) -> None:
-    from controller.doors.redis.door import RedisDoor
 
     config = Config(socket_dir=sockdir, journal=None, redis=RedisSettings(url="redis://x:1/0"))
-    shell, desk, _ = assemble(config)
-    door = RedisDoor(config, desk, shell)  # not run: only its cancel rule is looked at
+    ctl = assemble(config)
+    shell, desk, _ = ctl.shell, ctl.desk, ctl.udp
+    door = ctl.redis  # not run: only its cancel rule is looked at
+    assert door is not None
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
         now = trio.current_time()

@@ -20,16 +20,14 @@ import httpx
 import pytest
 import trio
 
+from controller.app import assemble
 from controller.config import ClientAddress, Config
 from controller.doors.http.console.session import token_hash
 from controller.doors.http.shell import IDLE_TIMEOUT, HttpDoor
 from controller.jobs import JobState
 from controller.journal import Journal
-from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.main import assemble
-from controller.shell.recovery import recover
 from tests.helpers import run_udp_client, wait_until
 from tests.worker_handlers import EXECUTIONS, start_workers
 from tests.worker_handlers import executions as executions_in
@@ -66,21 +64,14 @@ async def http_controller(
     ).replace(**settings)
     store = Journal.open(journal) if journal is not None else None
     recovered = store.load() if store is not None else None
-    shell, desk, udp = assemble(config, store)
-    web = HttpDoor(config, desk, shell)
-    web.bind()
-    udp_port = udp.bind()[1]
+    ctl = assemble(config, store, recovered)
+    await ctl.bind()
+    assert ctl.http is not None
+    web, shell, desk = ctl.http, ctl.shell, ctl.desk
+    udp_port = ctl.udp.bind()[1]
     noted = Path(tempfile.mkdtemp(prefix="executions-", dir=sockdir))  # this instance's runs
     async with trio.open_nursery() as nursery:
-        if store is not None:
-            committer = Committer(store, on_committed=desk.write_ahead.release)
-            await nursery.start(committer.run)
-        await nursery.start(desk.run)
-        if recovered is not None:
-            recover(desk, recovered, trio.current_time())
-        await nursery.start(shell.serve)
-        await nursery.start(udp.serve)
-        await nursery.start(web.serve)
+        await nursery.start(ctl.serve)
         env = {EXECUTIONS: str(noted)}
         await start_workers(nursery, sockdir, "--handler", handler, count=workers, **env)
         await wait_until(lambda: shell.core.idle_workers == workers)

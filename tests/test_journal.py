@@ -385,21 +385,23 @@ def test_version_1_journal_is_upgraded_in_place(tmp_path):
 async def test_picked_task_ids_continue_after_a_restart(sockdir, tmp_path):
     """HTTP jobs get wire numbers the controller picks; after a restart they must not repeat
     a recovered live job's number."""
+    from controller.app import assemble
     from controller.config import Config
-    from controller.shell.main import assemble
     from controller.shell.recovery import recover
 
     path = tmp_path / "j.sqlite3"
     first = Journal.open(path)
     first.load()
-    _, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), first)
+    ctl = assemble(Config(socket_dir=sockdir, journal=path), first)
+    _, desk, _ = ctl.shell, ctl.desk, ctl.udp
     job = Job("http-1", 1, desk.book.pick_task_id(), "http", None, b"")
     first.job_added(job)
     commit(first)
     first.close()
     again = Journal.open(path)
     recovered = again.load()
-    _, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), again)
+    ctl = assemble(Config(socket_dir=sockdir, journal=path), again)
+    _, desk, _ = ctl.shell, ctl.desk, ctl.udp
     import trio
 
     recover(desk, recovered, trio.current_time())
@@ -661,8 +663,8 @@ def test_journal_sync_defaults_to_full(tmp_path):
 
 
 async def test_controller_opens_its_journal_with_the_configured_sync(tmp_path, monkeypatch):
+    from controller import main as controller_main
     from controller.config import ClientAddress, Config
-    from controller.shell import main as controller_main
 
     class Opened(Exception):
         """Stops the controller once its journal is open: nothing else is under test."""

@@ -18,6 +18,7 @@ import pytest
 import redis
 import trio
 
+from controller.app import assemble
 from controller.config import Config, RedisSettings
 from controller.core.model import Worker
 from controller.doors.redis.door import RedisDoor
@@ -26,7 +27,6 @@ from controller.jobs import Job, JobState
 from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.main import assemble
 from tests.helpers import (
     REDIS_SERVER,
     LiveController,
@@ -97,8 +97,10 @@ class Here:
 async def controller_here(sockdir: Path, url: str, **settings: Any) -> AsyncIterator[Here]:
     redis_settings = RedisSettings(url=url, claim_after=CLAIM_AFTER)
     config = Config(socket_dir=sockdir, journal=None, redis=redis_settings).replace(**settings)
-    shell, desk, _ = assemble(config)
-    door = RedisDoor(config, desk, shell)
+    ctl = assemble(config)
+    shell, desk, _ = ctl.shell, ctl.desk, ctl.udp
+    door = ctl.redis
+    assert door is not None
     here = Here(shell, desk, door, sockdir)
     try:
         async with trio.open_nursery() as nursery:

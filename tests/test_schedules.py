@@ -18,12 +18,12 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from controller.app import assemble
 from controller.config import Config, ConfigError, parse_config
 from controller.doors.redis.periodic_claims import RedisClaims
 from controller.journal import Journal
 from controller.schedules import Schedule, parse_entries
 from controller.shell.committer import Committer
-from controller.shell.main import assemble
 from controller.shell.refusals import JournalRefusals
 from controller.shell.schedules import PeriodicJobs
 from tests.helpers import controller_argv, write_config
@@ -229,7 +229,8 @@ def config_with(sockdir: Path, *schedules: Schedule, **settings: Any) -> Config:
 @asynccontextmanager
 async def controller(config: Config, journal: Journal | None = None) -> AsyncIterator[Any]:
     """The controller's parts with the scheduler's shell serving; the nursery to add to."""
-    shell, desk, _ = assemble(config, journal)
+    ctl = assemble(config, journal)
+    shell, desk, _ = ctl.shell, ctl.desk, ctl.udp
     async with trio.open_nursery() as nursery:
         await nursery.start(shell.serve)
         yield desk, nursery

@@ -26,17 +26,17 @@ import pytest
 import trio
 
 from controller import options
+from controller.app import assemble
 from controller.config import ConfigError, parse_config
 from controller.core import TaskState
 from controller.doors.http import codec
 from controller.errors import StartupError
 from controller.joblimits import JobLimits
+from controller.main import slot_job_users
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
-from controller.shell.main import assemble, slot_job_users
 from controller.shell.main_socket import answers_a_pulse, prepare_socket_dir
 from controller.shell.recovery import recover
-from controller.shell.refusals import JournalRefusals
 from controller.shell.supervisor import Supervisor, worker_command
 from controller.transport import chmod_socket_file, listen_unix
 from controller.usage import Usage
@@ -455,7 +455,8 @@ def desk_options(desk: JobDesk, door: str) -> options.JobOptions:
 async def _desk(sockdir: Path, **settings: Any) -> AsyncIterator[tuple[CoreShell, JobDesk]]:
     """The controller's scheduler shell and job desk, wired as `controller` wires them."""
     config = parse_config({"socket_dir": str(sockdir), "journal": None, **settings})
-    shell, desk, _door = assemble(config)
+    ctl = assemble(config)
+    shell, desk, _door = ctl.shell, ctl.desk, ctl.udp
     async with trio.open_nursery() as nursery:
         await nursery.start(desk.run)
         await nursery.start(shell.serve)
@@ -698,7 +699,6 @@ async def test_a_job_the_journal_cannot_record_fails_with_reason_error(
     from controller import journal as journal_module
     from controller.config import Config
     from controller.journal import Journal
-    from controller.shell.committer import Committer
 
     real = journal_module.stored_text
     monkeypatch.setattr(
@@ -706,10 +706,11 @@ async def test_a_job_the_journal_cannot_record_fails_with_reason_error(
     )
     path = tmp_path / "journal.sqlite3"
     journal = Journal.open(path)
-    shell, desk, _ = assemble(Config(socket_dir=sockdir, journal=path), journal)
+    ctl = assemble(Config(socket_dir=sockdir, journal=path), journal)
+    shell, desk, _ = ctl.shell, ctl.desk, ctl.udp
     recover(desk, journal.load(), trio.current_time())
-    refusals = JournalRefusals(desk)
-    committer = Committer(journal, on_committed=refusals.committed, on_rejected=refusals.rejected)
+    committer = ctl.committer
+    assert committer is not None
     async with trio.open_nursery() as nursery:
         await nursery.start(committer.run)
         await nursery.start(shell.serve)

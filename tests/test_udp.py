@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import trio
 
+from controller.app import assemble
 from controller.client import UdpSession
 from controller.config import ClientAddress, Config
 from controller.doors.udp.shell import UdpDoor
 from controller.shell import durability
 from controller.shell.core_shell import CoreShell
-from controller.shell.main import assemble
 from tests.helpers import (
     controller_argv,
     free_udp_port,
@@ -42,7 +42,8 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
         client_address=ClientAddress("127.0.0.1", 0),
         max_retries=3,
     )
-    shell, desk, udp = assemble(config)
+    ctl = assemble(config)
+    shell, desk, udp = ctl.shell, ctl.desk, ctl.udp
     server = udp.bind()
     await nursery.start(desk.run)
     await nursery.start(shell.serve)
@@ -88,7 +89,8 @@ async def test_200_tasks_through_lossy_network(sockdir, nursery):
 
 async def test_large_result_read_with_get_result(sockdir, nursery):
     config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
-    shell, desk, udp = assemble(config)
+    ctl = assemble(config)
+    shell, desk, udp = ctl.shell, ctl.desk, ctl.udp
     server = udp.bind()
     await nursery.start(desk.run)
     await nursery.start(shell.serve)
@@ -147,7 +149,8 @@ async def gated_controller(
 ) -> tuple[GatedClient, trio.Nursery, CoreShell]:
     """A controller (journal off) with one gated worker; the nursery its UDP door runs in."""
     config = Config(socket_dir=sockdir, journal=None, client_address=ClientAddress("127.0.0.1", 0))
-    shell, desk, udp = assemble(config)
+    ctl = assemble(config)
+    shell, desk, udp = ctl.shell, ctl.desk, ctl.udp
     gates = sockdir / "gates"
     gates.mkdir()
     client = GatedClient(udp.bind(), gates)

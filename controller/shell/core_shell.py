@@ -4,9 +4,9 @@ It accepts pulses on main.sock (bound by main_socket.py, and bound again when it
 file is removed or replaced), reaches the workers through their sockets and
 channels (worker_links.py), sleeps until the core's next deadline, watches worker
 pids, and hands each event to the core with `now=trio.current_time()`. Whatever
-the core returns is carried out by `execute`. Jobs that end and jobs that start
-or go back to the queue leave through `on_finished` and `on_progress` (the job
-desk, or a test).
+the core returns is carried out by `execute`; what it says of jobs and remote workers
+leaves through the outlets the assembly connects once (`connect`, controller/app.py):
+the job desk, the doors, or a test.
 """
 
 from __future__ import annotations
@@ -78,8 +78,6 @@ class CoreShell:
         self,
         config: Config,
         core: Core | None = None,
-        on_finished: Callable[[TaskFinished], None] | None = None,
-        on_progress: Callable[[TaskProgress], None] | None = None,
         write_ahead: WriteAhead | None = None,
         metrics: Metrics | None = None,
         busy_poll: float | None = 0.0,
@@ -97,18 +95,13 @@ class CoreShell:
             calculator_timeout=config.calculator_timeout,
             forget_remote_after=config.result_retention,
         )
-        # Where a job for a calculator goes (the UDP door sends perform_task).
-        self.on_perform: Callable[[PerformTask], None] | None = None
-        self.on_finished = on_finished or (lambda finished: None)
-        # Where a job for a poller goes (the HTTP door answers its waiting /ping/).
-        self.on_hand_out: Callable[[HandOut], None] | None = None
-        self.on_progress = on_progress
-        # Where a local worker's job output goes: (task ref, task job, the bytes).
+        # The core's outlets, connected once by the assembly (controller/app.py, `connect`).
+        self.on_finished: Callable[[TaskFinished], None] = lambda finished: None
+        self.on_progress: Callable[[TaskProgress], None] | None = None
         self.on_output: Callable[[int, object, bytes], None] | None = None
-        # Where what an attempt used goes, just before its outcome: (task ref, task job, usage).
         self.on_usage: Callable[[int, object, Usage], None] | None = None
-        # Told after every batch of actions: a door that reads only what it can start soon
-        # (Redis) looks whether there is room now.
+        self.on_perform: Callable[[PerformTask], None] | None = None
+        self.on_hand_out: Callable[[HandOut], None] | None = None
         self.on_room: Callable[[], None] | None = None
         self.refused_peers = 0
         self._nursery: trio.Nursery | None = None
@@ -122,6 +115,31 @@ class CoreShell:
         self.rebinds = 0  # times main.sock was found removed or replaced and bound again
         self._accept_failed = Throttled(log, "main.sock: cannot accept a connection")
         self.links = WorkerLinks(self)
+
+    def connect(
+        self,
+        *,
+        finished: Callable[[TaskFinished], None],
+        progress: Callable[[TaskProgress], None] | None = None,
+        output: Callable[[int, object, bytes], None] | None = None,
+        usage: Callable[[int, object, Usage], None] | None = None,
+        perform: Callable[[PerformTask], None] | None = None,
+        hand_out: Callable[[HandOut], None] | None = None,
+        room: Callable[[], None] | None = None,
+    ) -> None:
+        """Where the core's actions go: a task that ended (`finished`), started, went back to
+        the queue or waits for its time (`progress`); a local worker's job output
+        (`output`: task ref, task job, bytes) and what an attempt used, just before its
+        outcome (`usage`); a job for a calculator (`perform`: the UDP door sends perform_task)
+        or a poller (`hand_out`: the HTTP door answers its waiting /ping/); and, after every
+        batch of actions, a door that reads only what it can start soon (`room`: Redis)."""
+        self.on_finished = finished
+        self.on_progress = progress
+        self.on_output = output
+        self.on_usage = usage
+        self.on_perform = perform
+        self.on_hand_out = hand_out
+        self.on_room = room
 
     # ------------------------------------------------------------ running
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import trio
@@ -106,7 +106,7 @@ class JobDesk:
         book: JobBook,
         scheduling: Scheduling,
         journal: Journal | None = None,
-        on_finished: Callable[[Job], None] | None = None,
+        write_ahead: WriteAhead | None = None,
         max_log_size: int = DEFAULT_MAX_LOG_SIZE,
         output_retention: int = DEFAULT_OUTPUT_RETENTION,
         max_pending: int = 1000000,
@@ -121,18 +121,32 @@ class JobDesk:
         self.live_bytes = 0
         self.max_log_size = max_log_size
         self.output_retention = output_retention
-        # Told when a job's output grew (the HTTP door wakes those who follow it).
+        # Told when a job ends (`on_finished`) or its output grows (`on_output`): the HTTP
+        # door wakes those who follow it. Connected by the assembly, with the doors.
+        self.on_finished: Callable[[Job], None] | None = None
         self.on_output: Callable[[Job], None] | None = None
         self.scheduling = scheduling
         self.journal = journal
-        self.write_ahead = WriteAhead(journal)
-        self.on_finished = on_finished
-        self.doors: dict[str, Door] = {}
+        self.write_ahead = write_ahead if write_ahead is not None else WriteAhead(journal)
+        self.doors: dict[DoorName, Door] = {}
         self.leased_refs: set[int] = set()  # refs of live jobs with a lease in the journal
         self.timer = DeadlineTimer(book.next_deadline, self._expire)
         # Jobs that lost a change the journal could not store, by id: (it was the job's first
         # record, why). Marked and settled by the journal's refusals (refusals.py).
         self.refused: dict[str, tuple[bool, str]] = {}
+
+    def connect(
+        self,
+        *,
+        doors: Mapping[DoorName, Door],
+        on_finished: Callable[[Job], None] | None = None,
+        on_output: Callable[[Job], None] | None = None,
+    ) -> None:
+        """The doors that tell their submitters how jobs ended (a job of a door not here is
+        kept for retention untold), and who is told of every job's end and output."""
+        self.doors = dict(doors)
+        self.on_finished = on_finished
+        self.on_output = on_output
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forget jobs past their retention, until cancelled."""

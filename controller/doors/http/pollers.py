@@ -51,7 +51,6 @@ class PollerDoor:
         self.pollers = shell.core.pollers
         self.refuse = refuse  # the door's answer to a refused request (counted)
         self.pings: dict[str, PingWaiter] = {}  # by poller name
-        shell.on_hand_out = self.hand_out
 
     def hand_out(self, action: HandOut) -> None:
         """The scheduler placed a job on a poller: answer its waiting /ping/ with it."""

@@ -72,7 +72,14 @@ DRAIN_LIMIT = 4 * 1024 * 1024
 class HttpDoor:
     """The HTTP door's shell: the app, its listening socket, and the long-poll waiters."""
 
-    def __init__(self, config: Config, desk: JobDesk, shell: CoreShell) -> None:
+    def __init__(
+        self,
+        config: Config,
+        desk: JobDesk,
+        shell: CoreShell,
+        redis_status: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """`redis_status`: the Redis door's status, for /health/ (None: no Redis door)."""
         assert config.http_address is not None
         self.config = config
         self.desk = desk
@@ -83,7 +90,7 @@ class HttpDoor:
         self.max_body = codec.max_body(config.max_extra_size)
         self.started_at = 0.0
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
-        self.redis_status: Callable[[], dict[str, Any]] | None = None  # the Redis door's
+        self.redis_status = redis_status
         self._ended: dict[str, trio.Event] = {}
         self._grew: dict[str, trio.Event] = {}  # by job id: set when its output grows or it ends
         self._sockets: Any = None
@@ -113,8 +120,6 @@ class HttpDoor:
             routes, self.job, ["GET", "PUT", "DELETE"], self.gate.refusal, patterns=patterns
         )
         self.options = config.job_options(DoorName.HTTP)
-        desk.on_finished = self.job_ended
-        desk.on_output = self.output_grew
         self._rate = self.console.job_ended
         self.connections = Connections(config.max_connections, config.max_connections_per_client)
         self._idle_timer = keepalive.usable()

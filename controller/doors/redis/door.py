@@ -31,26 +31,18 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from controller.config import Config
 from controller.containment import contained
 from controller.doors.redis import codec
 from controller.doors.redis.base import BACKOFF_CAP, outcome_of
 from controller.doors.redis.keeping import DoorKeeper
 from controller.doors.redis.writing import DoorWriter
 from controller.jobs import Job
-from controller.shell.core_shell import CoreShell
-from controller.shell.desk import JobDesk
 
 log = logging.getLogger("controller.redis")
 
 
 class RedisDoor(DoorKeeper, DoorWriter):
     """The Redis door's shell: its four tasks, run together, and the job desk's side."""
-
-    def __init__(self, config: Config, desk: JobDesk, shell: CoreShell) -> None:
-        super().__init__(config, desk, shell)
-        desk.doors["redis"] = self
-        shell.on_room = self._maybe_room
 
     # ------------------------------------------------------------ running
 

@@ -129,7 +129,7 @@ class DoorKeeper(DoorReader):
         del self.lanes.parked[job_id]
         del self.entries[job_id]
         log.info("redis: job %s was claimed by another controller: dropped here", job_id[:200])
-        self._maybe_room()
+        self.look_for_room()
 
     def _unpark(self, job_id: str, state: str) -> None:
         """A parked job that a worker here can take, its entry still ours: it runs here (or,

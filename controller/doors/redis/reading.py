@@ -87,7 +87,7 @@ class DoorReader(DoorListener):
             room -= cut[lane]
         return cut
 
-    def _maybe_room(self) -> None:
+    def look_for_room(self) -> None:
         if not self._room.is_set() and self._wanted():
             self._room.set()
 

@@ -69,4 +69,4 @@ class DoorWriter(DoorReader):
             if job is not None and job.door == DoorName.REDIS:
                 self.desk.delivered(job_id, now)
         if outcomes:
-            self._maybe_room()
+            self.look_for_room()

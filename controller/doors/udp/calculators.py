@@ -55,7 +55,6 @@ class CalculatorShell:
         self._transmit = transmit
         self._poke = poke
         self._live_tasks = shell.core.tasks
-        shell.on_perform = self.perform
 
     def handle(self, action: CalculatorAction, now: float) -> None:
         """What a calculator said, for the calculator worker kind."""

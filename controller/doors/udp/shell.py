@@ -16,7 +16,7 @@ import math
 import select
 import socket as stdsocket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -73,13 +73,20 @@ def open_udp_socket(host: str, port: int) -> stdsocket.socket:
 class UdpDoor:
     """The UDP door's shell: its socket, the pure `FrontDoor` codec, and the door's timer."""
 
-    def __init__(self, config: Config, shell: CoreShell, desk: JobDesk) -> None:
+    def __init__(
+        self,
+        config: Config,
+        shell: CoreShell,
+        desk: JobDesk,
+        reports: Mapping[str, Callable[[], dict[str, Any]]] | None = None,
+    ) -> None:
+        """`reports`: other parts' sections of the status report by name, e.g. "redis"
+        (the Redis door's status)."""
         self.config = config
         self.shell = shell
         self.desk = desk
         self.send_errors = 0
-        # Other parts' sections of the status report, e.g. "redis" (the Redis door's status).
-        self.reports: dict[str, Callable[[], dict[str, Any]]] = {}
+        self.reports = dict(reports or {})
         self.door = FrontDoor(
             desk.book,
             allowed_clients=config.allowed_clients,
@@ -108,7 +115,6 @@ class UdpDoor:
         self._batching = desk.journal is None
         self._pace = Pace()
         self._live_tasks = shell.core.tasks  # every door's unfinished tasks
-        desk.doors[DoorName.UDP] = self
 
     def bind(self) -> tuple[str, int]:
         """Open the socket (before the nursery, so errors stay plain); returns the bound address."""

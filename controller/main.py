@@ -1,4 +1,5 @@
-"""`controller` command line: config, then the pulse server, timer, front door and local workers."""
+"""The `controller` command: its options, the configuration, the assembled parts
+(controller/app.py), the local workers' supervisor, systemd's notifications and the signals."""
 
 from __future__ import annotations
 
@@ -9,28 +10,20 @@ import os
 import signal
 import stat
 import sys
-import time
 from pathlib import Path
 
 import trio
 
 from controller.affinity import format_cpus, parse_cpus, pin
+from controller.app import assemble
 from controller.cli import DOCS, add_common_flags, setup_logging
 from controller.config import Config, load_config, secret_files
-from controller.doors.udp.shell import UdpDoor
 from controller.errors import CannotStart, StartupError
-from controller.jobs import JobBook
 from controller.journal import Journal
 from controller.priority import DEFAULT_ADJUSTMENT, adjust, parse_adjustment
-from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell
 from controller.shell.descriptors import raise_nofile_limit
-from controller.shell.desk import JobDesk
-from controller.shell.durability import commit_load
 from controller.shell.metrics import Metrics
-from controller.shell.recovery import recover
-from controller.shell.refusals import JournalRefusals
-from controller.shell.schedules import Claims, PeriodicJobs
 from controller.shell.sdnotify import Notifier
 from controller.shell.supervisor import Supervisor, worker_command
 
@@ -146,34 +139,6 @@ def split_worker_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def assemble(
-    config: Config,
-    journal: Journal | None = None,
-    metrics: Metrics | None = None,
-    busy_poll: float | None = 0.0,
-) -> tuple[CoreShell, JobDesk, UdpDoor]:
-    """The controller's parts, wired: scheduler shell, job desk (book, journal), UDP door.
-    Must be called inside trio.run (the book reads the trio clock once)."""
-    book = JobBook(result_retention=config.result_retention)
-    book.wall_offset = time.time() - trio.current_time()
-    shell = CoreShell(config, metrics=metrics, busy_poll=busy_poll)
-    desk = JobDesk(
-        book,
-        shell,
-        journal,
-        max_log_size=config.max_log_size,
-        output_retention=config.output_retention,
-        max_pending=config.max_pending,
-        max_pending_bytes=config.max_pending_bytes,
-    )
-    shell.write_ahead = desk.write_ahead
-    shell.on_finished = desk.finished
-    shell.on_output = desk.task_output
-    shell.on_usage = desk.task_usage  # each attempt's, before its outcome
-    shell.on_progress = desk.progress  # each job's attempts, and the journal
-    return shell, desk, UdpDoor(config, shell, desk)
-
-
 def status_line(shell: CoreShell, journal: Journal | None) -> str:
     """One line for `systemctl status`."""
     core = shell.core
@@ -204,84 +169,15 @@ async def run_controller(
         journal = Journal.open(config.journal, config.journal_sync)
         recovered = journal.load()
     metrics = Metrics() if config.metrics_address is not None else None
-    shell, desk, door = assemble(config, journal, metrics, busy_poll)
-    committer = None
-    if journal is not None:
-        live = shell.core.tasks  # every door's queued and running tasks
-        core = shell.core
-        held = desk.write_ahead
-        refusals = JournalRefusals(desk)
-        committer = Committer(
-            journal,
-            on_committed=refusals.committed,
-            in_flight=lambda: commit_load(len(live), core.queued, core.scheduled, len(held)),
-            on_rejected=refusals.rejected,
-        )
-    # The HTTP and Redis doors' libraries (hypercorn, redis-py) are imported only
-    # when configured: together they are about 20 MB of a controller's memory.
-    stream = None
-    if config.redis is not None:
-        from controller.doors.redis.door import RedisDoor
-
-        stream = RedisDoor(config, desk, shell)
-    claims: Claims | None = None
-    if stream is not None and config.schedules:
-        from controller.doors.redis.periodic_claims import RedisClaims
-
-        claims = RedisClaims(
-            stream.calls.redis, stream.consumer, config.result_retention, stream.in_thread
-        )
-    periodic = PeriodicJobs(
-        config,
-        desk,
-        journal,
-        recovered.schedules if recovered is not None else None,
-        claims,
-    )
+    parts = assemble(config, journal, recovered, metrics, busy_poll)
+    await parts.bind()
     notifier = Notifier()
-    web = None
-    if config.http_address is not None:
-        from controller.doors.http.shell import HttpDoor
-
-        web = HttpDoor(config, desk, shell)
-        web.bind()  # before main.sock appears: local workers, and tests, take that as ready
-    await shell.bind()
-    door.bind()
-    if stream is not None:
-        door.reports["redis"] = stream.status
-        if web is not None:
-            web.redis_status = stream.status
-        if metrics is not None:
-            metrics.redis_status = stream.status
-    http = None
-    if metrics is not None and config.metrics_address is not None:
-        try:
-            http = metrics.serve(config.metrics_address)
-        except OSError as exc:
-            address = config.metrics_address
-            raise StartupError(
-                f"metrics_address {address.host}:{address.port}: {exc.strerror}"
-            ) from None
     try:
         async with trio.open_nursery() as nursery:
-            if committer is not None:
-                await nursery.start(committer.run)
-            await nursery.start(desk.run)
-            if recovered is not None:
-                recover(desk, recovered, trio.current_time())
-            await nursery.start(shell.serve)
-            await nursery.start(door.serve)
-            if web is not None:
-                await nursery.start(web.serve)
-            if stream is not None:
-                await nursery.start(stream.run)
-            if config.schedules:  # after recovery: a job made before a crash is in the book
-                await nursery.start(periodic.run)
-            if metrics is not None:
-                nursery.start_soon(metrics.run, shell.core)
+            await nursery.start(parts.serve)
             notifier.notify("READY=1")
             nursery.start_soon(
-                notifier.run, functools.partial(status_line, shell, journal), shell.lag
+                notifier.run, functools.partial(status_line, parts.shell, journal), parts.shell.lag
             )
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as local:
@@ -304,8 +200,6 @@ async def run_controller(
                     local.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
     finally:
-        if http is not None:
-            http.shutdown()
         notifier.close()
         if journal is not None:
             journal.close()
