@@ -31,7 +31,8 @@ import trio
 from controller.config import Config
 from controller.doors.udp.shell import UdpDoor
 from controller.errors import StartupError
-from controller.jobs import DoorName, JobBook
+from controller.job_ids import DoorName
+from controller.jobs import JobBook
 from controller.journal import Journal
 from controller.journal_file import Recovered
 from controller.shell.committer import Committer

@@ -20,8 +20,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from controller.errors import CannotStart
+from controller.job_ids import DoorName
 from controller.joblimits import NO_LIMITS, JobLimits, LimitError, parse_limits
-from controller.jobs import DoorName
 from controller.options import MAX_RETRY_DELAY, JobOptions
 from controller.schedules import Schedule, parse_entries
 from controller.wire import DEFAULT_MAX_EXTRA_SIZE

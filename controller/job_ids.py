@@ -1,7 +1,20 @@
-"""What a submitter may name a job, through any door or the client: the id's characters and
-length, the ids kept for UDP jobs, and the longest text a job's fields take."""
+"""What names a job, through any door or the client: the door it came in by (`DoorName`),
+the id's characters and length, the ids kept for UDP jobs, and the longest text a job's
+fields take."""
 
 from __future__ import annotations
+
+import enum
+
+
+class DoorName(enum.StrEnum):
+    """The door a job came in by. A member equals and hashes like its string, which is
+    what the journal stores and the HTTP API shows (`door`)."""
+
+    UDP = "udp"
+    HTTP = "http"
+    REDIS = "redis"
+
 
 # A job id is text a person can read and put in a URL path as it is.
 MAX_ID_LENGTH = 200

@@ -18,15 +18,16 @@ into wall-clock seconds for the timestamps a person reads.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import json
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from controller.core.model import WAITING, IdentityEnum, Task, TaskState
+from controller.core.model import WAITING, Task, TaskState
 from controller.deadlines import Deadlines
+from controller.job_ids import DoorName
+from controller.job_states import JobState
 from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
 from controller.usage import Usage, usage_from_row
@@ -35,35 +36,6 @@ from controller.usage import Usage, usage_from_row
 # and a backlog after a restart does not stall the event loop.
 MAX_FORGET_PER_CALL = 1000
 
-
-class DoorName(enum.StrEnum):
-    """The door a job came in by. A member equals and hashes like its string, which is
-    what the journal stores and the HTTP API shows (`door`)."""
-
-    UDP = "udp"
-    HTTP = "http"
-    REDIS = "redis"
-
-
-class JobState(IdentityEnum):
-    """A job's state; its values are the words of the job object's `state` (HTTP, Redis and
-    the client library). The UDP door's words are controller/doors/udp/words.py's."""
-
-    SCHEDULED = "scheduled"
-    PENDING = "pending"
-    REQUESTED = "requested"
-    WORKING = "working"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELED = "canceled"
-    DELETED = "deleted"
-
-    @property
-    def final(self) -> bool:
-        return self not in _LIVE
-
-
-_LIVE = frozenset({JobState.SCHEDULED, JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
 
 # A live job's state, from its scheduler task's: the one mapping of task states to job states.
 _FROM_TASK = {

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from controller import journal_sql as sql
 from controller.errors import CannotStart
-from controller.jobs import DoorName
+from controller.job_ids import DoorName
 
 log = logging.getLogger("controller.journal")
 

@@ -346,3 +346,15 @@ def test_a_reader_that_went_away_ends_the_command_with_141_and_no_traceback(monk
     for fd, _ in fds:
         os.close(fd)
     assert quiet_pipe(lambda argv: 7, None) == 7
+
+
+def test_the_client_library_and_the_worker_load_none_of_the_controllers_core():
+    # They share the wire's vocabulary (datagram, wire, job_states, the doors' codecs), not
+    # the job book or the scheduler: a client or a worker stays light.
+    code = (
+        "import sys, worker.main, controller.client.sync_client, controller.client.async_client\n"
+        "import controller.client.redis_backend, controller.client.udp_cli\n"
+        "print(sorted(m for m in ('controller.jobs', 'controller.core') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

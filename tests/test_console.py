@@ -12,7 +12,7 @@ from controller.doors.http.access import BLOCK_SECONDS, Strikes
 from controller.doors.http.console.handlers import page_of
 from controller.doors.http.console.session import Sessions, TokenFile, parse_cookies
 from controller.doors.http.console.stats import SPAN_SECONDS, EndRate
-from controller.jobs import JobState
+from controller.job_states import JobState
 from tests.helpers import wait_until
 from tests.test_http import client, http_controller
 

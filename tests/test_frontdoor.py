@@ -17,7 +17,9 @@ from controller.core.model import Task, TaskState
 from controller.datagram import MAX_INLINE_RESULT
 from controller.doors.udp.actions import Delivered, Send, Submit
 from controller.doors.udp.codec import FrontDoor
-from controller.jobs import MAX_FORGET_PER_CALL, DoorName, Job, JobBook, JobState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import MAX_FORGET_PER_CALL, Job, JobBook
 from controller.transmissions import NOTIFY_FIRST_INTERVAL, TRANSMISSION_MEMORY
 
 CLIENT = ("127.0.0.1", 40000)

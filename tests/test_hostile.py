@@ -34,7 +34,8 @@ from controller.app import assemble
 from controller.config import ClientAddress, Config, RedisSettings
 from controller.doors.http.access import Gate
 from controller.doors.http.console.session import TokenFile
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.journal import Journal
 from controller.shell.recovery import recover
 from tests.helpers import (

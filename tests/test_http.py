@@ -24,7 +24,7 @@ from controller.app import assemble
 from controller.config import ClientAddress, Config
 from controller.doors.http.console.session import token_hash
 from controller.doors.http.shell import IDLE_TIMEOUT, HttpDoor
-from controller.jobs import JobState
+from controller.job_states import JobState
 from controller.journal import Journal
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk

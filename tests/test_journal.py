@@ -14,10 +14,10 @@ import pytest
 import trio
 
 from controller.core import Core, Dial, DialDone, PulseReceived, TaskState, WorkerState
+from controller.job_states import JobState
 from controller.jobs import (
     Attempt,
     Job,
-    JobState,
     history_from_json,
     history_to_json,
     notes_of,

@@ -485,7 +485,7 @@ def _door_holding(jobs: list[_HeldJob], desk: _RetryDesk) -> Any:
 
 
 async def test_a_heard_retry_puts_back_only_this_doors_ended_jobs():
-    from controller.jobs import JobState
+    from controller.job_states import JobState
 
     jobs = [
         _HeldJob("failed", "redis", JobState.FAILED),
@@ -502,7 +502,7 @@ async def test_a_heard_retry_puts_back_only_this_doors_ended_jobs():
 
 
 async def test_a_retry_the_desk_refuses_writes_the_jobs_outcome_back():
-    from controller.jobs import JobState
+    from controller.job_states import JobState
 
     desk = _RetryDesk(allow=False)
     door = _door_holding([_HeldJob("gone", "redis", JobState.CANCELED, error="")], desk)

@@ -13,7 +13,7 @@ import redis
 import trio
 
 from controller.doors.redis import base
-from controller.jobs import JobState
+from controller.job_states import JobState
 from controller.options import JobOptions
 from tests.helpers import REDIS_SERVER, RedisServer, wait_until
 from tests.test_redis_queues import controller_here, r, server  # noqa: F401 (fixtures)

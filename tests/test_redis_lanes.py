@@ -19,7 +19,8 @@ from controller.doors.redis.queue_lanes import (
     free_by_queue,
 )
 from controller.doors.redis.stream_calls import Entry
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.options import BadOption, JobOptions
 
 DEFAULTS = JobOptions(owner="redis", max_retries=3)

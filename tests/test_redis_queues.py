@@ -23,7 +23,8 @@ from controller.config import Config, RedisSettings
 from controller.core.model import Worker
 from controller.doors.redis.door import RedisDoor
 from controller.doors.redis.stream_calls import StreamCalls
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk

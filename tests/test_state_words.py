@@ -9,7 +9,8 @@ import pytest
 
 from controller.core.model import Task, TaskState
 from controller.doors.udp import words
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 
 # Each live task state: the job object's state and the UDP word (DESIGN section 7).
 LIVE = {

@@ -670,7 +670,8 @@ def test_metrics_sum_what_attempts_used_and_count_failures_by_reason():
 def test_the_console_and_jobctl_show_what_each_attempt_used():
     from controller.client.jobctl_tables import job_details
     from controller.doors.http.console import pages_jobs, views
-    from controller.jobs import Attempt, Job, JobState
+    from controller.job_states import JobState
+    from controller.jobs import Attempt, Job
 
     job = Job("j", 1, 1, "http", None)
     job.history = [Attempt(2, 10.0, 11.5, "failed", "boom", Usage(1.5, 0.75, 3 << 20))]

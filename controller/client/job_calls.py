@@ -17,7 +17,7 @@ from controller import datagram as dg
 from controller.client.errors import ControllerError, JobFailed
 from controller.client.http import Answer
 from controller.client.http_endpoint import url_port
-from controller.jobs import JobState
+from controller.job_states import JobState
 
 # get, cancel and retry over udp://.
 NO_SUCH_REQUEST = (

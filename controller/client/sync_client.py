@@ -52,7 +52,7 @@ from controller.client.jobfields import as_text, initial_state, option_fields
 from controller.client.redis_backend import NO_LISTENER, RedisBackend
 from controller.client.udp_backend import UdpBackend
 from controller.doors.udp import words
-from controller.jobs import JobState
+from controller.job_states import JobState
 
 
 def _retried(job_id: str, state: str) -> None:

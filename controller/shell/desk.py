@@ -26,13 +26,13 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
 from controller.jobs import (
     DEFAULT_MAX_LOG_SIZE,
     DEFAULT_OUTPUT_RETENTION,
-    DoorName,
     Job,
     JobBook,
-    JobState,
     history_to_json,
     notes_of,
 )

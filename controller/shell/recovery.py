@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
+from controller.job_ids import DoorName
+from controller.job_states import JobState
 from controller.jobs import (
-    DoorName,
     Job,
-    JobState,
     history_from_json,
     notes_of,
 )

@@ -15,7 +15,9 @@ import logging
 
 import trio
 
-from controller.jobs import DoorName, Job, JobState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.journal import Rejected
 from controller.shell.desk import JobDesk
 

@@ -39,7 +39,7 @@ import trio
 
 from controller.config import Config
 from controller.containment import contained
-from controller.jobs import DoorName
+from controller.job_ids import DoorName
 from controller.journal import Journal
 from controller.options import rfc3339
 from controller.schedules import Schedule

@@ -28,7 +28,8 @@ from controller.job_ids import (
     UDP_ID_RULE,
     valid_id,
 )
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.options import JobOptions, rfc3339
 from controller.usage import Usage, usage_from_json
 

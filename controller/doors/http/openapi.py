@@ -10,7 +10,7 @@ from controller import options
 from controller.declared import MAX_NAME_CHARS, MAX_NAMES
 from controller.doors.http import codec
 from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
-from controller.jobs import JobState
+from controller.job_states import JobState
 from controller.options import NAME_RULE
 
 _ERROR = {"$ref": "#/components/schemas/Error"}

@@ -21,7 +21,8 @@ from controller.doors.http import codec
 from controller.doors.http.asgi import Request, Response, json_response
 from controller.doors.http.codec import ApiError, Update
 from controller.job_ids import MAX_ID_LENGTH
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 

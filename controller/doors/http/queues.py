@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from controller.core import Core
-from controller.jobs import JobState, live_state
+from controller.job_states import JobState
+from controller.jobs import live_state
 
 
 def idle_queue(paused: bool = False) -> dict[str, Any]:

@@ -50,7 +50,9 @@ from controller.doors.http.openapi import OPENAPI
 from controller.doors.http.pollers import PollerDoor
 from controller.doors.http.queues import idle_queue, queue_report
 from controller.errors import StartupError
-from controller.jobs import DoorName, Job, JobState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import RETRY_AFTER, JobDesk
 

@@ -28,7 +28,9 @@ from controller.doors.redis.queue_lanes import Lane, Lanes
 from controller.doors.redis.script_link import link_for
 from controller.doors.redis.stream_calls import EntryRef, Outcome, StreamCalls, wrong_type
 from controller.errors import StartupError
-from controller.jobs import DoorName, Job, JobState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk
 

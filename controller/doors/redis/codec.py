@@ -21,7 +21,7 @@ import hashlib
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
-from controller.jobs import JobState
+from controller.job_states import JobState
 from controller.options import DEFAULT_QUEUE
 
 # The states a job's hash may hold once it ended (finished, failed, canceled, deleted).

@@ -22,7 +22,7 @@ from controller.doors.redis.base import LaneStopped, outcome_of
 from controller.doors.redis.queue_lanes import can_take
 from controller.doors.redis.reading import DoorReader
 from controller.doors.redis.stream_calls import EntryRef, Outcome
-from controller.jobs import DoorName
+from controller.job_ids import DoorName
 
 log = logging.getLogger("controller.redis")
 

@@ -12,7 +12,7 @@ import trio
 from controller.doors.redis import codec
 from controller.doors.redis.base import DoorBase, outcome_of
 from controller.doors.redis.stream_calls import Outcome
-from controller.jobs import DoorName
+from controller.job_ids import DoorName
 
 log = logging.getLogger("controller.redis")
 

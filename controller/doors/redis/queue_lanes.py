@@ -23,7 +23,9 @@ from controller.core import Core
 from controller.core.model import Worker, WorkerState
 from controller.doors.redis import codec
 from controller.doors.redis.stream_calls import Entry
-from controller.jobs import DoorName, Job, JobState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.options import DEFAULT_QUEUE, OPTION_NAMES, BadOption, JobOptions, parse
 
 # Entries read beyond the idle workers, so that a worker never waits for a round trip.

@@ -28,8 +28,7 @@ from controller.doors.redis.base import BACKOFF_FIRST, LaneStopped, outcome_of
 from controller.doors.redis.listening import DoorListener
 from controller.doors.redis.queue_lanes import PREFETCH, Lane, Parked, can_take, entry_options
 from controller.doors.redis.stream_calls import Entry, Outcome, wrong_type
-from controller.job_ids import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, valid_id
-from controller.jobs import DoorName
+from controller.job_ids import ID_RULE, MAX_TEXT, UDP_ID_PREFIX, UDP_ID_RULE, DoorName, valid_id
 from controller.options import BadOption, JobOptions
 
 log = logging.getLogger("controller.redis")

@@ -16,7 +16,7 @@ import trio
 from controller.doors.redis import codec
 from controller.doors.redis.reading import DoorReader
 from controller.doors.redis.stream_calls import WRITE_BATCH, EntryRef, Outcome
-from controller.jobs import DoorName
+from controller.job_ids import DoorName
 from controller.options import rfc3339
 
 # While other held jobs are live, every write waits up to WRITE_GATHER_WAIT seconds for this

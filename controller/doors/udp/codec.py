@@ -43,7 +43,9 @@ from controller.datagram import BadPacket
 from controller.doors.udp import calclink, words
 from controller.doors.udp.actions import ClientAction, Delivered, Send, Submit
 from controller.doors.udp.calclink import CalculatorAck, CalculatorAction
-from controller.jobs import DoorName, Job, JobBook, JobState, udp_job_id
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import Job, JobBook, udp_job_id
 from controller.options import JobOptions
 from controller.transmissions import PLAIN_ACK, TRANSMISSION_MEMORY, Address, Repeats, Seen
 

@@ -28,7 +28,9 @@ from controller.doors.udp.actions import Delivered, Send, Submit
 from controller.doors.udp.calculators import CalculatorShell
 from controller.doors.udp.codec import FrontDoor, UdpAction
 from controller.errors import StartupError
-from controller.jobs import DoorName, Job, JobState
+from controller.job_ids import DoorName
+from controller.job_states import JobState
+from controller.jobs import Job
 from controller.reactor import Timer
 from controller.shell.core_shell import CoreShell
 from controller.shell.desk import JobDesk

@@ -5,7 +5,12 @@ and Redis doors)."""
 
 from __future__ import annotations
 
-from controller.jobs import Job, JobState
+from typing import TYPE_CHECKING
+
+from controller.job_states import JobState
+
+if TYPE_CHECKING:  # the client library reads these words without the controller's job book
+    from controller.jobs import Job
 
 # A failed job is `failed_post` when no worker took it in time, else `error`: see `status`.
 UDP_WORDS = {

@@ -40,7 +40,8 @@ from controller.doors.http.console.web import (
 )
 from controller.doors.http.queues import queue_report
 from controller.job_ids import MAX_ID_LENGTH
-from controller.jobs import Job, JobState
+from controller.job_states import JobState
+from controller.jobs import Job
 
 if TYPE_CHECKING:
     from controller.config import Config

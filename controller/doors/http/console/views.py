@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from controller.declared import shown
-from controller.jobs import Job, JobBook, JobState
+from controller.job_states import JobState
+from controller.jobs import Job, JobBook
 from controller.options import rfc3339
 from controller.usage import Usage
 
