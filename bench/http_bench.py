@@ -176,13 +176,20 @@ def main() -> dict[str, Any]:
     return results
 
 
-# Runs `python -m controller ARGS` with hypercorn's own keep-alive timer: live_controller's
-# launcher goes before its command line, which this strips (argv[4:] are the controller's).
-_OWN_TIMER = (
-    sys.executable,
-    "-c",
-    "import sys; from controller.doors.http import keepalive; keepalive.usable = lambda: False; "
-    "from controller.main import main; sys.exit(main(sys.argv[4:]))",
+def patched_controller(patch: str) -> tuple[str, ...]:
+    """A `live_controller` launcher: runs the Python statements `patch`, then the controller
+    (live_controller's launcher goes before its command line, which this strips: argv[4:]
+    are the controller's)."""
+    return (
+        sys.executable,
+        "-c",
+        f"import sys; {patch}; from controller.main import main; sys.exit(main(sys.argv[4:]))",
+    )
+
+
+# The controller with hypercorn's own keep-alive timer.
+_OWN_TIMER = patched_controller(
+    "from controller.doors.http import keepalive; keepalive.usable = lambda: False"
 )
 
 

@@ -9,13 +9,20 @@
    and redis-server on CPU 1.
 3. 1, 2 and 3 controllers, one local worker each, on one stream (this machine has
    2 CPUs, so this shows the door's overhead more than a second host's gain).
+4. (`python -m bench.redis_bench links`) the door's busy-path links
+   (controller/doors/redis/script_link.py) beside each other in one run: workload 1 with
+   `LoopLink` (the reactor with hiredis) and with the controller forced to `ThreadLink`
+   (redis-py in a thread), alternating, a fresh redis-server each: jobs/s and the
+   controller's CPU per job, medians and each round.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,8 +30,9 @@ from typing import Any
 
 import trio
 
-from bench.common import socket_dir
+from bench.common import cpu_while, median, socket_dir
 from bench.e2e_bench import BUSY_POLL_US, CONTROLLER_CPUS, HANDLER, OTHER_CPUS, client_cpus, drive
+from bench.http_bench import patched_controller
 from controller.affinity import parse_cpus
 from controller.client import Client, Job
 from tests.helpers import REDIS_SERVER, live_controller, redis_server
@@ -127,5 +135,50 @@ def main() -> dict[str, Any]:
     return results
 
 
+# The controller with every Redis URL's scripts on `ThreadLink` (patched before the door
+# imports `link_for`).
+_THREAD_LINK = patched_controller(
+    "from controller.doors.redis import script_link as s; "
+    "s.link_for = lambda url, reactor, timeout, fallback: s.ThreadLink(fallback, reactor)"
+)
+
+
+def links_comparison(jobs: int = JOBS, rounds: int = 3) -> dict[str, Any]:
+    """Workload 1's jobs/s and the controller's CPU per job with `LoopLink` and with
+    `ThreadLink`, alternating."""
+    if REDIS_SERVER is None:
+        print("Redis links: skipped, redis-server is not installed", flush=True)
+        return {}
+    figures: dict[str, list[tuple[float, float]]] = {"LoopLink": [], "ThreadLink": []}
+    for _ in range(rounds):
+        for label, launcher in (("LoopLink", ()), ("ThreadLink", _THREAD_LINK)):
+            with (
+                socket_dir() as tmp,
+                redis_server(tmp) as server,
+                live_controller(
+                    tmp, "--workers", "2", *WORKER, launcher=launcher, redis={"url": server.url}
+                ) as ctl,
+            ):
+                redis_rate(server.url, 300)  # warm up
+                run = functools.partial(redis_rate, server.url, jobs)
+                rate, cpu = cpu_while([ctl.proc.pid], jobs, run)
+                figures[label].append((rate, cpu["controller_us"]))
+    out = {}
+    for label, runs in figures.items():
+        rates = [rate for rate, _ in runs]
+        cpus = [us for _, us in runs]
+        print(
+            f"Redis door, {label:<10} jobs/s median {median(rates):,.0f} "
+            f"[{', '.join(f'{r:,.0f}' for r in rates)}]; controller CPU us/job median "
+            f"{median(cpus):.0f} [{', '.join(f'{c:.0f}' for c in cpus)}]",
+            flush=True,
+        )
+        out[label] = {"jobs_per_s": [round(r) for r in rates], "cpu_us": [round(c) for c in cpus]}
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["links"]:
+        links_comparison()
+    else:
+        main()
