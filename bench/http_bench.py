@@ -212,6 +212,10 @@ def keepalive_comparison(jobs: int = JOBS, rounds: int = 2) -> dict[str, Any]:
                     "ERROR",
                     launcher=launcher,
                     journal=None,
+                    # hypercorn's own timer holds a closed connection's place until its
+                    # keep-alive wait ends: the next client's 64 connections would pass
+                    # max_connections_per_client (64) and be refused.
+                    max_connections_per_client=1024,
                 ) as ctl,
             ):
                 trio.run(_async_throughput, ctl.url, 500)  # warm up
