@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import socket as stdsocket
 import subprocess
 import sys
 
@@ -277,6 +278,37 @@ async def test_a_fake_worker_speaks_the_channel_and_its_end_re_places_the_job(so
         await wait_until(lambda: wid not in shell.core.workers, timeout=1)
         assert task.state is TaskState.QUEUED and task.attempts == 1
         assert shell.core.counters.worker_losses == {"channel ended": 1}
+
+
+async def test_a_pulse_written_before_the_worker_read_its_task_is_no_mismatch(sockdir):
+    """On a channel a task counts as taken once written: a pulse the worker wrote before it
+    read that task still says task 0 (or its last one). That is no mismatch: no GET_STATUS,
+    no RESTART, and the job's outcome counts."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        wid, chan = await fake_channel(sockdir)
+        decoder = wire.StreamDecoder(pb.ChannelFrame)
+        with chan:
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            shell.submit(5, b"payload")
+            [(frame, _)] = await _frames(chan, decoder, 1)
+            assert frame.control.type == pb.CTRL_SET_TASK
+            early = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, task_id=0, next_pulse=5)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_PULSE, early))  # no answer to an OK
+            response = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, response, b"done", 1))
+            [done] = await outcomes.wait(1)
+            assert (done.task_id, done.result) == (5, b"done")
+            # The pulse was read before the outcome: a GET_STATUS would be waiting by now.
+            assert not _readable_now(chan)
+            assert wid in shell.core.workers and shell.core.counters.worker_losses == {}
+
+
+def _readable_now(sock) -> bool:
+    """Whether anything waits to be read on `sock` (a GET_STATUS or RESTART would)."""
+    try:
+        return bool(sock.recv(1, stdsocket.MSG_PEEK))
+    except BlockingIOError:
+        return False
 
 
 async def test_a_silent_channel_worker_is_dropped_and_its_channel_told_so(sockdir):

@@ -120,6 +120,10 @@ class LocalWorkers:
             sched.ready(worker)
             sched.dispatch(actions)
             return actions
+        if worker.unread:  # the first pulse since its task was written on its channel
+            worker.unread = False
+            if task_id == 0 and state is WorkerState.BUSY:
+                return actions  # written before the worker read its task: no mismatch
         if task_id not in worker.expected_task_ids():
             self._check(worker, actions)
         elif ptype == pb.PULSE_FETCH_ME:
@@ -176,6 +180,7 @@ class LocalWorkers:
             deadline=now + promised(pulse),
             queues=serves.queues,
             labels=serves.labels,
+            channel=pulse.channel,
         )
         worker.last_pulse = now
         self.scheduler.add_worker(worker)
@@ -262,6 +267,7 @@ class LocalWorkers:
         err = resp.error
         if err == pb.WORKER_ERR_OK and resp.task_id in (0, task.task_id):
             sched.accepted(worker, now, actions)
+            worker.unread = worker.channel
             if worker.fetch_wanted:
                 self._fetch(worker, actions)
             return

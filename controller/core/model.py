@@ -215,6 +215,10 @@ class Worker:
     queues: frozenset[str] = SERVES_DEFAULT  # the queues it takes jobs from
     labels: frozenset[str] = frozenset()  # what it has, for jobs' `requires`
     starved: int = -1  # the pending version at which it last found nothing it could take
+    channel: bool = False  # keeps a channel: a task counts as taken once written there
+    # Its task was written on its channel and no pulse has come since: the next pulse may
+    # have left before the worker read the task, and may still say task 0.
+    unread: bool = False
 
     def advance(self, event: WorkerEvent) -> None:
         self.state = next_worker_state(self.state, event)
