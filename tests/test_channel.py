@@ -303,6 +303,36 @@ async def test_a_pulse_written_before_the_worker_read_its_task_is_no_mismatch(so
             assert wid in shell.core.workers and shell.core.counters.worker_losses == {}
 
 
+async def test_a_status_answer_that_crossed_the_next_task_is_no_mismatch(sockdir):
+    """A GET_STATUS answered after the job ended says task 0; if the controller wrote the next
+    task meanwhile, that answer crossed it on the channel: no RESTART."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        wid, chan = await fake_channel(sockdir)
+        decoder = wire.StreamDecoder(pb.ChannelFrame)
+        with chan:
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            shell.submit(5, b"first")
+            await _frames(chan, decoder, 1)
+            shell.submit(6, b"next")  # queued: the worker is busy
+            for task_id in (5, 9):  # the second names a task it was never given
+                pulse = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, task_id=task_id)
+                chan.sendall(wire.encode_channel(wire.CHANNEL_PULSE, pulse))
+            [(question, _)] = await _frames(chan, decoder, 1)
+            assert question.control.type == pb.CTRL_GET_STATUS
+            done = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, done, b"", pb.CTRL_FETCH))
+            [(next_task, _)] = await _frames(chan, decoder, 1)
+            assert next_task.control.task_id == 6
+            idle = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=0)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, idle, b"", pb.CTRL_GET_STATUS))
+            answer = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=6)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, answer, b"ok", pb.CTRL_FETCH))
+            finished = await outcomes.wait(2)
+            assert [f.task_id for f in finished] == [5, 6]
+            assert not _readable_now(chan)  # no RESTART
+            assert shell.core.counters.worker_losses == {}
+
+
 def _readable_now(sock) -> bool:
     """Whether anything waits to be read on `sock` (a GET_STATUS or RESTART would)."""
     try:

@@ -323,6 +323,8 @@ class LocalWorkers:
             return
         if resp.task_id in worker.expected_task_ids():
             return
+        if resp.task_id == 0 and worker.unread and worker.state is WorkerState.BUSY:
+            return  # answered on its channel before it read the task written after the question
         expected = worker.task.task_id if worker.task is not None else 0
         log.warning(
             "worker %d holds task %d but the controller gave it %d; restarting it",
