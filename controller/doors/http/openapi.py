@@ -126,6 +126,10 @@ _OPTIONS_IN: dict[str, Any] = {
     "timeout": _SECONDS,
     "placement_timeout": _SECONDS,
     "owner": {"type": "string", "pattern": ID_PATTERN},
+    "unique_key": {
+        "type": "string",
+        "pattern": f"^[A-Za-z0-9._:~@+=/#-]{{1,{options.MAX_UNIQUE_KEY}}}$",
+    },
     "limits": {
         "type": "object",
         "additionalProperties": False,
@@ -148,6 +152,7 @@ _OPTIONS_OUT: dict[str, Any] = {
     "placement_timeout": {"type": "number", "minimum": 0},
     "owner": _TEXT,
     "limits": {"type": "object", "additionalProperties": {"type": "number"}},
+    "unique_key": {"type": "string", "nullable": True},
 }
 _QUEUE_NAME = {"name": "name", "in": "path", "required": True, "schema": _NAME}
 
