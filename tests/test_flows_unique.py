@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controller.app import assemble
-from controller.client import Client
+from controller.client import AsyncClient, Client
 from controller.config import Config, RedisSettings
 from controller.job_ids import DoorName
 from controller.job_states import JobState
@@ -321,3 +321,12 @@ async def _play(steps: list[tuple[str, int]]) -> None:
 @given(_steps())
 def test_at_most_one_live_job_per_key_whatever_the_sequence(steps):
     trio.run(_play, steps)
+
+
+async def test_async_client_submit_takes_unique_key(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, AsyncClient(ctl.url) as http_client:
+        first = await http_client.submit(b"x", unique_key="async")
+        again = await http_client.submit(b"y", unique_key="async")
+        assert again.id == first.id and again.state == "pending"
+        with pytest.raises(ValueError, match="unique_key must be"):
+            await http_client.submit(b"x", unique_key="k" * 201)
