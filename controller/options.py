@@ -40,6 +40,7 @@ _OWNER_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 # one space for every queue and door.
 MAX_UNIQUE_KEY = 200
 _UNIQUE_KEY_CHARS = _OWNER_CHARS | frozenset("/#")
+UNIQUE_KEY_PATTERN = f"^[A-Za-z0-9._:~@+=/#-]{{1,{MAX_UNIQUE_KEY}}}$"
 UNIQUE_KEY_RULE = (
     f"unique_key must be 1 to {MAX_UNIQUE_KEY} of the characters "
     "A-Z a-z 0-9 and . _ : ~ @ + = - / #"
