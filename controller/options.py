@@ -36,6 +36,15 @@ MAX_SECONDS = 3650 * 86400.0
 MAX_LABELS = 32
 MAX_OWNER = 200
 _OWNER_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:~@+=-")
+# A unique key (DESIGN.md section 17): text a person can read and put in a URL or a log line,
+# one space for every queue and door.
+MAX_UNIQUE_KEY = 200
+_UNIQUE_KEY_CHARS = _OWNER_CHARS | frozenset("/#")
+UNIQUE_KEY_PATTERN = f"^[A-Za-z0-9._:~@+=/#-]{{1,{MAX_UNIQUE_KEY}}}$"
+UNIQUE_KEY_RULE = (
+    f"unique_key must be 1 to {MAX_UNIQUE_KEY} of the characters "
+    "A-Z a-z 0-9 and . _ : ~ @ + = - / #"
+)
 
 # Every option, in the order the documents list them.
 OPTIONS = (
@@ -50,6 +59,7 @@ OPTIONS = (
     "placement_timeout",
     "owner",
     "limits",
+    "unique_key",
 )
 OPTION_NAMES = frozenset(OPTIONS)
 
@@ -75,6 +85,9 @@ class JobOptions:
     # Ceilings for each attempt (DESIGN.md section 15): the configuration's job_limits, lowered
     # by what the job asked for.
     limits: JobLimits = NO_LIMITS
+    # While a job with this key has not ended, a submission with it makes nothing and answers
+    # that job (DESIGN.md section 17; the job desk keeps the rule). "": none.
+    unique_key: str = ""
 
     def retry_wait(self, failures: int, jitter: float) -> float:
         """Seconds before the retry that follows the `failures`-th failure: `retry_delay`
@@ -218,7 +231,20 @@ def parse(
         changes["owner"] = owner
     if "limits" in fields:
         changes["limits"] = _limits(fields["limits"], defaults.limits, text)
+    if "unique_key" in fields:
+        changes["unique_key"] = unique_key(fields["unique_key"])
     return replace(defaults, **changes)
+
+
+def unique_key(value: Any) -> str:
+    """A job's `unique_key`, checked (BadOption when it breaks UNIQUE_KEY_RULE)."""
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= MAX_UNIQUE_KEY
+        or not set(value) <= _UNIQUE_KEY_CHARS
+    ):
+        raise BadOption(f"{UNIQUE_KEY_RULE}, got {_shown(value)}")
+    return value
 
 
 def _limits(value: Any, ceiling: JobLimits, text: bool) -> JobLimits:
@@ -284,6 +310,7 @@ def as_fields(options: JobOptions) -> dict[str, Any]:
         "placement_timeout": options.placement_timeout,
         "owner": options.owner,
         "limits": options.limits.to_json(),
+        "unique_key": options.unique_key or None,
     }
 
 
@@ -302,6 +329,7 @@ def to_json(options: JobOptions) -> str:
             "placement_timeout": options.placement_timeout,
             "owner": options.owner,
             **({"limits": options.limits.to_json()} if not options.limits.is_empty() else {}),
+            **({"unique_key": options.unique_key} if options.unique_key else {}),
         },
         separators=(",", ":"),
     )
@@ -324,6 +352,7 @@ def from_json(text: str, defaults: JobOptions) -> JobOptions:
         placement_timeout=float(data.get("placement_timeout", defaults.placement_timeout)),
         owner=str(data.get("owner", defaults.owner)),
         limits=_kept_limits(data.get("limits"), defaults.limits),
+        unique_key=str(data.get("unique_key", "")),
     )
 
 

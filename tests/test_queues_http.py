@@ -41,6 +41,7 @@ async def test_a_job_without_options_shows_the_http_defaults(sockdir):
         "retry_delay": 1.5,
         "run_at": None,
         "timeout": 0.0,
+        "unique_key": None,
     }
 
 

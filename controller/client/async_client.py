@@ -39,7 +39,13 @@ class AsyncJob:
         self._client = client
         self._data = data
         self._sync = sync  # udp:// and redis:// jobs run on the blocking backend, in a thread
-        self.id: str = str(data["id"])
+        self._id = str(data["id"])
+
+    @property
+    def id(self) -> str:
+        """The job's id (over redis://, that of the live job holding its unique_key once a
+        controller found one)."""
+        return self._sync.id if self._sync is not None else self._id
 
     @property
     def state(self) -> str:
@@ -120,6 +126,7 @@ class AsyncClient:
         timeout: float | None = None,
         placement_timeout: float | None = None,
         owner: str | None = None,
+        unique_key: str | None = None,
     ) -> AsyncJob:
         """As `Client.submit`."""
         options = option_fields(
@@ -133,6 +140,7 @@ class AsyncClient:
             timeout=timeout,
             placement_timeout=placement_timeout,
             owner=owner,
+            unique_key=unique_key,
         )
         data = payload_bytes(payload)
         if self._sync is not None:

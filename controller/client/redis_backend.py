@@ -21,11 +21,11 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import redis
 
 from controller.doors.redis import codec as streams
-from controller.doors.redis.codec import NO_LISTENER
+from controller.doors.redis.codec import DUPLICATE, NO_LISTENER
 from controller.job_ids import ID_RULE, valid_id
 from controller.options import DEFAULT_QUEUE, rfc3339
 
-__all__ = ["NO_LISTENER", "RedisBackend", "parse_url"]
+__all__ = ["DUPLICATE", "NO_LISTENER", "RedisBackend", "parse_url"]
 
 # How long one blocking XREAD of the results waits (ms): also how soon close() is noticed.
 WATCH_BLOCK_MS = 1000
@@ -93,10 +93,14 @@ class RedisBackend:
         return self.stream if queue == DEFAULT_QUEUE else f"{self.stream}.{queue}"
 
     def read(self, job_id: str) -> dict[str, Any] | None:
-        """The job's hash as a job object (`result` as bytes), or None if it has none."""
+        """The job's hash as a job object (`result` as bytes), or None if it has none. An entry
+        whose unique_key a live job held has state DUPLICATE and `duplicate_of` (that job)."""
         raw: Any = self.redis.hgetall(streams.job_key(job_id))
         if not raw:
             return None
+        if raw.get(b"state") == DUPLICATE.encode():
+            held = raw.get(b"duplicate_of", b"").decode("utf-8", "replace")
+            return {"id": job_id, "state": DUPLICATE, "duplicate_of": held}
         return {
             "id": job_id,
             "state": raw.get(b"state", b"pending").decode(),
@@ -106,7 +110,7 @@ class RedisBackend:
         }
 
     def wait(self, job_id: str, deadline: float) -> dict[str, Any] | None:
-        """The job object once it is final, or as it is at `deadline`."""
+        """The job object once it is final (or a duplicate), or as it is at `deadline`."""
         event = threading.Event()
         with self._lock:
             self._waiters.setdefault(job_id, []).append(event)
@@ -114,7 +118,7 @@ class RedisBackend:
         try:
             while True:
                 data = self.read(job_id)
-                if data is not None and data["state"] in streams.FINAL_STATES:
+                if data is not None and data["state"] in (*streams.FINAL_STATES, DUPLICATE):
                     return data
                 left = deadline - time.monotonic()
                 if left <= 0 or not event.wait(left):

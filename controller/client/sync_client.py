@@ -16,9 +16,11 @@ controller/client/redis_backend.py).
 `job.state` uses the job states of the HTTP API (scheduled, pending, requested,
 working, finished, failed, canceled, deleted) for all three.
 `submit` also takes the job options (queue, priority, requires, delay or run_at,
-max_retries, retry_delay, timeout, placement_timeout, owner; controller/client/jobfields.py),
-checked before anything is sent; `retry(id)` puts a failed or canceled job back (HTTP
-and Redis).
+max_retries, retry_delay, timeout, placement_timeout, owner, unique_key;
+controller/client/jobfields.py), checked before anything is sent; a job whose `unique_key`
+a live job holds makes nothing, and the `Job` returned is that live job (over redis:// the
+`Job` turns into it once a controller has read the entry: its `id` changes); `retry(id)`
+puts a failed or canceled job back (HTTP and Redis).
 `job.result()` returns the result bytes, raises `JobFailed` (its `error` says
 why; a canceled or deleted job too) or the builtin `TimeoutError`.
 """
@@ -49,7 +51,7 @@ from controller.client.job_calls import (
     wait_query,
 )
 from controller.client.jobfields import as_text, initial_state, option_fields
-from controller.client.redis_backend import NO_LISTENER, RedisBackend
+from controller.client.redis_backend import DUPLICATE, NO_LISTENER, RedisBackend
 from controller.client.udp_backend import UdpBackend
 from controller.doors.udp import words
 from controller.job_states import JobState
@@ -171,11 +173,13 @@ class Client:
         timeout: float | None = None,
         placement_timeout: float | None = None,
         owner: str | None = None,
+        unique_key: str | None = None,
     ) -> Job:
         """Submit a job. The options left None are not sent (the controller's defaults
         apply); a bad one raises ValueError with the controller's message, before sending.
         `delay`, `retry_delay`, `timeout` and `placement_timeout` are seconds, `run_at` an
-        aware datetime, `requires` a list of labels."""
+        aware datetime, `requires` a list of labels. With `unique_key`, while a live job holds
+        that key nothing is made and the `Job` is that one (DESIGN.md section 17)."""
         options = option_fields(
             queue=queue,
             priority=priority,
@@ -187,6 +191,7 @@ class Client:
             timeout=timeout,
             placement_timeout=placement_timeout,
             owner=owner,
+            unique_key=unique_key,
         )
         return self._submit(payload_bytes(payload), name, id, options)
 
@@ -206,7 +211,10 @@ class Client:
         udp = self._udp()
         task_id = next(udp.task_ids)
         params: dict[str, Any] = {"task_id": task_id, **request_body(data, None, None, options)}
-        udp.request("add_task", params, time.monotonic() + self.timeout)
+        acked = udp.request("add_task", params, time.monotonic() + self.timeout)
+        held = acked.get("id")  # a live job holds its unique_key: that job, nothing made
+        if isinstance(held, str) and held:
+            return Job(self, {"id": held, "state": "pending"}, udp.task_id_of(held))
         return Job(self, {"id": udp.job_id(task_id), "state": "pending"}, task_id)
 
     def get(self, id: str) -> Job:
@@ -261,6 +269,11 @@ class Client:
                     data = self._redis.read(job.id)
                 else:
                     data = self._redis.wait(job.id, time.monotonic() + wait)
+            if data is not None and data.get("state") == DUPLICATE:
+                # A live job held the entry's unique_key: the job is that one from now on.
+                job.id = str(data.get("duplicate_of", ""))
+                with _redis_errors():
+                    data = self._redis.read(job.id)
             return data if data is not None else {"id": job.id, "state": "pending"}
         if self._http is not None:
             return checked(self._http.request("GET", job_path(job.id), query=wait_query(wait)))

@@ -106,6 +106,13 @@ class UdpBackend:
         """The id the controller gives the job: udp-<host>-<port>-<task_id>."""
         return f"udp-{self.local[0]}-{self.local[1]}-{task_id}"
 
+    def task_id_of(self, job_id: str) -> int:
+        """The task_id of one of this client's own jobs by its id (0: another's, which the UDP
+        door tells this client nothing about)."""
+        prefix = self.job_id(0)[:-1]
+        number = job_id[len(prefix) :] if job_id.startswith(prefix) else ""
+        return int(number) if number.isdigit() and len(number) <= 20 else 0
+
     def peek(self, task_id: int) -> dict[str, Any] | None:
         with self._changed:
             return self._outcomes.get(task_id)

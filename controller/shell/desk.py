@@ -14,6 +14,13 @@ The desk also owns the bound on queued work (`max_pending`, `max_pending_bytes`)
 counts the jobs not yet ended and the bytes of their payloads as they come and go (one
 addition where a job is made, revived or recovered, one subtraction where it ends, is
 canceled or deleted), and every door asks it (`room`, `entries_room`) before making one.
+
+It keeps the rule of unique jobs (DESIGN.md section 17) the same way: the live jobs by their
+`unique_key` (`unique`), added in the same places (a job made, revived or recovered) and
+removed in the same places (it ended, was canceled or deleted), and every door asks it
+(`holder`) before making a job: a key held answers the holder instead. A failed or canceled
+job is not retried while another live job holds its key (`no_retry` says why), so at most one
+live job ever holds a key.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ class JobDesk:
         # never counted over.
         self.live_jobs = 0
         self.live_bytes = 0
+        # The live jobs that have a unique_key, by it: at most one per key.
+        self.unique: dict[str, Job] = {}
         self.max_log_size = max_log_size
         self.output_retention = output_retention
         # Told when a job ends (`on_finished`) or its output grows (`on_output`): the HTTP
@@ -191,14 +200,39 @@ class JobDesk:
         return max(0, self.max_pending - self.live_jobs)
 
     def came(self, job: Job) -> None:
-        """A job not yet ended joins the count of queued work."""
+        """A job not yet ended joins the count of queued work (and holds its unique_key)."""
         self.live_jobs += 1
         self.live_bytes += len(job.payload)
+        key = job.options.unique_key
+        if key:
+            self.unique.setdefault(key, job)
 
     def went(self, job: Job) -> None:
-        """A job ended, was canceled or deleted: it leaves the count of queued work."""
+        """A job ended, was canceled or deleted: it leaves the count of queued work (and
+        frees its unique_key)."""
         self.live_jobs -= 1
         self.live_bytes -= len(job.payload)
+        key = job.options.unique_key
+        if key and self.unique.get(key) is job:
+            del self.unique[key]
+
+    def holder(self, unique_key: str) -> Job | None:
+        """The live job that holds `unique_key` (None: the key is free, or ""): a door answers
+        it instead of making a new job with that key."""
+        return self.unique.get(unique_key) if unique_key and self.unique else None
+
+    def no_retry(self, job: Job) -> str:
+        """Why `job` cannot be retried now ("" when it can): only a failed or canceled job is,
+        and only while no other live job holds its unique_key."""
+        if job.state not in (JobState.FAILED, JobState.CANCELED):
+            return f"the job is {job.state.value}: only a failed or canceled job is retried"
+        holder = self.holder(job.options.unique_key)
+        if holder is not None and holder is not job:
+            return (
+                f"its unique_key {job.options.unique_key!r} is held by the live job "
+                f"{holder.id}: retry it once that job has ended"
+            )
+        return ""
 
     # ------------------------------------------------------------ from the doors
 
@@ -257,6 +291,8 @@ class JobDesk:
         self.book.add(job)
         self.live_jobs += 1
         self.live_bytes += len(payload)
+        if task.opts.unique_key:  # a door asked `holder` first: the key is free
+            self.unique.setdefault(task.opts.unique_key, job)
         if self.journal is not None:
             self.journal.job_added(job)
         if journal_first:
@@ -323,8 +359,9 @@ class JobDesk:
 
     def retry(self, job: Job, now: float) -> bool:
         """Put a failed or canceled job back to pending with a fresh max_retries (its
-        attempts go on counting); False for a job in any other state."""
-        if job.state not in (JobState.FAILED, JobState.CANCELED):
+        attempts go on counting); False for a job in any other state, or one whose unique_key
+        another live job holds (`no_retry` says why)."""
+        if self.no_retry(job):
             return False
         task, actions = self.scheduling.core.resubmit(
             job.ref, job.task_id, job.payload, job.id, job.options, job.attempts, now

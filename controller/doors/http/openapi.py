@@ -126,6 +126,7 @@ _OPTIONS_IN: dict[str, Any] = {
     "timeout": _SECONDS,
     "placement_timeout": _SECONDS,
     "owner": {"type": "string", "pattern": ID_PATTERN},
+    "unique_key": {"type": "string", "pattern": options.UNIQUE_KEY_PATTERN},
     "limits": {
         "type": "object",
         "additionalProperties": False,
@@ -143,11 +144,11 @@ _OPTIONS_IN: dict[str, Any] = {
 _OPTIONS_OUT: dict[str, Any] = {
     **{name: _OPTIONS_IN[name] for name in ("queue", "priority", "requires", "max_retries")},
     "run_at": {"type": "string", "format": "date-time", "nullable": True},
-    "retry_delay": {"type": "number", "minimum": 0},
-    "timeout": {"type": "number", "minimum": 0},
+    **{name: {"type": "number", "minimum": 0} for name in ("retry_delay", "timeout")},
     "placement_timeout": {"type": "number", "minimum": 0},
     "owner": _TEXT,
     "limits": {"type": "object", "additionalProperties": {"type": "number"}},
+    "unique_key": {"type": "string", "nullable": True},
 }
 _QUEUE_NAME = {"name": "name", "in": "path", "required": True, "schema": _NAME}
 

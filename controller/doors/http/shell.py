@@ -273,6 +273,9 @@ class HttpDoor:
             existing = self.book.get(new.id)
             if existing is not None:
                 return self._job_response(existing, 200)
+        holder = self.desk.holder(new.options.unique_key)
+        if holder is not None:  # a live job holds its unique_key: that job, nothing made
+            return self._job_response(holder, 200)
         desk = self.desk
         refusal = desk.refusal()
         if refusal:
@@ -347,9 +350,7 @@ class HttpDoor:
         try:
             job = self.lookup(request)
             if not self.desk.retry(job, trio.current_time()):
-                raise ApiError(
-                    409, f"the job is {job.state.value}: only a failed or canceled job is retried"
-                )
+                raise ApiError(409, self.desk.no_retry(job))
             await self.desk.write_ahead.committed()  # 200 only once that is on disk
             return self._job_response(job, 200)
         except ApiError as exc:

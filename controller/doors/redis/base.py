@@ -104,6 +104,7 @@ class DoorBase:
             "trimmed": 0,  # acknowledged entries deleted from the stream
             "claimed_away": 0,  # parked entries of ours another controller claimed
             "stream_errors": 0,  # calls on a queue's stream that failed for its key alone
+            "duplicates": 0,  # entries whose unique_key a live job held: `state duplicate`
         }
         self._asked = 0  # entries asked for by reads and claims not yet answered
 

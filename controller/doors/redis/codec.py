@@ -34,6 +34,9 @@ RESULTS_MAXLEN = 100_000
 WRONG_TYPE = "!wrongtype"
 # The state READ_SCRIPT gives in place of an entry's for a stream it could not read.
 READ_FAILED = "!failed"
+# The state of an entry whose unique_key a live job held: no job was made; its hash's
+# `duplicate_of` names that job (DESIGN.md section 17).
+DUPLICATE = "duplicate"
 # The `error` of a job canceled through the client.
 CANCEL_ERROR = "canceled by a user"
 
@@ -106,7 +109,8 @@ _IS_FINAL = " or ".join(f"s == '{state}'" for state in FINAL_STATES)
 # KEYS: results stream, then one job hash per job.
 # ARGV: group, updated_at, retention (ms), the results stream's oldest id to keep, now (ms),
 # then per job: id, state, result, error, the number of its entries, and each entry's stream
-# and id.
+# and id. For state `duplicate` (DUPLICATE: the entry's unique_key was held, no job made) the
+# error's place holds the id of the job that holds the key, written as `duplicate_of`.
 OUTCOMES_SCRIPT = f"""
 local a = 6
 local written = 0
@@ -117,7 +121,10 @@ for k = 2, #KEYS do
   local s = redis.pcall('HGET', KEYS[k], 'state')
   local hash = type(s) ~= 'table'
   if not hash or not ({_IS_FINAL}) then
-    if hash then
+    if hash and state == '{DUPLICATE}' then
+      redis.call('HSET', KEYS[k], 'state', state, 'duplicate_of', err, 'updated_at', ARGV[2])
+      redis.call('PEXPIRE', KEYS[k], ARGV[3])
+    elseif hash then
       redis.call('HSET', KEYS[k], 'state', state, 'result', result, 'error', err,
                  'updated_at', ARGV[2])
       redis.call('PEXPIRE', KEYS[k], ARGV[3])

@@ -228,6 +228,19 @@ class DoorReader(DoorListener):
         self._submit(entry, options, now)
 
     def _submit(self, entry: Entry, options: JobOptions, now: float) -> None:
+        holder = self.desk.holder(options.unique_key)
+        if holder is not None:  # a live job holds its unique_key: nothing made
+            self.counters["duplicates"] += 1
+            log.info(
+                "redis: entry %s is a duplicate of job %s (unique_key %r)",
+                entry.entry_id,
+                holder.id[:200],
+                options.unique_key,
+            )
+            self._queue_outcome(
+                entry.job_id, Outcome(codec.DUPLICATE, b"", "", duplicate_of=holder.id)
+            )
+            return
         fields = entry.fields
         # surrogateescape: bytes that are not UTF-8 come back as they were sent.
         name = fields.get(b"name", b"").decode("utf-8", "surrogateescape")

@@ -41,6 +41,8 @@ class Outcome:
     state: str
     result: bytes
     error: str
+    # For state `duplicate`: the live job that holds the entry's unique_key.
+    duplicate_of: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +178,8 @@ class StreamCalls:
             keys.append(codec.job_key(job_id))
             acked = acks[job_id]
             # surrogatepass: an error text may hold a lone surrogate (legal in JSON, not UTF-8).
-            error = outcome.error.encode("utf-8", "surrogatepass")
+            # A duplicate's slot for the error carries the id of the job holding its key.
+            error = (outcome.duplicate_of or outcome.error).encode("utf-8", "surrogatepass")
             args += [job_id, outcome.state, outcome.result, error, len(acked)]
             for stream, entry_id in acked:
                 args += [stream, entry_id]

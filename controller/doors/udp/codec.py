@@ -71,6 +71,7 @@ class FrontDoorStats:
     refused: int = 0
     duplicates: int = 0
     tasks_added: int = 0
+    unique_duplicates: int = 0  # add_task answered with the live job holding its unique_key
     notifications: int = 0
     notify_repeats: int = 0
     by_code: dict[str, int] = field(default_factory=dict)
@@ -85,6 +86,7 @@ class FrontDoor:
         allowed_calculators: Networks = (),
         refusal: Callable[[], str] = lambda: "",
         busy: Callable[[int], str] = lambda size: "",
+        holder: Callable[[str], Job | None] = lambda key: None,
         status_report: Callable[[], dict[str, Any]] = dict,
         notify_retries: int = 8,
         max_payload: int = 16 * 1024 * 1024,
@@ -95,10 +97,12 @@ class FrontDoor:
     ) -> None:
         """`refusal()`: why new jobs must be refused now ("" when welcome); `busy(size)`: why
         a new job with a payload of `size` bytes does not fit now ("" when it does);
+        `holder(unique_key)`: the live job that holds that key (None: it is free);
         `max_result`: the largest result a calculator may report."""
         self.book = book
         self.refusal = refusal
         self.busy = busy
+        self.holder = holder
         self.status_report = status_report
         self.allowed_clients = tuple(allowed_clients)
         self.allowed_calculators = tuple(allowed_calculators)
@@ -186,7 +190,8 @@ class FrontDoor:
         if ptype != dg.WANT_ACK or txid is None:
             return list(out)
         reply = dg.ack(txid, ack_params)
-        if not (self._book_dedups and packet.get("method") == "add_task"):
+        # An add_task answered with params (a duplicate: no job made) is remembered here.
+        if ack_params or not (self._book_dedups and packet.get("method") == "add_task"):
             self.seen.remember(addr, txid, reply if ack_params else PLAIN_ACK, now)
         if out and isinstance(out[0], Submit):
             job_id = out[0].job_id
@@ -203,7 +208,7 @@ class FrontDoor:
         if isinstance(method, str) and method in CALCULATOR_METHODS:
             return calclink.decode(method, params, addr, self.max_result), None
         if method == "add_task":
-            return self._add_task(params, addr, now), None
+            return self._add_task(params, addr, now)
         if method == "get_task":
             return [], self._get_task(params, addr)
         if method == "get_result":
@@ -226,7 +231,11 @@ class FrontDoor:
     def _task_id(params: dict[str, Any]) -> int:
         return dg.task_id_field(params.get("task_id"))
 
-    def _add_task(self, params: dict[str, Any], addr: Address, now: float) -> list[ClientAction]:
+    def _add_task(
+        self, params: dict[str, Any], addr: Address, now: float
+    ) -> tuple[list[ClientAction], dict[str, Any] | None]:
+        """The job to make, or the acknowledgement's params when none is: a live job holds the
+        task's unique_key (DESIGN.md section 17), and the ack names it in `params.id`."""
         task_id = self._task_id(params)
         payload = dg.bytes_param(params, "payload", self.max_payload) or b""
         job_id = udp_job_id(addr[0], addr[1], task_id)
@@ -236,16 +245,21 @@ class FrontDoor:
         if job is not None:
             self.stats.duplicates += 1
             if not job.state.final:
-                return []
-            return self.job_finished(job, now)  # send the stored outcome again
+                return [], None
+            return self.job_finished(job, now), None  # send the stored outcome again
         options = self._options(params, addr)
+        if options is not None and options.unique_key:
+            holder = self.holder(options.unique_key)
+            if holder is not None:  # nothing made: the ack names the job that holds the key
+                self.stats.unique_duplicates += 1
+                return [], {"id": holder.id}
         if self.refusal():
             raise BadPacket("journal_unavailable", "cannot record new tasks now")
         busy = self.busy(len(payload))
         if busy:
             raise BadPacket("busy", busy)
         self.stats.tasks_added += 1
-        return [Submit(job_id, task_id, payload, addr, options)]
+        return [Submit(job_id, task_id, payload, addr, options)], None
 
     def _options(self, params: dict[str, Any], addr: Address) -> JobOptions | None:
         """The job's options (`params.<name>`), its owner the client's address by default;

@@ -94,6 +94,7 @@ class UdpDoor:
             allowed_clients=config.allowed_clients,
             refusal=desk.refusal,
             busy=desk.refusal_for,
+            holder=desk.holder,
             status_report=self.status_report,
             notify_retries=config.notify_retries,
             max_payload=config.max_extra_size,

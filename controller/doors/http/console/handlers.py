@@ -390,9 +390,7 @@ class Console:
     async def retry(self, request: Request, seen: Seen, form: dict[str, str]) -> Response:
         job = self._job(request)
         if not self.desk.retry(job, trio.current_time()):
-            raise ApiError(
-                409, f"the job is {job.state.value}: only a failed or canceled job is retried"
-            )
+            raise ApiError(409, self.desk.no_retry(job))
         await self._committed()
         return self._back_to(job)
 
