@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from controller.client import AsyncClient, Client, ControllerError
 from controller.doors.http.codec import MAX_BULK
 from controller.journal import Journal
-from tests.helpers import LiveController, live_controller
+from tests.helpers import REDIS_SERVER, LiveController, live_controller, redis_server
 from tests.test_http import client, http_controller
 
 
@@ -288,3 +289,21 @@ def test_submit_many_splits_past_10000(live, monkeypatch):
     with Client(live.url) as client:
         jobs = client.submit_many([f"s{n}" for n in range(5)])
         assert [job.result(timeout=10) for job in jobs] == [f"s{n}".encode() for n in range(5)]
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_submit_many_over_redis_in_one_pipeline(tmp_path):
+    with (
+        redis_server(tmp_path) as server,
+        live_controller(tmp_path, "--workers", "1", redis={"url": server.url}) as ctl,
+        Client(server.url) as client,
+    ):
+        assert ctl.url
+        jobs = client.submit_many([b"r1", {"payload": "r2", "id": "named-r"}, "r3"])
+        assert jobs[1].id == "named-r"
+        assert [job.result(timeout=20) for job in jobs] == [b"r1", b"r2", b"r3"]
+        with pytest.raises(ValueError):  # a bad id: nothing is sent
+            client.submit_many([b"not sent", {"id": "a/b"}])
+        raw = redis.Redis.from_url(server.url)
+        assert raw.xlen("jobs") == 3
+        raw.close()

@@ -198,7 +198,7 @@ class Client:
         keyword arguments (all checked before anything is sent); their `Job`s in order.
         Over http(s):// one request (`POST /job/` with an array) per 10,000 jobs, all of a
         request made or none (ControllerError naming the first bad job's index in it);
-        over udp:// and redis:// one submission each."""
+        over udp:// one submission each, over redis:// one pipeline of entries."""
         elements = [bulk_element(spec, option_fields) for spec in jobs]
         if self._http is None:
             return self._submit_each(elements)
@@ -211,8 +211,15 @@ class Client:
         return out
 
     def _submit_each(self, elements: list[tuple[bytes, str | None, str | None, Any]]) -> list[Job]:
-        """udp:// and redis://: one submission each (over udp://, no id anywhere first)."""
-        if self.scheme == "udp" and any(element[2] is not None for element in elements):
+        """udp:// one submission each (no id anywhere, checked first); redis:// one pipeline."""
+        if self._redis is not None:
+            entries = []
+            for data, name, job_id, options in elements:
+                entries.append((data, name, job_id, as_text(options), initial_state(options)))
+            with _redis_errors():
+                ids = self._redis.submit_many(entries)
+            return [Job(self, {"id": i, "state": e[4]}) for i, e in zip(ids, entries, strict=True)]
+        if any(element[2] is not None for element in elements):
             raise ValueError("udp:// picks each job's task_id itself: id is not accepted")
         return [self._submit(*element) for element in elements]
 
