@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controller.client import AsyncClient, Client, ControllerError
+from controller.doors.http import codec
 from controller.doors.http.codec import MAX_BULK
 from controller.journal import Journal
 from tests.helpers import REDIS_SERVER, LiveController, live_controller, redis_server
@@ -224,6 +225,17 @@ _BAD = st.one_of(
 _SERIAL = itertools.count()
 
 
+def _good(element: Any) -> bool:
+    """Whether `element` is one of _GOOD's (a payload and a name, both text, the payload
+    within the max_extra_size of 100 the tests give)."""
+    return (
+        isinstance(element, dict)
+        and set(element) <= {"payload", "name"}
+        and all(isinstance(value, str) for value in element.values())
+        and len(element.get("payload", "").encode("utf-8", "surrogatepass")) <= 100
+    )
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -307,3 +319,28 @@ def test_submit_many_over_redis_in_one_pipeline(tmp_path):
         raw = redis.Redis.from_url(server.url)
         assert raw.xlen("jobs") == 3
         raw.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.booleans())
+def test_any_bytes_after_a_bracket_parse_or_raise_the_apis_error(raw, bracket):
+    body = (b"[" if bracket else b"") + raw
+    try:
+        news, many = codec.parse_new_jobs(body, 1000)
+    except codec.ApiError as exc:
+        assert exc.status in (400, 413) and exc.message
+    else:
+        assert many or len(news) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(_GOOD, _BAD), max_size=20))
+def test_the_codec_reads_every_element_or_names_the_first_bad_one(elements):
+    body = json.dumps(elements).encode()
+    bad = [n for n, element in enumerate(elements) if not _good(element)]
+    try:
+        news, many = codec.parse_new_jobs(body, 100)
+    except codec.ApiError as exc:
+        assert bad and exc.message.startswith(f"job {bad[0]}")
+    else:
+        assert many and not bad and len(news) == len(elements)
