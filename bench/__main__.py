@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from bench import (
+    bulk_bench,
     controller_bench,
     e2e_bench,
     failure_bench,
@@ -41,6 +42,7 @@ def main() -> None:
     results["speed"] = speed_bench.main()
     results["floor"] = floor.main()
     results["http"] = http_bench.main()
+    results["bulk"] = bulk_bench.main()
     results["remote"] = remote_bench.main()
     results["redis"] = redis_bench.main()
     results["journal"] = e2e_bench.journal_main()

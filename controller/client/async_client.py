@@ -8,7 +8,7 @@ answers are `Client`'s.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -19,7 +19,10 @@ from controller.client.job_calls import (
     FINAL,
     MAX_WAIT,
     NO_SUCH_REQUEST,
+    bulk_bodies,
+    bulk_element,
     checked,
+    checked_list,
     job_path,
     outcome,
     payload_bytes,
@@ -152,6 +155,20 @@ class AsyncClient:
         assert self._http is not None
         resp = await self._http.request("POST", "/job/", json=request_body(data, name, id, options))
         return AsyncJob(self, checked(resp))
+
+    async def submit_many(self, jobs: Iterable[Any]) -> list[AsyncJob]:
+        """As `Client.submit_many`."""
+        elements = [bulk_element(spec, option_fields) for spec in jobs]
+        if self._sync is not None:
+            sync_client = self._sync
+            made = await anyio.to_thread.run_sync(sync_client._submit_each, elements)
+            return [AsyncJob(self, {"id": job.id}, job) for job in made]
+        assert self._http is not None
+        out: list[AsyncJob] = []
+        for body in bulk_bodies(elements):
+            resp = await self._http.request("POST", "/job/", json=body)
+            out += [AsyncJob(self, data) for data in checked_list(resp)]
+        return out
 
     async def get(self, id: str) -> AsyncJob:
         if self._sync is not None and self.scheme == "redis":

@@ -10,6 +10,7 @@ of a submitted job (HTTP and UDP alike); `checked` reads an HTTP answer, raising
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -27,6 +28,8 @@ NO_SUCH_REQUEST = (
 FINAL = frozenset(state.value for state in JobState if state.final)
 # Longest single ?wait= the server allows; longer waits are several of them.
 MAX_WAIT = 60.0
+# Jobs the HTTP door takes in one `POST /job/` array; `submit_many` sends more as several.
+MAX_BULK = 10_000
 
 
 def payload_bytes(payload: bytes | str) -> bytes:
@@ -50,6 +53,43 @@ def request_body(
         body["id"] = job_id
     body.update(options)
     return body
+
+
+def bulk_element(
+    spec: Any, check: Callable[..., dict[str, Any]]
+) -> tuple[bytes, str | None, str | None, dict[str, Any]]:
+    """One element of `submit_many`: a payload (bytes or str) or a dict of `submit()`'s
+    keyword arguments, as (payload, name, id, options); `check(**options)` reads the options
+    (`jobfields.option_fields`). TypeError or ValueError for a bad one."""
+    if not isinstance(spec, dict):
+        return payload_bytes(spec), None, None, {}
+    given = dict(spec)
+    data = payload_bytes(given.pop("payload", b""))
+    name, job_id = given.pop("name", None), given.pop("id", None)
+    for field, value in (("name", name), ("id", job_id)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{field} must be a str, got {type(value).__name__}")
+    return data, name, job_id, check(**given)
+
+
+def bulk_bodies(
+    elements: list[tuple[bytes, str | None, str | None, dict[str, Any]]],
+) -> list[list[dict[str, Any]]]:
+    """The `POST /job/` arrays that carry `elements`, at most MAX_BULK each."""
+    bodies = [request_body(*element) for element in elements]
+    return [bodies[start : start + MAX_BULK] for start in range(0, len(bodies), MAX_BULK)]
+
+
+def checked_list(resp: Answer) -> list[dict[str, Any]]:
+    """An HTTP answer's JSON array of job objects (errors as `checked`)."""
+    try:
+        data = resp.json()
+    except ValueError:
+        raise ControllerError(resp.status, resp.text[:200]) from None
+    if resp.status >= 400 or not isinstance(data, list):
+        checked(resp)
+        raise ControllerError(resp.status, "the answer is not a list of jobs")
+    return [job if isinstance(job, dict) else {} for job in data]
 
 
 def outcome(data: dict[str, Any]) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -41,6 +42,10 @@ def parse_url(url: str) -> tuple[str, str]:
     if not stream:
         raise ValueError(f"the stream name is empty in {url!r}")
     return urlunsplit((parts.scheme, parts.netloc, parts.path, "", "")), stream
+
+
+# One entry to add: payload, name, id, option fields as text, the state `job:<id>` starts in.
+Entry = tuple[bytes, str | None, str | None, dict[str, str] | None, str]
 
 
 class RedisBackend:
@@ -73,19 +78,27 @@ class RedisBackend:
     ) -> str:
         """Add the entry; `options` are its option fields, as text (jobfields.as_text), and
         `state` what `job:<id>` says until a controller has the job."""
-        if job_id is None:
-            job_id = str(uuid.uuid4()).upper()
-        elif not valid_id(job_id):
-            raise ValueError(ID_RULE)
-        fields: dict[Any, Any] = {"payload": payload, "id": job_id}
-        if name is not None:
-            fields["name"] = name
-        fields.update(options or {})
+        return self.submit_many([(payload, name, job_id, options, state)])[0]
+
+    def submit_many(self, jobs: Sequence[Entry]) -> list[str]:
+        """Add the entries (each as `submit`'s arguments) in one round trip: a pipeline,
+        sent once every id is checked. Their ids, in order."""
         pipe = self.redis.pipeline(transaction=False)  # one round trip; no MULTI needed
-        pipe.hsetnx(streams.job_key(job_id), "state", state)
-        pipe.xadd(self.queue_stream(fields.get("queue", DEFAULT_QUEUE)), fields)
+        ids = []
+        for payload, name, job_id, options, state in jobs:
+            if job_id is None:
+                job_id = str(uuid.uuid4()).upper()
+            elif not valid_id(job_id):
+                raise ValueError(ID_RULE)
+            fields: dict[Any, Any] = {"payload": payload, "id": job_id}
+            if name is not None:
+                fields["name"] = name
+            fields.update(options or {})
+            pipe.hsetnx(streams.job_key(job_id), "state", state)
+            pipe.xadd(self.queue_stream(fields.get("queue", DEFAULT_QUEUE)), fields)
+            ids.append(job_id)
         pipe.execute()
-        return job_id
+        return ids
 
     def queue_stream(self, queue: str) -> str:
         """The stream of a queue's entries: the configured one for `default`, else

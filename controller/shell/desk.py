@@ -166,20 +166,22 @@ class JobDesk:
         """Why new jobs must be refused now ("" when they are welcome)."""
         return self.journal.refusal_reason() if self.journal is not None else ""
 
-    def room(self, size: int) -> bool:
-        """Whether a new job with a payload of `size` bytes fits within `max_pending` and
-        `max_pending_bytes` (a door refuses it when not: see `busy`)."""
+    def room(self, size: int, count: int = 1) -> bool:
+        """Whether `count` new jobs with payloads of `size` bytes in all fit within
+        `max_pending` and `max_pending_bytes` (a door refuses them when not: see `busy`)."""
         return (
-            self.live_jobs < self.max_pending and self.live_bytes + size <= self.max_pending_bytes
+            self.live_jobs + count <= self.max_pending
+            and self.live_bytes + size <= self.max_pending_bytes
         )
 
-    def busy(self, size: int) -> str:
-        """Why a new job with a payload of `size` bytes does not fit now (the message of a
-        door's refusal)."""
-        if self.live_jobs >= self.max_pending:
+    def busy(self, size: int, count: int = 1) -> str:
+        """Why `count` new jobs with payloads of `size` bytes in all do not fit now (the
+        message of a door's refusal)."""
+        if self.live_jobs + count > self.max_pending:
+            jobs = "" if count == 1 else f"{count} new jobs beside "
             return (
-                f"{self.live_jobs} jobs are not yet ended, max_pending is {self.max_pending}: "
-                f"try again in a while"
+                f"{jobs}{self.live_jobs} jobs are not yet ended, max_pending is "
+                f"{self.max_pending}: try again in a while"
             )
         return (
             f"a payload of {size} bytes beside the {self.live_bytes} bytes of the jobs not "

@@ -10,6 +10,7 @@ status and the message of the error object `{"code": status, "message": ...}`.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -39,6 +40,11 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 # Room for JSON and base64 around the largest payload (base64 grows it by 4/3).
 BODY_OVERHEAD = 64 * 1024
+# Jobs one `POST /job/` array may carry (more: 413).
+MAX_BULK = 10_000
+# Room an array's body has beyond a single job's body: 1 KiB a job, so that 10,000 small jobs
+# fit whatever max_extra_size is.
+BULK_JOB_ROOM = 1024
 # Longest text fields (MAX_TEXT, the default, is controller/job_ids.py's).
 MAX_ERROR = 100_000
 MAX_LOG = 1_000_000
@@ -94,6 +100,11 @@ def max_body(max_payload: int) -> int:
     return max_payload * 4 // 3 + BODY_OVERHEAD
 
 
+def max_bulk_body(max_payload: int) -> int:
+    """The largest body of a `POST /job/` array: a single job's, plus BULK_JOB_ROOM a job."""
+    return max_body(max_payload) + MAX_BULK * BULK_JOB_ROOM
+
+
 def new_job_id() -> str:
     """A new job id: a UUID4 in upper case."""
     return str(uuid.uuid4()).upper()
@@ -106,6 +117,10 @@ def _object(body: bytes, allowed: frozenset[str]) -> dict[str, Any]:
         data = json.loads(body)
     except (ValueError, RecursionError):
         raise ApiError(400, "the body is not valid JSON") from None
+    return _fields(data, allowed)
+
+
+def _fields(data: Any, allowed: frozenset[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     unknown = sorted(set(data) - allowed)
@@ -146,8 +161,77 @@ def parse_new_job(
 ) -> NewJob:
     """The body of `POST /job/` (every field optional; the options over `defaults`)."""
     data = _object(body, NEW_JOB_FIELDS)
+    return _new_job(data, max_payload, defaults, time.time() if now_wall is None else now_wall)
+
+
+def parse_new_jobs(
+    body: bytes,
+    max_payload: int,
+    defaults: JobOptions = options.DEFAULT,
+    now_wall: float | None = None,
+) -> tuple[list[NewJob], bool]:
+    """The body of `POST /job/`: one job (an object) or several (an array of them, at most
+    MAX_BULK: more is 413). True when it was an array. Every element is checked; the first
+    bad one's error names its index (and its id when it has one)."""
+    wall = time.time() if now_wall is None else now_wall
     try:
-        chosen = options.parse(data, defaults, time.time() if now_wall is None else now_wall)
+        text = body.decode(json.detect_encoding(body), "surrogatepass")
+    except ValueError:  # UnicodeDecodeError
+        raise ApiError(400, "the body is not valid JSON") from None
+    start = _SPACE.match(text).end()  # type: ignore[union-attr]
+    if not text.startswith("[", start):
+        return [parse_new_job(body, max_payload, defaults, wall)], False
+    news = []
+    for index, data in enumerate(_elements(text, start)):
+        try:
+            news.append(_new_job(_fields(data, NEW_JOB_FIELDS), max_payload, defaults, wall))
+        except ApiError as exc:
+            job_id = data.get("id") if isinstance(data, dict) else None
+            named = f" (id {job_id[:200]!r})" if isinstance(job_id, str) else ""
+            message = exc.message.replace("the body must be", "it must be")
+            raise ApiError(exc.status, f"job {index}{named}: {message}") from None
+    return news, True
+
+
+# JSON's white space, between an array's elements.
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+def _elements(text: str, start: int) -> list[Any]:
+    """The elements of the JSON array at `text[start]`, read one at a time, so that an array
+    of more than MAX_BULK is refused (413) without building it whole."""
+    items: list[Any] = []
+    at = _SPACE.match(text, start + 1).end()  # type: ignore[union-attr]
+    try:
+        if text.startswith("]", at):
+            at += 1
+        else:
+            while True:
+                item, at = _DECODER.raw_decode(text, at)
+                items.append(item)
+                if len(items) > MAX_BULK:
+                    raise ApiError(413, f"more than {MAX_BULK} jobs in one request")
+                at = _SPACE.match(text, at).end()  # type: ignore[union-attr]
+                if text.startswith(",", at):
+                    at = _SPACE.match(text, at + 1).end()  # type: ignore[union-attr]
+                    continue
+                if not text.startswith("]", at):
+                    raise ValueError("expected , or ]")
+                at += 1
+                break
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    if _SPACE.match(text, at).end() != len(text):  # type: ignore[union-attr]
+        raise ApiError(400, "the body is not valid JSON")
+    return items
+
+
+def _new_job(
+    data: dict[str, Any], max_payload: int, defaults: JobOptions, now_wall: float
+) -> NewJob:
+    try:
+        chosen = options.parse(data, defaults, now_wall)
     except options.BadOption as exc:
         raise ApiError(400, str(exc)) from None
     job_id = _text(data, "id", MAX_ID_LENGTH)

@@ -9,6 +9,7 @@ from typing import Any
 from controller import options
 from controller.declared import MAX_NAME_CHARS, MAX_NAMES
 from controller.doors.http import codec
+from controller.doors.http.openapi_bulk import BAD_JOB, TOO_LARGE, one_or_many
 from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
 from controller.job_states import JobState
 from controller.options import NAME_RULE
@@ -20,12 +21,12 @@ def _errors(*codes: int) -> dict[str, Any]:
     """The error answers `codes`, each the Error object; where a token is asked for (401),
     also 429 (too many wrong tokens from this address)."""
     why = {
-        400: "malformed JSON or a bad field",
+        400: BAD_JOB,
         401: "a bearer token is needed (http_token_file is set)",
         403: "the source address is not in allowed_clients",
         404: "no such job or path",
         409: "a change the job's state does not allow",
-        413: "a payload over max_extra_size",
+        413: TOO_LARGE,
         429: "10 wrong tokens from this address within a minute: it waits a minute",
         503: "the journal cannot record now, or the jobs not yet ended would go past "
         "max_pending or max_pending_bytes; try again after Retry-After seconds",
@@ -54,6 +55,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 
 _JOB = {"$ref": "#/components/schemas/Job"}
+_NEW = {"$ref": "#/components/schemas/NewJob"}
 _QUEUE = {"$ref": "#/components/schemas/Queue"}
 _JOB_ID = {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _WAIT = {
@@ -195,16 +197,14 @@ OPENAPI: dict[str, Any] = {
                 },
             },
             "post": {
-                "summary": "add a job (recorded in the journal before the answer)",
+                "summary": "add a job, or an array of them, all made or none (journaled first)",
                 "requestBody": {
                     "required": False,
-                    "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/NewJob"}}
-                    },
+                    "content": {"application/json": {"schema": one_or_many(_NEW, "jobs")}},
                 },
                 "responses": {
-                    "201": _json(_JOB, "the new job"),
-                    "200": _json(_JOB, "a job with that id exists: it, unchanged"),
+                    "201": _json(one_or_many(_JOB, "its jobs in order"), "the new job(s)"),
+                    "200": _json(one_or_many(_JOB, "each job exists"), "its id exists: it"),
                     **_errors(400, 401, 403, 413, 503),
                 },
             },

@@ -27,8 +27,6 @@ from controller.config import Config
 from controller.doors.http import codec, keepalive
 from controller.doors.http.access import Gate, read_tokens
 from controller.doors.http.asgi import (
-    BodyTimeout,
-    ClientDisconnect,
     Endpoint,
     Request,
     Response,
@@ -37,6 +35,7 @@ from controller.doors.http.asgi import (
     error_response,
     json_response,
 )
+from controller.doors.http.bodies import read_body
 from controller.doors.http.codec import ApiError
 from controller.doors.http.connections import (
     Connections,
@@ -67,8 +66,6 @@ IDLE_TIMEOUT = 5.0
 TEXT = "text/plain; charset=utf-8"
 # A 503 (the journal refuses, or no room for more jobs) says when to try again.
 _RETRY_AFTER_HEADER = ((b"retry-after", b"%d" % RETRY_AFTER),)
-# How much of a body over the limit is read and dropped before the 413 goes out.
-DRAIN_LIMIT = 4 * 1024 * 1024
 
 
 class HttpDoor:
@@ -90,6 +87,7 @@ class HttpDoor:
         self.pollers = PollerDoor(desk, shell, self._refuse)  # /ping/ and the leases
         self.max_payload = config.max_extra_size
         self.max_body = codec.max_body(config.max_extra_size)
+        self.max_bulk_body = codec.max_bulk_body(config.max_extra_size)  # a POST /job/ array's
         self.started_at = 0.0
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
         self.redis_status = redis_status
@@ -268,21 +266,65 @@ class HttpDoor:
             return self._refuse(exc)
 
     async def _add(self, request: Request) -> Response:
-        new = codec.parse_new_job(await self._body(request), self.max_payload, self.options)
+        """POST /job/: one job (an object) or several (an array), all made or none, each
+        answered as a single POST would (an existing id: that job), in one journal commit."""
+        body = await self._body(request, self.max_bulk_body)
+        news, many = codec.parse_new_jobs(body, self.max_payload, self.options)
+        self._admit(news)
+        now = trio.current_time()
+        answers: list[Job] = []
+        made: list[Job] = []
+        for new in news:
+            job = self._existing(new)
+            if job is None:
+                job = self._make(new, now)
+                made.append(job)
+            answers.append(job)
+        if made:
+            await self.desk.write_ahead.committed()  # 201 only once the jobs are on disk
+            lost = [job for job in made if self.book.get(job.id) is not job]
+            if lost:  # the journal could not record them
+                raise ApiError(500, f"the job could not be recorded: {lost[0].error}")
+        status = 201 if made else 200
+        if not many:
+            return self._job_response(answers[0], status)
+        offset, name_of = self.book.wall_offset, self.core.worker_name
+        return json_response([codec.job_json(job, offset, name_of) for job in answers], status)
+
+    def _existing(self, new: codec.NewJob) -> Job | None:
+        """The job a submission names that exists already (its `id`), or the live job that
+        holds its `unique_key`: it is the answer, and nothing is made."""
         if new.id is not None:
             existing = self.book.get(new.id)
             if existing is not None:
-                return self._job_response(existing, 200)
-        holder = self.desk.holder(new.options.unique_key)
-        if holder is not None:  # a live job holds its unique_key: that job, nothing made
-            return self._job_response(holder, 200)
+                return existing
+        return self.desk.holder(new.options.unique_key)
+
+    def _admit(self, news: list[codec.NewJob]) -> None:
+        """ApiError 503 unless the jobs these submissions would make (those that name no
+        existing job, nor one named earlier among them) fit: the journal records, and there is
+        room under max_pending and max_pending_bytes for all of them together."""
+        count = size = 0
+        seen: set[str] = set()
+        for new in news:
+            if new.id is not None:
+                if new.id in seen:
+                    continue
+                seen.add(new.id)
+            if self._existing(new) is None:
+                count += 1
+                size += len(new.payload)
+        if not count:
+            return
         desk = self.desk
         refusal = desk.refusal()
         if refusal:
             raise ApiError(503, f"the journal cannot record new jobs now: {refusal}")
-        if not desk.room(len(new.payload)):
-            raise ApiError(503, desk.busy(len(new.payload)))
-        now = trio.current_time()
+        if not desk.room(size, count):
+            raise ApiError(503, desk.busy(size, count))
+
+    def _make(self, new: codec.NewJob, now: float) -> Job:
+        """A new job from a checked submission (staged for the journal, not yet on disk)."""
         job = self.desk.submit(
             new.id or codec.new_job_id(),
             DoorName.HTTP,
@@ -296,10 +338,7 @@ class HttpDoor:
             options=new.options,
         )
         self.counters["jobs_added"] += 1
-        await self.desk.write_ahead.committed()  # 201 only once the job is on disk
-        if self.book.get(job.id) is not job:  # the journal could not record it
-            raise ApiError(500, f"the job could not be recorded: {job.error}")
-        return self._job_response(job, 201)
+        return job
 
     async def job(self, request: Request) -> Response:
         self.counters["requests"] += 1
@@ -420,31 +459,9 @@ class HttpDoor:
             raise ApiError(404, f"no job {job_id[:200]!r}")
         return job
 
-    async def _body(self, request: Request) -> bytes:
-        declared = request.header(b"content-length")
-        too_big = declared is not None and declared.isdigit() and int(declared) > self.max_body
-        chunks = []
-        size = 0
-        deadline = trio.current_time() + self.config.http_body_timeout
-        try:
-            async for chunk in request.stream(IDLE_TIMEOUT, deadline):
-                size += len(chunk)
-                if size > self.max_body:
-                    too_big = True
-                if too_big:
-                    # Read (and drop) a bounded amount more, so that the client, still sending,
-                    # gets to read its 413; past that the connection is simply closed.
-                    if size > self.max_body + DRAIN_LIMIT:
-                        break
-                    continue
-                chunks.append(chunk)
-        except ClientDisconnect:  # it went away mid-body: nobody to answer, nothing done
-            raise ApiError(400, "the client closed the connection before the body ended") from None
-        except BodyTimeout as exc:  # answered, and the connection closed: the body is unread
-            raise ApiError(408, str(exc)) from None
-        if too_big:
-            raise ApiError(413, f"the body is over {self.max_body} bytes")
-        return b"".join(chunks)
+    async def _body(self, request: Request, array_limit: int = 0) -> bytes:
+        timeout = self.config.http_body_timeout
+        return await read_body(request, self.max_body, IDLE_TIMEOUT, timeout, array_limit)
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(

@@ -1,0 +1,60 @@
+"""Reading a request's body within its size limit, for the HTTP door's shell.
+
+A body over its limit is 413; a bounded amount more is read and dropped first, so that a
+client still sending gets to read the answer. `POST /job/` takes an array of jobs too, whose
+limit is larger (codec.max_bulk_body): which limit holds is known from the body's first
+character that is not white space, so a single job's body keeps the smaller one.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from controller.doors.http.asgi import BodyTimeout, ClientDisconnect, Request
+from controller.doors.http.codec import ApiError
+
+# How much of a body over the limit is read and dropped before the 413 goes out.
+DRAIN_LIMIT = 4 * 1024 * 1024
+
+
+async def read_body(
+    request: Request, limit: int, idle: float, timeout: float, array_limit: int = 0
+) -> bytes:
+    """The request's body, at most `limit` bytes (else ApiError 413), or `array_limit` when it
+    is a JSON array and that is larger; `idle`: the longest silence in the middle of it,
+    `timeout`: the longest it may take (else 408)."""
+    largest = max(limit, array_limit)
+    declared = request.header(b"content-length")
+    known = int(declared) if declared is not None and declared.isdigit() else None
+    too_big = known is not None and known > largest
+    undecided = largest > limit  # until the first character says which limit holds
+    chunks = []
+    size = 0
+    deadline = trio.current_time() + timeout
+    try:
+        async for chunk in request.stream(idle, deadline):
+            size += len(chunk)
+            if undecided:
+                first = chunk.lstrip()  # the chunks before were white space alone
+                if first:
+                    undecided = False
+                    if first.startswith(b"["):
+                        limit = largest
+                    elif known is not None and known > limit:
+                        too_big = True
+            if size > (largest if undecided else limit):
+                too_big = True
+            if too_big:
+                # Read (and drop) a bounded amount more, so that the client, still sending,
+                # gets to read its 413; past that the connection is simply closed.
+                if size > limit + DRAIN_LIMIT:
+                    break
+                continue
+            chunks.append(chunk)
+    except ClientDisconnect:  # it went away mid-body: nobody to answer, nothing done
+        raise ApiError(400, "the client closed the connection before the body ended") from None
+    except BodyTimeout as exc:  # answered, and the connection closed: the body is unread
+        raise ApiError(408, str(exc)) from None
+    if too_big:
+        raise ApiError(413, f"the body is over {limit} bytes")
+    return b"".join(chunks)
