@@ -71,6 +71,21 @@ async def test_existing_ids_and_ids_repeated_in_the_array_answer_that_job(sockdi
         assert ctl.shell.core.counters.submitted == 2
 
 
+async def test_a_unique_key_held_in_or_before_the_array_answers_its_holder(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        held = await http.post("/job/", json={"id": "holder", "unique_key": "k-1"})
+        assert held.status_code == 201
+        body = [
+            {"id": "a", "unique_key": "k-2"},
+            {"id": "b", "unique_key": "k-1"},
+            {"id": "c", "unique_key": "k-2"},
+        ]
+        resp = await http.post("/job/", json=body)
+        assert resp.status_code == 201, resp.text
+        assert [job["id"] for job in resp.json()] == ["a", "holder", "a"]
+        assert ctl.shell.core.counters.submitted == 2
+
+
 @pytest.mark.parametrize(
     ("body", "status", "parts"),
     [
