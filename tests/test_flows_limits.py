@@ -28,6 +28,7 @@ from controller.declared import Declared
 from controller.journal import Journal
 from controller.options import JobOptions
 from tests.helpers import wait_until
+from tests.test_console import section
 from tests.test_http import client, http_controller
 from tests.worker_handlers import GATES, start_workers
 
@@ -420,3 +421,19 @@ async def test_a_restart_keeps_holding_a_queue_at_its_concurrency(sockdir, tmp_p
         for name in ("r1", "r2"):
             done = (await http.get(f"/job/{name}/", params={"wait": 10})).json()
             assert done["state"] == "finished"
+
+
+async def test_the_console_shows_each_queue_s_limits(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        await http.put("/queue/mail/", json={"concurrency": 3, "rate": "30/m"})
+        await http.post("/job/", json={"id": "x", "payload": "x", "queue": "plain"})
+        page = await http.get("/ui/queues")
+        assert page.status_code == 200
+        shown = section(page, "queues")
+        assert "<th>concurrency</th><th>rate</th>" in shown.replace("\n", "")
+        mail = shown[shown.index(">mail<") :]
+        assert "<td class=num>3</td><td>30/m</td>" in mail[: mail.index("</tr>")]
+        plain = shown[shown.index(">plain<") :]
+        assert "<td class=num>-</td><td>-</td>" in plain[: plain.index("</tr>")]
+        overview = section(await http.get("/"), "overview-queues")
+        assert "30/m" in overview
