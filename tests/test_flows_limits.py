@@ -22,13 +22,15 @@ from hypothesis import strategies as st
 
 from controller.app import assemble
 from controller.config import ClientAddress, Config
-from controller.core import Core, HandOut
+from controller.core import Core, HandOut, WorkerExited
 from controller.core.limits import Rate
 from controller.declared import Declared
 from controller.journal import Journal
 from controller.options import JobOptions
+from gen import worker_protocol_pb2 as pb
 from tests.helpers import wait_until
 from tests.test_console import section
+from tests.test_core import answer, dials, ready_worker
 from tests.test_http import client, http_controller
 from tests.worker_handlers import GATES, start_workers
 
@@ -88,6 +90,21 @@ def test_a_failed_attempt_and_a_lost_worker_release_the_slot():
     assert held(core, "a") == 0
     assert len(handed(core.pollers.ping("p3", 100.0, BOTH))) == 1
     assert held(core, "a") == 1
+
+
+def test_local_workers_and_pollers_share_the_concurrency_and_a_death_frees_it():
+    core = Core(max_retries=5)
+    core.limit("default", 1, None, 0.0)
+    wid = ready_worker(core)
+    _, actions = core.submit(1, b"", None, 0.0, JobOptions())
+    [dial] = dials(actions, pb.CTRL_SET_TASK)
+    assert dial.worker_id == wid
+    core.submit(2, b"", None, 0.0, JobOptions())
+    assert handed(core.pollers.ping("p1", 0.0)) == {}  # the local worker holds the one slot
+    answer(core, wid, pb.CTRL_SET_TASK, 0.5, task_id=1)
+    # The local worker's process dies: its job is placed again at once, on the poller.
+    after = core.handle(WorkerExited(wid), 1.0)
+    assert list(handed(after)) == ["p1"] and held(core, "default") == 1
 
 
 def test_a_queue_waiting_for_a_token_starts_on_time_with_no_new_event():
@@ -201,7 +218,7 @@ def test_no_more_starts_in_a_window_than_the_rate_allows(count, unit, steps):
             starts.append(now)
 
     if unit == "m":  # a minute's tokens come 60 times slower: stretch the waits
-        steps = [(k, a * 60 if k == "wait" else a) for k, a in steps]  # type: ignore[operator]
+        steps = [(k, a * 60 if k == "wait" else a) for k, a in steps]
     run_steps(core, steps, check)
     # In any window [t_i, t_j]: at most the bucket's N plus what refills in it.
     for i, first in enumerate(starts):

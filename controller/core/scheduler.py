@@ -301,7 +301,7 @@ class Scheduler:
         task.advance(TaskEvent.ADOPT)
         worker.task = task
         task.worker_id = worker.worker_id
-        if self.limits.queues and task.opts.queue in self.limits.queues:
+        if not task.limited and task.opts.queue in self.limits.queues:
             self.limits.started(task, now)
         if task.opts.timeout > 0:
             self.start_clock(task, now)
