@@ -204,7 +204,8 @@ class Core:
     ) -> list[Action]:
         """Set `queue`'s limits (None: none): at most `concurrency` of its tasks held by
         workers at once, and `rate` starts (a token bucket, full now); returns the placements
-        that follow (a limit raised or removed lets more start)."""
+        that follow (a limit raised or removed lets more start). An operator's action: it looks
+        at every live task once, to count the queue's running ones."""
         sched = self.scheduler
         held = [
             task

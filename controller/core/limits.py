@@ -24,6 +24,7 @@ from controller.core.pending import Pending
 
 # Seconds per rate unit, by the unit's letter ("N/s", "N/m").
 PERIODS = {"s": 1.0, "m": 60.0}
+# N/s or N/m: N below a billion (an int the journal and any client read alike), no leading 0.
 RATE_RULE = re.compile(r"[1-9][0-9]{0,8}/[sm]")
 # A token due at t is there at t: float rounding must not push it a hair later.
 EPSILON = 1e-9
