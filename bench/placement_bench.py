@@ -82,7 +82,7 @@ def placing(layout: str, seed: int = 1) -> float:
     start = time.perf_counter()
     for worker in workers:
         scheduler.ready(worker)
-    scheduler.dispatch(actions)
+    scheduler.dispatch(actions, 0.0)
     done = 0
     while done < JOBS:
         for worker in workers:
@@ -92,7 +92,7 @@ def placing(layout: str, seed: int = 1) -> float:
             worker.advance(WorkerEvent.FETCH)
             scheduler.finished(worker, b"", 0.0, actions)
             done += 1
-        scheduler.dispatch(actions)
+        scheduler.dispatch(actions, 0.0)
         actions.clear()
     elapsed = time.perf_counter() - start
     return elapsed / JOBS * 1e6

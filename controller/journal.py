@@ -225,6 +225,13 @@ class Journal:
         """A queue was paused or resumed."""
         self._stage((sql.PAUSED if paused else sql.RESUMED, (queue,)))
 
+    def queue_limited(self, queue: str, concurrency: int | None, rate: str | None) -> None:
+        """A queue's limits were set (both None: removed)."""
+        if concurrency is None and rate is None:
+            self._stage((sql.UNLIMITED, (queue,)))
+        else:
+            self._stage((sql.LIMITED, (concurrency, rate, queue)))
+
     def _fold(self, ref: int, positions: tuple[int, ...], values: tuple[Any, ...]) -> bool:
         """Write `values` at `positions` of the job's sql.INSERT when that is in the batch being
         staged (one row written instead of two or three); False when it is not."""

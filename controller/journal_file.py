@@ -1,9 +1,9 @@
 """The journal's file: opened (made private to the controller's user, checked to be ours,
 brought to this schema version, checked for integrity) and read back at start.
 
-What is read back (`Recovered`: the jobs as `JobRow`s, the paused queues, the schedules'
-last due times, where worker ids continue) is what recovery puts back; expired records are
-pruned first.
+What is read back (`Recovered`: the jobs as `JobRow`s, the paused queues and the queues'
+limits, the schedules' last due times, where worker ids continue) is what recovery puts back;
+expired records are pruned first.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ class Recovered:
     next_ref: int = 1
     pruned: int = 0
     paused: list[str] = field(default_factory=list)
+    # queue -> (concurrency, rate text), None for none
+    limits: dict[str, tuple[int | None, str | None]] = field(default_factory=dict)
     schedules: dict[str, float] = field(default_factory=dict)  # name -> last due time
 
 
@@ -255,6 +257,10 @@ def read_back(db: sqlite3.Connection, path: Path, now_wall: float | None = None)
                 )
             )
         out.paused = [str(row[0]) for row in db.execute("SELECT queue FROM paused")]
+        out.limits = {
+            str(q): (None if c is None else int(c), None if r is None else str(r))
+            for q, c, r in db.execute("SELECT queue, concurrency, rate FROM queue_limits")
+        }
         out.next_ref = (out.jobs[-1].ref + 1) if out.jobs else 1
     except (sqlite3.Error, ValueError, TypeError) as exc:
         raise JournalError(f"journal {path}: cannot read it back: {exc}") from None

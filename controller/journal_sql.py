@@ -53,6 +53,9 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 -- Queues whose jobs are not handed out until resumed.
 CREATE TABLE IF NOT EXISTS paused (queue TEXT PRIMARY KEY);
+-- Queues' limits (controller/core/limits.py): concurrency (NULL: none), rate ("N/s", "N/m",
+-- NULL: none). A table of its own: a journal of an older version gains it as is.
+CREATE TABLE IF NOT EXISTS queue_limits (queue TEXT PRIMARY KEY, concurrency INTEGER, rate TEXT);
 -- The lease of each job a poller holds: it must show it to keep the job after a restart.
 CREATE TABLE IF NOT EXISTS leases (ref INTEGER PRIMARY KEY, lease TEXT NOT NULL);
 -- Each periodic job's latest due time made (for a new one: the last before it started).
@@ -143,6 +146,8 @@ RETRIED = (
 HISTORY = "UPDATE jobs SET history = ? WHERE ref = ?"
 PAUSED = "INSERT OR REPLACE INTO paused (queue) VALUES (?)"
 RESUMED = "DELETE FROM paused WHERE queue = ?"
+LIMITED = "INSERT OR REPLACE INTO queue_limits (concurrency, rate, queue) VALUES (?, ?, ?)"
+UNLIMITED = "DELETE FROM queue_limits WHERE queue = ?"
 NOTIFIED = "UPDATE jobs SET notified = 1, expires_at = ? WHERE ref = ?"
 LOG = "UPDATE jobs SET log = ? WHERE ref = ?"
 FORGET = "DELETE FROM jobs WHERE ref = ?"

@@ -345,8 +345,8 @@ def test_pause_resume_and_queues(live: LiveController, client: Client) -> None:
     paused = jobctl(live.url, "pause", "pq")
     assert paused.returncode == 0, paused.stderr
     assert rows(paused.stdout) == [
-        ["QUEUE", "PENDING", "SCHEDULED", "WORKING", "WORKERS", "PAUSED"],
-        ["pq", "0", "0", "0", "1", "yes"],
+        ["QUEUE", "PENDING", "SCHEDULED", "WORKING", "WORKERS", "PAUSED", "CONCURRENCY", "RATE"],
+        ["pq", "0", "0", "0", "1", "yes", "-", "-"],
     ]
     job = client.submit("held", id="paused-job", queue="pq")
     report = json.loads(jobctl(live.url, "queues", "--json").stdout)
@@ -357,9 +357,11 @@ def test_pause_resume_and_queues(live: LiveController, client: Client) -> None:
         "working": 0,
         "workers": 1,
         "paused": True,
+        "concurrency": None,
+        "rate": None,
     }
     table = {row[0]: row for row in rows(jobctl(live.url, "queues").stdout)}
-    assert table["pq"] == ["pq", "1", "0", "0", "1", "yes"]
+    assert table["pq"] == ["pq", "1", "0", "0", "1", "yes", "-", "-"]
     assert table["QUEUE"][0] == "QUEUE"
 
     resumed = jobctl(live.url, "--json", "resume", "pq")

@@ -128,7 +128,7 @@ def test_a_paused_queue_keeps_its_jobs_until_resumed():
     task, _ = core.submit(1, b"", None, 0.0, JobOptions())
     a = ready_worker(core)
     assert core.workers[a].task is None and task.state is TaskState.QUEUED
-    resumed = core.resume("default")
+    resumed = core.resume("default", 0.0)
     [dial] = dials(resumed, pb.CTRL_SET_TASK)
     assert dial.worker_id == a
 

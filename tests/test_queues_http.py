@@ -172,6 +172,8 @@ async def test_queues_are_listed_and_a_paused_queue_keeps_its_jobs(sockdir):
             "working": 0,
             "workers": 1,
             "paused": True,
+            "concurrency": None,
+            "rate": None,
         }
         assert queues["other"] == {
             "pending": 1,
@@ -179,6 +181,8 @@ async def test_queues_are_listed_and_a_paused_queue_keeps_its_jobs(sockdir):
             "working": 0,
             "workers": 0,  # waits: no worker serves it
             "paused": False,
+            "concurrency": None,
+            "rate": None,
         }
         assert (await http.get("/job/held/", params={"wait": 0.5})).json()["state"] == "pending"
         await http.put("/queue/default", json={"paused": False})

@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
     command(
         "queues",
-        "show every queue's jobs, workers and pause",
-        "Show every queue that has jobs, workers or a pause.",
+        "show every queue's jobs, workers, pause and limits",
+        "Show every queue that has jobs, workers, a pause or a limit (concurrency, rate).",
     )
     output = command(
         "output",
@@ -419,7 +419,7 @@ def run_queues(api: Api, args: argparse.Namespace) -> int:
     elif report:
         print(queues_table(report))
     else:
-        _warn("no queues: no jobs, no workers and no pause")
+        _warn("no queues: no jobs, no workers, no pause and no limit")
     return EXIT_OK
 
 

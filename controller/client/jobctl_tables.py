@@ -70,6 +70,7 @@ def jobs_table(jobs: Iterable[dict[str, Any]]) -> str:
 
 def queues_table(queues: dict[str, Any]) -> str:
     header = ["QUEUE", "PENDING", "SCHEDULED", "WORKING", "WORKERS", "PAUSED"]
+    header += ["CONCURRENCY", "RATE"]  # a queue's limits, "-" for none
     return table(
         header,
         (
@@ -80,6 +81,8 @@ def queues_table(queues: dict[str, Any]) -> str:
                 str(row.get("working", 0)),
                 str(row.get("workers", 0)),
                 "yes" if row.get("paused") else "no",
+                cut(row.get("concurrency"), 11),
+                cut(row.get("rate"), 14),
             ]
             for name, row in sorted(queues.items())
         ),

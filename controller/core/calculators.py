@@ -108,9 +108,9 @@ class Calculators:
         actions: list[Action] = []
         if ready and worker.state in (WorkerState.STARTING, WorkerState.UNSURE):
             sched.ready(worker)
-            sched.dispatch(actions)
+            sched.dispatch(actions, now)
         elif worker.state is WorkerState.IDLE and worker.starved < 0:
-            sched.dispatch(actions)  # what it serves changed: it may take a job now
+            sched.dispatch(actions, now)  # what it serves changed: it may take a job now
         return actions
 
     def acknowledged(self, address: Address, ref: int, now: float) -> list[Action]:
@@ -133,7 +133,7 @@ class Calculators:
                 self.names[worker.worker_id],
             )
             self.scheduler.refused(worker, now, actions)
-            self.scheduler.dispatch(actions)
+            self.scheduler.dispatch(actions, now)
         return actions
 
     def held(self, address: Address, task_id: int) -> Task | None:
@@ -172,7 +172,7 @@ class Calculators:
         else:
             sched.failed(worker, error or "the calculator reported an error", now, actions)
         self.roster.done[worker.worker_id] = worker.done
-        sched.dispatch(actions)
+        sched.dispatch(actions, now)
         return actions
 
     # ------------------------------------------------------------ helpers

@@ -12,6 +12,7 @@ from collections.abc import Set
 
 from controller import declared
 from controller.core.calculators import Calculators
+from controller.core.limits import Rate
 from controller.core.local import LocalWorkers
 from controller.core.model import (
     WAITING,
@@ -158,7 +159,7 @@ class Core:
         actions (a SET_TASK when a worker is free)."""
         task = self.scheduler.submit(task_id, payload, job, now, options, wait)
         actions: list[Action] = []
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return task, actions
 
     def resubmit(
@@ -177,7 +178,7 @@ class Core:
         task.opts = options
         self.scheduler.resubmit(task, now)
         actions: list[Action] = []
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return task, actions
 
     def cancel(self, ref: int, now: float) -> list[Action]:
@@ -191,12 +192,39 @@ class Core:
         """Hand out none of `queue`'s tasks until `resume` (they stay pending)."""
         self.scheduler.pending.pause(queue)
 
-    def resume(self, queue: str) -> list[Action]:
+    def resume(self, queue: str, now: float) -> list[Action]:
         """Hand out `queue`'s tasks again; returns the placements that follow."""
         self.scheduler.pending.resume(queue)
         actions: list[Action] = []
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
+
+    def limit(
+        self, queue: str, concurrency: int | None, rate: Rate | None, now: float
+    ) -> list[Action]:
+        """Set `queue`'s limits (None: none): at most `concurrency` of its tasks held by
+        workers at once, and `rate` starts (a token bucket, full now); returns the placements
+        that follow (a limit raised or removed lets more start). An operator's action: it looks
+        at every live task once, to count the queue's running ones."""
+        sched = self.scheduler
+        held = [
+            task
+            for task in sched.tasks.values()
+            if task.opts.queue == queue and task.worker_id and task.state not in WAITING
+        ]
+        sched.limits.set(queue, concurrency, rate, now, held)
+        actions: list[Action] = []
+        sched.dispatch(actions, now)
+        return actions
+
+    def limits(self, queue: str) -> tuple[int | None, Rate | None]:
+        """`queue`'s (concurrency, rate), None for none."""
+        return self.scheduler.limits.get(queue)
+
+    @property
+    def limited(self) -> Set[str]:
+        """The queues with a limit."""
+        return self.scheduler.limits.queues.keys()
 
     def expire(self, now: float) -> list[Action]:
         """Handle every deadline at or before `now`."""

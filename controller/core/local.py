@@ -106,7 +106,7 @@ class LocalWorkers:
         if ptype == pb.PULSE_SHUTDOWN:
             log.info("worker %d shut down", worker.worker_id)
             sched.lost(worker, now, actions, cause="shutdown")
-            sched.dispatch(actions)
+            sched.dispatch(actions, now)
             return actions
         worker.deadline = now + promised(pulse)
         worker.last_pulse = now
@@ -118,7 +118,7 @@ class LocalWorkers:
             return actions
         if task_id == 0 and state in (WorkerState.STARTING, WorkerState.UNSURE):
             sched.ready(worker)
-            sched.dispatch(actions)
+            sched.dispatch(actions, now)
             return actions
         if worker.unread:  # the first pulse since its task was written on its channel
             worker.unread = False
@@ -235,7 +235,7 @@ class LocalWorkers:
         elif kind == pb.CTRL_GET_STATUS:
             self._status_done(worker, ev, now, actions)
         # RESTART answers are ignored: the worker was dropped when it was sent.
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
 
     def _set_task_done(
@@ -349,7 +349,7 @@ class LocalWorkers:
             worker.advance(WorkerEvent.FETCH)
         actions: list[Action] = []
         self._fetch_done(worker, DialDone(worker_id, pb.CTRL_FETCH, resp, extra), now, actions)
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
 
     def channel_ended(self, worker_id: int, why: str, now: float) -> list[Action]:
@@ -364,7 +364,7 @@ class LocalWorkers:
         else:
             log.warning("worker %d: its channel ended (%s); dropping it", worker_id, why)
             self.scheduler.lost(worker, now, actions, cause="channel ended")
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
 
     # ------------------------------------------------------------ deaths
@@ -376,7 +376,7 @@ class LocalWorkers:
         log.debug("worker %d (pid %s) exited", worker.worker_id, worker.pid)
         actions: list[Action] = []
         self.scheduler.lost(worker, now, actions, cause="process exited")
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
 
     # ------------------------------------------------------------ helpers

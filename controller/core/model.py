@@ -177,6 +177,8 @@ class Task:
     lease: str = ""
     # Queue, priority, labels, time and retry rules (shared by jobs that set none).
     opts: JobOptions = DEFAULT_OPTIONS
+    # It counts against its queue's concurrency (placed while its queue had a limit).
+    limited: bool = False
 
     def advance(self, event: TaskEvent) -> None:
         self.state = next_task_state(self.state, event)

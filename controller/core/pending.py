@@ -1,8 +1,9 @@
 """The pending tasks, in the order free workers take them. Pure: no clock, no I/O.
 
 The order: a free worker takes, among the tasks of the queues it serves (and that are not
-paused) whose `requires` labels it has, one of the highest priority; among equals, owners
-take turns (round robin), and one owner's tasks go in submission order.
+paused, nor held by a limit: limits.py) whose `requires` labels it has, one of the highest
+priority; among equals, owners take turns (round robin), and one owner's tasks go in
+submission order.
 
 How it is indexed: priority level -> owner -> bucket -> deque of tasks, where a bucket is
 one (queue, requires) pair. The levels are kept in a list sorted high to low (there are
@@ -14,8 +15,9 @@ the oldest (usually the very first: a pick is a few dict lookups and one sorted 
 a list as long as the owner has buckets). With W owners and B buckets a pick looks at no
 more than W x B heads, and a worker that serves everything at one.
 
-`version` grows whenever a task arrives or a queue resumes: a worker that found nothing at
-version v finds nothing until it changes, so the scheduler does not ask again.
+`version` grows whenever a task arrives or a queue resumes (or a limit lets it go on): a
+worker that found nothing at version v finds nothing until it changes, so the scheduler does
+not ask again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class Pending:
         self._order: list[int] = []  # the levels' priorities, negated (ascending = high first)
         self.count = 0
         self.paused: set[str] = set()
+        self.blocked: set[str] = set()  # queues a limit holds (limits.py)
+        self.held: set[str] = set()  # paused or blocked: none of their tasks is handed out
         self.version = 0
 
     def __len__(self) -> int:
@@ -109,7 +113,7 @@ class Pending:
 
     def pick(self, worker: Worker) -> Task | None:
         """Take the task `worker` should run next, or None when it can take none."""
-        serves, labels, paused = worker.queues, worker.labels, self.paused
+        serves, labels, paused = worker.queues, worker.labels, self.held
         levels = self._levels
         for negated in self._order:
             level = levels[-negated]
@@ -167,8 +171,24 @@ class Pending:
 
     def pause(self, queue: str) -> None:
         self.paused.add(queue)
+        self.held.add(queue)
 
     def resume(self, queue: str) -> None:
         if queue in self.paused:
             self.paused.discard(queue)
+            self._release(queue)
+
+    def block(self, queue: str) -> None:
+        """A limit holds `queue` (at its concurrency, or out of tokens)."""
+        self.blocked.add(queue)
+        self.held.add(queue)
+
+    def unblock(self, queue: str) -> None:
+        if queue in self.blocked:
+            self.blocked.discard(queue)
+            self._release(queue)
+
+    def _release(self, queue: str) -> None:
+        if queue in self.held and queue not in self.paused and queue not in self.blocked:
+            self.held.discard(queue)
             self.version += 1

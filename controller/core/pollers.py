@@ -81,12 +81,12 @@ class Pollers:
             self.roster.heard(name, now)
             sched.serves(live, serves.queues, serves.labels)
             actions: list[Action] = []
-            sched.dispatch(actions)  # what it serves may have changed
+            sched.dispatch(actions, now)  # what it serves may have changed
             return actions
         worker = self._new(name, now, serves)
         sched.ready(worker)
         actions = []
-        sched.dispatch(actions)
+        sched.dispatch(actions, now)
         return actions
 
     def adopt(self, name: str, task_id: int, lease: str, now: float) -> bool:
@@ -138,7 +138,7 @@ class Pollers:
             if worker.state is WorkerState.ASSIGNING:
                 self.scheduler.refused(worker, now, actions)
             self.scheduler.lost(worker, now, actions, cause="shutdown")
-            self.scheduler.dispatch(actions)
+            self.scheduler.dispatch(actions, now)
         return actions
 
     def holds(self, name: str, ref: int, lease: str) -> bool:
@@ -169,7 +169,7 @@ class Pollers:
         self.scheduler.finished(worker, result, now, actions)
         self._ended(name, worker, now)
         self.scheduler.lost(worker, now, actions, cause="shutdown")  # it pings again for more
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
 
     def failed(self, name: str, ref: int, error: str, now: float) -> list[Action]:
@@ -181,7 +181,7 @@ class Pollers:
         self.scheduler.failed(worker, error or f"poller {name} reported failure", now, actions)
         self._ended(name, worker, now)
         self.scheduler.lost(worker, now, actions, cause="shutdown")
-        self.scheduler.dispatch(actions)
+        self.scheduler.dispatch(actions, now)
         return actions
 
     # ------------------------------------------------------------ helpers

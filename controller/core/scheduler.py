@@ -9,7 +9,8 @@ the methods under "what the worker kinds report": accepted, refused, finished, f
 lost. Each task's options (`Task.opts`) say its retries, retry delay, placement timeout
 and timeout; "prefer a worker it has not failed on" and the times are decided here once,
 for every kind. A task waiting for its time (a delay, run_at, or a retry's delay) is
-SCHEDULED: a deadline puts it back among the pending.
+SCHEDULED: a deadline puts it back among the pending. Queue limits (limits.py) count the
+tasks placed per queue and hold a queue at its concurrency or out of tokens.
 
 Deadlines of every part of the core wait in one heap (`controller.deadlines`),
 except placement deadlines, which have their own (placements.py: two deques and a
@@ -24,6 +25,7 @@ import logging
 import random
 from collections.abc import Callable
 
+from controller.core.limits import Limits
 from controller.core.model import (
     Action,
     Counters,
@@ -77,6 +79,7 @@ class Scheduler:
         # claimed by a worker that held it before a restart (see recovery.py).
         self.on_settled: Callable[[Task], None] | None = None
         self.pending = Pending()
+        self.limits = Limits(self.pending, self.at)
         self.scheduled = 0  # tasks waiting for their time
         # Grows whenever a worker arrives, leaves or changes what it serves (a door that reads
         # per queue looks at the workers again then).
@@ -158,7 +161,7 @@ class Scheduler:
             task = self.tasks.get(ref)
             if task is not None:
                 self._placement_due(when, task, now, actions)
-        self.dispatch(actions)
+        self.dispatch(actions, now)
 
     def at(self, when: float, handler: Handler, obj: object) -> None:
         """Call `handler` once `when` has come (it must check that `obj` still needs it)."""
@@ -298,6 +301,8 @@ class Scheduler:
         task.advance(TaskEvent.ADOPT)
         worker.task = task
         task.worker_id = worker.worker_id
+        if not task.limited and task.opts.queue in self.limits.queues:
+            self.limits.started(task, now)
         if task.opts.timeout > 0:
             self.start_clock(task, now)
 
@@ -308,6 +313,8 @@ class Scheduler:
     ) -> None:
         """The task is pending from now (`placement_left`: what is left of its placement
         timeout, after a restart)."""
+        if task.limited:
+            self.limits.ended(task, now)
         if task.state is not TaskState.QUEUED:
             task.advance(TaskEvent.DUE)
             self.scheduled -= 1
@@ -325,11 +332,12 @@ class Scheduler:
         """A pending task leaves the queue other than by dispatch."""
         self.pending.remove(task)
 
-    def dispatch(self, actions: list[Action]) -> None:
+    def dispatch(self, actions: list[Action], now: float) -> None:
         """Give pending tasks to idle workers: the most recently idle worker first, each the
         task the pending order gives it (see pending.py)."""
         pending = self.pending
         idle = self._idle
+        limited = self.limits.queues
         while pending.count and idle:
             version = pending.version
             worker = None
@@ -352,6 +360,8 @@ class Scheduler:
             task.advance(TaskEvent.PLACE)
             worker.task = task
             task.worker_id = worker.worker_id
+            if limited and task.opts.queue in limited:
+                self.limits.started(task, now)
             worker.kind.place(worker, task, actions)
 
     def _other(self, task: Task, worker: Worker) -> Worker:
@@ -399,6 +409,8 @@ class Scheduler:
         self.counters.retries += 1
         wait = task.opts.retry_wait(tries, self._rng.uniform(0.8, 1.2)) if failed else 0.0
         if wait > 0:
+            if task.limited:
+                self.limits.ended(task, now)
             task.worker_id = 0
             self.schedule(task, now + wait)
             actions.append(progress(task))
@@ -432,6 +444,8 @@ class Scheduler:
         reason: str = "",
     ) -> None:
         del self.tasks[task.ref]
+        if task.limited:
+            self.limits.ended(task, now)
         if self.on_settled is not None:
             self.on_settled(task)
         task.payload = b""

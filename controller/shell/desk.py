@@ -1,7 +1,7 @@
 """The job desk: where every door's jobs meet the job book, the journal and the scheduler.
 
 Every door calls the same methods, whatever its wire: `submit` a new job, `delivered`
-(its submitter has the outcome: retention starts), `cancel`, `retry`, `delete`, `pause`;
+(its submitter has the outcome: retention starts), `cancel`, `retry`, `delete`, `pause`, `limit`;
 and `answer_after_commit` holds a door's answers until the journal has what they announce
 (`WriteAhead`), so a door makes its state changes first, then hands its answers here.
 Doors never touch the scheduler or the journal themselves. Going the other way, a job
@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
+from controller.core.limits import Rate
 from controller.job_ids import DoorName
 from controller.job_states import JobState
 from controller.jobs import (
@@ -388,7 +389,16 @@ class JobDesk:
         if paused:
             core.pause(queue)
             return
-        self.scheduling.execute(core.resume(queue))
+        self.scheduling.execute(core.resume(queue, trio.current_time()))
+
+    def limit(self, queue: str, concurrency: int | None, rate: Rate | None) -> None:
+        """Set `queue`'s concurrency and rate (None: none); journaled."""
+        core = self.scheduling.core
+        if (concurrency, rate) == core.limits(queue):
+            return
+        if self.journal is not None:
+            self.journal.queue_limited(queue, concurrency, None if rate is None else str(rate))
+        self.scheduling.execute(core.limit(queue, concurrency, rate, trio.current_time()))
 
     def delete(self, job: Job, now: float) -> None:
         """Soft delete (canceling it first if it is live); deleting twice changes nothing."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from controller.core.limits import parse_rate
 from controller.job_ids import DoorName
 from controller.job_states import JobState
 from controller.jobs import (
@@ -44,6 +45,11 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
     defaults = core.defaults
     for queue in recovered.paused:
         core.pause(queue)
+    for queue, (concurrency, rate) in recovered.limits.items():
+        try:
+            core.limit(queue, concurrency, parse_rate(rate) if rate else None, now)
+        except ValueError:
+            log.warning("journal: queue %r: a bad rate %r is left out", queue[:80], str(rate)[:80])
     for row in recovered.jobs:
         counts[row.state] = counts.get(row.state, 0) + 1
         options = from_json(row.options, defaults) if row.options else defaults

@@ -19,6 +19,7 @@ from typing import Any
 
 from controller import datagram as dg
 from controller import declared, options
+from controller.core.limits import parse_rate
 from controller.core.model import TaskState
 from controller.datagram import BadPacket
 from controller.job_ids import (
@@ -52,7 +53,9 @@ MAX_LOG = 1_000_000
 NEW_JOB_FIELDS = frozenset(
     {"name", "info_url", "download_url", "payload", "payload_b64", "id", *options.OPTION_NAMES}
 )
-QUEUE_FIELDS = frozenset({"paused"})
+QUEUE_FIELDS = frozenset({"paused", "concurrency", "rate"})
+# The largest queue concurrency taken (a whole number, as a rate's N).
+MAX_CONCURRENCY = 1_000_000_000
 UPDATE_FIELDS = frozenset(
     {"state", "log", "worker", "lease", "result", "result_b64", "error", "usage"}
 )
@@ -291,13 +294,38 @@ def parse_queue(value: str | None) -> str | None:
     return value
 
 
-def parse_pause(body: bytes) -> bool:
-    """The body of `PUT /queue/{name}/`: `{"paused": true|false}`."""
-    data = _object(body, QUEUE_FIELDS)
-    paused = data.get("paused")
-    if not isinstance(paused, bool):
-        raise ApiError(400, "give paused: true or false")
-    return paused
+def parse_queue_settings(body: bytes) -> dict[str, Any]:
+    """The body of `PUT /queue/{name}/`: any of `paused` (true|false), `concurrency` (a
+    whole number >= 1, null: none) and `rate` ("N/s" or "N/m", null: none), at least one;
+    returns those given, `rate` as a `Rate`."""
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON") from None
+    if not isinstance(data, dict) or not data:
+        raise ApiError(400, "give paused, concurrency or rate in a JSON object")
+    unknown = sorted(set(data) - QUEUE_FIELDS)
+    if unknown:
+        known = ", ".join(sorted(QUEUE_FIELDS))
+        raise ApiError(400, f"unknown field {unknown[0][:80]!r} (known: {known})")
+    out: dict[str, Any] = {}
+    if "paused" in data:
+        if not isinstance(data["paused"], bool):
+            raise ApiError(400, "give paused: true or false")
+        out["paused"] = data["paused"]
+    if "concurrency" in data:
+        n = data["concurrency"]
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CONCURRENCY
+        ):
+            raise ApiError(400, f"concurrency must be a whole number 1..{MAX_CONCURRENCY} or null")
+        out["concurrency"] = n
+    if "rate" in data:
+        try:
+            out["rate"] = None if data["rate"] is None else parse_rate(data["rate"])
+        except ValueError as exc:
+            raise ApiError(400, f"rate: {exc} (or null)") from None
+    return out
 
 
 def parse_state(value: str | None) -> JobState | None:

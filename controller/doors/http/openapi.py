@@ -153,6 +153,9 @@ _OPTIONS_OUT: dict[str, Any] = {
     "unique_key": {"type": "string", "nullable": True},
 }
 _QUEUE_NAME = {"name": "name", "in": "path", "required": True, "schema": _NAME}
+# A queue's limits (null: none).
+_CONCURRENCY = {"type": "integer", "minimum": 1, "maximum": 1_000_000_000, "nullable": True}
+_RATE = {"type": "string", "pattern": "^[1-9][0-9]{0,8}/[sm]$", "nullable": True}
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.0.3",
@@ -268,7 +271,7 @@ OPENAPI: dict[str, Any] = {
         },
         "/queue/": {
             "get": {
-                "summary": "every queue that has jobs, workers or a pause",
+                "summary": "every queue that has jobs, workers, a pause or a limit",
                 "responses": {
                     "200": _json(
                         {"type": "object", "additionalProperties": _QUEUE}, "queues by name"
@@ -280,7 +283,7 @@ OPENAPI: dict[str, Any] = {
         "/queue/{name}/": {
             "parameters": [_QUEUE_NAME],
             "put": {
-                "summary": "pause or resume handing out the queue's jobs (journaled)",
+                "summary": "pause or resume the queue, or set its limits (journaled)",
                 "requestBody": {
                     "required": True,
                     "content": {
@@ -288,8 +291,12 @@ OPENAPI: dict[str, Any] = {
                             "schema": {
                                 "type": "object",
                                 "additionalProperties": False,
-                                "required": ["paused"],
-                                "properties": {"paused": {"type": "boolean"}},
+                                "minProperties": 1,
+                                "properties": {
+                                    "paused": {"type": "boolean"},
+                                    "concurrency": _CONCURRENCY,
+                                    "rate": _RATE,
+                                },
                             }
                         }
                     },
@@ -390,13 +397,23 @@ OPENAPI: dict[str, Any] = {
             },
             "Queue": {
                 "type": "object",
-                "required": ["pending", "scheduled", "working", "workers", "paused"],
+                "required": [
+                    "pending",
+                    "scheduled",
+                    "working",
+                    "workers",
+                    "paused",
+                    "concurrency",
+                    "rate",
+                ],
                 "properties": {
                     "pending": {"type": "integer", "minimum": 0},
                     "scheduled": {"type": "integer", "minimum": 0},
                     "working": {"type": "integer", "minimum": 0},
                     "workers": {"type": "integer", "minimum": 0},
                     "paused": {"type": "boolean"},
+                    "concurrency": _CONCURRENCY,
+                    "rate": _RATE,
                 },
             },
             "Update": {

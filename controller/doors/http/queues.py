@@ -9,14 +9,22 @@ from controller.job_states import JobState
 from controller.jobs import live_state
 
 
-def idle_queue(paused: bool = False) -> dict[str, Any]:
-    return {"pending": 0, "scheduled": 0, "working": 0, "workers": 0, "paused": paused}
+def idle_queue() -> dict[str, Any]:
+    return {
+        "pending": 0,
+        "scheduled": 0,
+        "working": 0,
+        "workers": 0,
+        "paused": False,
+        "concurrency": None,
+        "rate": None,
+    }
 
 
 def queue_report(core: Core) -> dict[str, dict[str, Any]]:
-    """Each queue that has jobs, workers or a pause: its jobs pending, scheduled and working
-    (requested too), its live workers, and whether it is paused. (It looks at every live job:
-    an operator's question.)"""
+    """Each queue that has jobs, workers, a pause or a limit: its jobs pending, scheduled and
+    working (requested too), its live workers, whether it is paused, and its limits (null:
+    none). (It looks at every live job: an operator's question.)"""
     report: dict[str, dict[str, Any]] = {}
 
     def entry(name: str) -> dict[str, Any]:
@@ -34,4 +42,9 @@ def queue_report(core: Core) -> dict[str, dict[str, Any]]:
             entry(name)["workers"] += 1
     for name in core.paused:
         entry(name)["paused"] = True
+    for name in core.limited:
+        concurrency, rate = core.limits(name)
+        found = entry(name)
+        found["concurrency"] = concurrency
+        found["rate"] = None if rate is None else str(rate)
     return dict(sorted(report.items()))

@@ -434,15 +434,21 @@ class HttpDoor:
         return json_response(queue_report(self.core))
 
     async def queue(self, request: Request) -> Response:
-        """PUT /queue/{name}/ {"paused": true|false}."""
+        """PUT /queue/{name}/ {"paused": true|false, "concurrency": n|null, "rate": "N/s"|null}
+        (any of them)."""
         self.counters["requests"] += 1
         try:
             name = codec.parse_queue(request.path_params["name"])
             assert name is not None
-            paused = codec.parse_pause(await self._body(request))
-            self.desk.pause(name, paused)
+            settings = codec.parse_queue_settings(await self._body(request))
+            if "paused" in settings:
+                self.desk.pause(name, settings["paused"])
+            if "concurrency" in settings or "rate" in settings:
+                concurrency, rate = self.core.limits(name)
+                concurrency = settings.get("concurrency", concurrency)
+                self.desk.limit(name, concurrency, settings.get("rate", rate))
             await self.desk.write_ahead.committed()  # 200 only once that is on disk
-            return json_response({name: queue_report(self.core).get(name, idle_queue(paused))})
+            return json_response({name: queue_report(self.core).get(name, idle_queue())})
         except ApiError as exc:
             return self._refuse(exc)
 

@@ -138,7 +138,8 @@ def workers_table(workers: Sequence[dict[str, Any]], more: int) -> str:
 
 
 def queue_rows(queues: dict[str, dict[str, Any]], csrf: str | None) -> list[str]:
-    """Rows of the queues table; with `csrf`, each with its pause or resume button."""
+    """Rows of the queues table (its limits "-" when none); with `csrf`, each with its pause
+    or resume button."""
     rows = []
     for name, q in queues.items():
         paused = "<b class=failed>paused</b>" if q["paused"] else "running"
@@ -148,20 +149,25 @@ def queue_rows(queues: dict[str, dict[str, Any]], csrf: str | None) -> list[str]
             label = "Resume" if q["paused"] else "Pause"
             field = ("paused", "0" if q["paused"] else "1")
             button = f"<td>{button_form(action, label, csrf, [field])}</td>"
+        concurrency, rate = q.get("concurrency"), q.get("rate")
+        limits = f"<td class=num>{e(str(concurrency or '-'))}</td><td>{e(str(rate or '-'))}</td>"
         filtered = "/ui/jobs?queue=" + quote(name, safe="")
         rows.append(
             f'<tr><td><a href="{e(filtered)}">{e(name)}</a></td>'
             f"<td class=num>{q['pending']}</td><td class=num>{q['scheduled']}</td>"
             f"<td class=num>{q['working']}</td><td class=num>{q['workers']}</td>"
-            f"<td>{paused}</td>{button}</tr>"
+            f"<td>{paused}</td>{limits}{button}</tr>"
         )
     return rows
 
 
 def queues_page(queues: dict[str, dict[str, Any]], csrf: str, logout: bool) -> str:
-    headers = ["queue", "pending", "scheduled", "working", "workers", "state", "action"]
+    headers = ["queue", "pending", "scheduled", "working", "workers", "state"]
+    headers += ["concurrency", "rate", "action"]
     body = f"""<h1>Queues</h1>
-<p>A paused queue keeps taking jobs; none of them is handed out until it is resumed.</p>
+<p>A paused queue keeps taking jobs; none of them is handed out until it is resumed. A queue's
+concurrency caps its jobs running at once, its rate the jobs started per second or minute
+(set with <code>PUT /queue/{{name}}/</code>).</p>
 <section id=queues data-live>{table(headers, queue_rows(queues, csrf), "no queue yet")}</section>
 <h2>Any queue</h2>
 <form method=post action="/ui/queues" class=filter>{hidden("csrf", csrf)}
@@ -253,6 +259,7 @@ def overview_page(
     counter_text = "".join(f"<span>{e(name)} {value}</span>" for name, value in counters)
     latest_headers = ["id", "door", "name", "queue", "state", "age", "attempts", "error"]
     queue_headers = ["queue", "pending", "scheduled", "working", "workers", "state"]
+    queue_headers += ["concurrency", "rate"]
     body = f"""<h1>Job controller</h1>
 <section id=summary data-live>
 <p class="summary"><span>workers: <b>{summary["workers"]}</b> ({summary["idle"]} idle)</span>
