@@ -125,6 +125,9 @@ class JobDesk:
         # door wakes those who follow it. Connected by the assembly, with the doors.
         self.on_finished: Callable[[Job], None] | None = None
         self.on_output: Callable[[Job], None] | None = None
+        # Told of every change of a job's state (made, started, back to pending or scheduled,
+        # ended, deleted, retried): the HTTP door's event stream.
+        self.on_change: Callable[[Job], None] | None = None
         self.scheduling = scheduling
         self.journal = journal
         self.write_ahead = write_ahead if write_ahead is not None else WriteAhead(journal)
@@ -141,12 +144,14 @@ class JobDesk:
         doors: Mapping[DoorName, Door],
         on_finished: Callable[[Job], None] | None = None,
         on_output: Callable[[Job], None] | None = None,
+        on_change: Callable[[Job], None] | None = None,
     ) -> None:
         """The doors that tell their submitters how jobs ended (a job of a door not here is
-        kept for retention untold), and who is told of every job's end and output."""
+        kept for retention untold), and who is told of every job's end, output and change."""
         self.doors = dict(doors)
         self.on_finished = on_finished
         self.on_output = on_output
+        self.on_change = on_change
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forget jobs past their retention, until cancelled."""
@@ -259,6 +264,8 @@ class JobDesk:
         self.live_bytes += len(payload)
         if self.journal is not None:
             self.journal.job_added(job)
+        if self.on_change is not None:
+            self.on_change(job)
         if journal_first:
             self.write_ahead.after_commit(self.scheduling.execute, actions)
         else:
@@ -333,6 +340,8 @@ class JobDesk:
         self.came(job)
         if self.journal is not None:
             self.journal.job_retried(job.ref, job.attempts)
+        if self.on_change is not None:
+            self.on_change(job)
         door = self.doors.get(job.door)
         if door is not None:
             door.forget(job)  # its old outcome is no longer news
@@ -362,6 +371,8 @@ class JobDesk:
         job.drop_output()
         if self.journal is not None:
             self.journal.job_deleted(job.ref)
+        if self.on_change is not None:
+            self.on_change(job)
         if self.on_finished is not None:
             self.on_finished(job)
 
@@ -386,6 +397,8 @@ class JobDesk:
                 if self.journal is not None:
                     text = history_to_json(job.history or [], self.book.wall_offset)
                     self.journal.job_history(job.ref, text)
+            if self.on_change is not None:
+                self.on_change(job)
         if self.journal is None:
             return
         if action.state is TaskState.SCHEDULED:
@@ -417,6 +430,8 @@ class JobDesk:
             if job.ref in self.leased_refs:
                 self.leased_refs.discard(job.ref)
                 self.journal.job_unleased(job.ref)
+        if self.on_change is not None:
+            self.on_change(job)
         if self.on_finished is not None:
             self.on_finished(job)
         self.tell(job, now)
