@@ -317,3 +317,52 @@ def test_jobctl_watch_prints_a_jobs_states_and_exits_0_on_ctrl_c(tmp_path: Path)
     date, clock, job_id, _, queue, progress = mine[-1]
     assert (job_id, queue, progress) == ("watched", "default", "-")
     assert len(date) == 10 and len(clock) == 8
+
+
+async def test_jobctl_watch_resumes_after_the_last_event_when_its_connection_drops(sockdir):
+    """The controller drops the watch's connection and makes a job at once (before it can
+    connect again): the watch says so on stderr, connects again with its last event's id,
+    and prints that job's events too; a bad queue name is a usage error."""
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        hub = ctl.web.events
+        cmd = [sys.executable, "-m", "controller.client.jobctl", "--url", ctl.url, "watch"]
+        proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        printed = bytearray()
+
+        async def read() -> None:
+            assert proc.stdout is not None
+            while chunk := await proc.stdout.receive_some():
+                printed.extend(chunk)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                await _listening(ctl, 1)
+                await http.post("/job/", json={"id": "before-drop"})
+                await wait_until(lambda: b"before-drop" in printed)
+                for sub in list(hub.subscribers):
+                    hub.drop(sub)
+                await http.post("/job/", json={"id": "in-the-gap"})
+                assert not hub.subscribers  # made before the watch came back (it waits 0.5 s)
+                await wait_until(lambda: b"in-the-gap" in printed, timeout=20)
+                assert proc.poll() is None
+                proc.send_signal(signal.SIGINT)
+                assert await proc.wait() == 0
+            assert proc.stderr is not None
+            errors = await proc.stderr.receive_some()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            await proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    await pipe.aclose()
+        assert b"connecting again" in errors and b"missed" not in errors
+        assert [line.split()[3] for line in printed.decode().splitlines()] == [
+            "pending",
+            "pending",
+        ]
+        bad = await trio.run_process(
+            [*cmd, "--queue", "Bad Name"], capture_stdout=True, capture_stderr=True, check=False
+        )
+        assert bad.returncode == 2 and b"400" in bad.stderr

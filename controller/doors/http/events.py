@@ -26,6 +26,7 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -33,6 +34,7 @@ import trio
 from controller.doors.http.asgi import Receive, Scope, Send, StreamingResponse
 from controller.doors.http.codec import ApiError
 from controller.jobs import Job
+from controller.options import NAME_RULE
 
 RING_SIZE = 10_000  # the events a Last-Event-ID may resume from
 # The events one listener may have unsent before it is dropped: the whole ring (a resume
@@ -46,6 +48,8 @@ STOP_GRACE = 1.0  # how long the last chunk may take when the controller stops
 MEDIA_TYPE = "text/event-stream"
 # What a reconnecting EventSource waits (milliseconds), sent once at the start.
 RETRY_MS = 1000
+
+_QUEUE_SCHEMA = {"type": "string", "pattern": "^" + NAME_RULE + "$"}
 
 # (sequence number, job id, state word, queue, progress)
 Change = tuple[int, str, str, str, float | None]
@@ -265,3 +269,40 @@ def listen(hub: EventHub, queue: str | None, last_id: int | None) -> EventStream
     """The answer for one new listener."""
     sub, reset = hub.subscribe(queue, last_id)
     return EventStream(hub, sub, reset)
+
+
+def openapi_path(errors: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """`/events/` in /openapi.json (`errors`: openapi.py's error answers)."""
+    last_id = {"type": "string", "pattern": "^[0-9]{1,20}$"}
+    return {
+        "get": {
+            "summary": "job changes as Server-Sent Events, as they happen (a stream that "
+            "lasts until the client or the controller leaves)",
+            "parameters": [
+                {"name": "queue", "in": "query", "required": False, "schema": _QUEUE_SCHEMA},
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "description": "resume after this event (from the last 10,000)",
+                    "schema": last_id,
+                },
+                {
+                    "name": "last_event_id",
+                    "in": "query",
+                    "required": False,
+                    "description": "the same, for a client that cannot send the header",
+                    "schema": last_id,
+                },
+            ],
+            "responses": {
+                "200": {
+                    "description": "events `id: N` and `data: {id, state, queue, progress}`; "
+                    "`event: reset` first when the ring no longer holds Last-Event-ID; a "
+                    "comment every 15 s",
+                    "content": {MEDIA_TYPE: {"schema": {"type": "string"}}},
+                },
+                **errors(400, 401, 403),
+            },
+        }
+    }

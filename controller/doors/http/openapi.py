@@ -8,7 +8,7 @@ from typing import Any
 
 from controller import options
 from controller.declared import MAX_NAME_CHARS, MAX_NAMES
-from controller.doors.http import codec
+from controller.doors.http import codec, events
 from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
 from controller.job_states import JobState
 from controller.options import NAME_RULE
@@ -265,6 +265,7 @@ OPENAPI: dict[str, Any] = {
                 },
             },
         },
+        "/events/": events.openapi_path(_errors),
         "/queue/": {
             "get": {
                 "summary": "every queue that has jobs, workers or a pause",
