@@ -261,6 +261,25 @@ async def test_the_access_rules_hold(sockdir, tmp_path):
         assert (await http.get("/events/")).status_code == 403
 
 
+async def test_a_listener_counts_toward_max_connections(sockdir):
+    listener = Listener()
+    async with (
+        http_controller(sockdir, workers=0, max_connections=1) as ctl,
+        client(ctl.url) as http,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(listener.run, http)
+        await _listening(ctl, 1)
+        async with client(ctl.url) as other:
+            try:
+                await other.get("/health/")
+                raise AssertionError("a second connection was served")
+            except httpx.TransportError:  # accepted and closed at once, unanswered
+                pass
+        assert ctl.web.connections.refused == 1
+        nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------- jobctl watch, live
 
 
