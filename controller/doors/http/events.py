@@ -174,6 +174,8 @@ class EventStream(StreamingResponse):
         self.sub = sub
         self.reset = reset
         self.started = False
+        self.sent = trio.Event()  # set when no send is under way
+        self.sent.set()
         self.guard = trio.CancelScope()  # its deadline: when the connection is closed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -226,16 +228,28 @@ class EventStream(StreamingResponse):
         """Send, with the connection closed if it takes over SEND_TIMEOUT (hypercorn's
         send cannot be cancelled: a client that reads nothing would hold it for ever)."""
         self.guard.deadline = trio.current_time() + SEND_TIMEOUT
+        self.sent = trio.Event()
         await send(message)
         self.guard.deadline = math.inf
+        self.sent.set()
 
     async def _watch(self, stream: Any) -> None:
         """Close the connection when the guard's deadline passes, or soon after the
-        listener is dropped."""
-        with self.guard:
-            await self.sub.gone.wait()
-            self.guard.deadline = min(self.guard.deadline, trio.current_time() + DROP_GRACE)
-            await trio.sleep_forever()
+        listener is dropped; cancelled (the controller stops, the client left) in the
+        middle of a send, give it STOP_GRACE to end, then close."""
+        try:
+            with self.guard:
+                await self.sub.gone.wait()
+                self.guard.deadline = min(self.guard.deadline, trio.current_time() + DROP_GRACE)
+                await trio.sleep_forever()
+        except BaseException as exc:
+            if _cancelled(exc) and not self.sent.is_set() and stream is not None:
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(STOP_GRACE):
+                        await self.sent.wait()
+                    if not self.sent.is_set():
+                        await _close(stream)
+            raise
         if stream is not None:
             await _close(stream)
 
