@@ -16,7 +16,8 @@ restart) gets an `event: reset` first, then the events from now on.
 `EventStream` is the ASGI answer: `text/event-stream`, a comment every `KEEPALIVE` seconds
 while nothing happens, a send that does not finish within `SEND_TIMEOUT` (the client reads
 nothing) or a client dropped for falling behind closes the connection, and the stream ends
-cleanly (its last chunk) when the controller stops.
+cleanly (its last chunk) when the controller stops (a send under way then gets STOP_GRACE to
+end, and its connection is closed after that).
 """
 
 from __future__ import annotations
@@ -191,9 +192,7 @@ class EventStream(StreamingResponse):
                 if self.reset:
                     first += reset_event(self.hub.oldest())
                 await self._body(send, first)
-                await self._pump(send)
-                if not self.sub.dropped:
-                    await self._send(send, {"type": "http.response.body", "body": b""})
+                await self._pump(send)  # until dropped: the close, with no last chunk
                 nursery.cancel_scope.cancel()
         except BaseException as exc:  # the controller stops: the last chunk, then the close
             if _cancelled(exc) and self.started and not self.sub.dropped:
