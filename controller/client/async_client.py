@@ -130,6 +130,8 @@ class AsyncClient:
         placement_timeout: float | None = None,
         owner: str | None = None,
         unique_key: str | None = None,
+        after: Sequence[str] | None = None,
+        after_any: bool | None = None,
     ) -> AsyncJob:
         """As `Client.submit`."""
         options = option_fields(
@@ -144,6 +146,8 @@ class AsyncClient:
             placement_timeout=placement_timeout,
             owner=owner,
             unique_key=unique_key,
+            after=after,
+            after_any=after_any,
         )
         data = payload_bytes(payload)
         if self._sync is not None:

@@ -24,6 +24,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.worker_context import WorkerContext
 
 from controller.config import Config
+from controller.dependencies import after_refusal
 from controller.doors.http import codec, keepalive
 from controller.doors.http.access import Gate, read_tokens
 from controller.doors.http.asgi import (
@@ -270,6 +271,7 @@ class HttpDoor:
         answered as a single POST would (an existing id: that job), in one journal commit."""
         body = await self._body(request, self.max_bulk_body)
         news, many = codec.parse_new_jobs(body, self.max_payload, self.options)
+        self._check_after(news, many)
         self._admit(news)
         now = trio.current_time()
         answers: list[Job] = []
@@ -299,6 +301,22 @@ class HttpDoor:
             if existing is not None:
                 return existing
         return self.desk.holder(new.options.unique_key)
+
+    def _check_after(self, news: list[codec.NewJob], many: bool) -> None:
+        """ApiError 400 when a job's `after` names a job that is neither held here nor earlier
+        in the array (itself or a later one: a cycle), for the first such job."""
+        positions: dict[str, int] = {}
+        for index, new in enumerate(news):
+            if new.id is not None:
+                positions.setdefault(new.id, index)
+        for index, new in enumerate(news):
+            after = new.options.after
+            if not after or self._existing(new) is not None:
+                continue
+            why = after_refusal(after, new.id or "", self.book, index, positions)
+            if why:
+                named = f" (id {new.id[:200]!r})" if new.id is not None else ""
+                raise ApiError(400, f"job {index}{named}: {why}" if many else why)
 
     def _admit(self, news: list[codec.NewJob]) -> None:
         """ApiError 503 unless the jobs these submissions would make (those that name no
