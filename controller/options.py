@@ -100,6 +100,9 @@ class JobOptions:
     # rule (controller/shell/waits.py).
     after: tuple[str, ...] = ()
     after_any: bool = False
+    # The batch whose `then` job this is (POST /batch/: it waits for the batch's jobs, its
+    # `after`, as after_any). "": none. Not an option a submission gives.
+    batch: str = ""
 
     def retry_wait(self, failures: int, jitter: float) -> float:
         """Seconds before the retry that follows the `failures`-th failure: `retry_delay`
@@ -354,6 +357,7 @@ def as_fields(options: JobOptions) -> dict[str, Any]:
         "unique_key": options.unique_key or None,
         "after": list(options.after),
         "after_any": options.after_any,
+        "batch": options.batch or None,
     }
 
 
@@ -375,6 +379,7 @@ def to_json(options: JobOptions) -> str:
             **({"unique_key": options.unique_key} if options.unique_key else {}),
             **({"after": list(options.after)} if options.after else {}),
             **({"after_any": True} if options.after_any else {}),
+            **({"batch": options.batch} if options.batch else {}),
         },
         separators=(",", ":"),
     )
@@ -400,6 +405,7 @@ def from_json(text: str, defaults: JobOptions) -> JobOptions:
         unique_key=str(data.get("unique_key", "")),
         after=tuple(str(job_id) for job_id in data.get("after", ())),
         after_any=bool(data.get("after_any", False)),
+        batch=str(data.get("batch", "")),
     )
 
 

@@ -71,6 +71,8 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
             options=options,
         )
         job.ran_on = row.ran_on
+        if options.batch:  # the `then` job of a batch (POST /batch/)
+            desk.waits.batches[options.batch] = row.id
         job.history = history_from_json(row.history, desk.book.wall_offset)
         for line in row.log:
             job.add_log(line, desk.max_log_size)

@@ -28,6 +28,9 @@ class Waits:
         # Jobs that ended whose dependents are still to be looked at (`let_go`).
         self.to_look_at: deque[Job] = deque()
         self.looking = False
+        # Batches (POST /batch/): a batch's id -> its `then` job's id; that job's `after` holds
+        # the batch's jobs. Kept while the book holds the `then` job (rebuilt at start).
+        self.batches: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self.unmet)

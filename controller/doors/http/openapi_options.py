@@ -87,4 +87,5 @@ OPTIONS_OUT: dict[str, Any] = {
     "unique_key": {"type": "string", "nullable": True},
     "after": {"type": "array", "items": _TEXT},
     "after_any": {"type": "boolean"},
+    "batch": {"type": "string", "nullable": True},
 }

@@ -24,8 +24,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.worker_context import WorkerContext
 
 from controller.config import Config
-from controller.dependencies import after_refusal
-from controller.doors.http import codec, keepalive
+from controller.doors.http import codec, flows, keepalive
 from controller.doors.http.access import Gate, read_tokens
 from controller.doors.http.asgi import (
     Endpoint,
@@ -86,6 +85,7 @@ class HttpDoor:
         self.core = shell.core
         self.book = desk.book
         self.pollers = PollerDoor(desk, shell, self._refuse)  # /ping/ and the leases
+        self.flows = flows.BatchDoor(self)  # /batch/
         self.max_payload = config.max_extra_size
         self.max_body = codec.max_body(config.max_extra_size)
         self.max_bulk_body = codec.max_bulk_body(config.max_extra_size)  # a POST /job/ array's
@@ -107,11 +107,13 @@ class HttpDoor:
             ("/ping/", self.pollers.ping, ["GET"]),
             ("/openapi.json", self.openapi, ["GET"]),
             ("/queue/", self.queues, ["GET"]),
+            ("/batch/", self.flows.batches, ["POST"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
         patterns: list[tuple[str, Endpoint, list[str]]] = [
             ("/job/{job_id}/retry/", self.retry, ["POST"]),
             ("/job/{job_id}/output/", self.output, ["GET"]),
             ("/queue/{name}/", self.queue, ["PUT"]),
+            ("/batch/{batch_id}/", self.flows.batch, ["GET"]),
         ]
         self.console = Console(self)  # `/` and /ui/...
         routes += self.console.routes()
@@ -271,7 +273,7 @@ class HttpDoor:
         answered as a single POST would (an existing id: that job), in one journal commit."""
         body = await self._body(request, self.max_bulk_body)
         news, many = codec.parse_new_jobs(body, self.max_payload, self.options)
-        self._check_after(news, many)
+        flows.check_after(self.book, news, many, self._existing)
         self._admit(news)
         now = trio.current_time()
         answers: list[Job] = []
@@ -301,22 +303,6 @@ class HttpDoor:
             if existing is not None:
                 return existing
         return self.desk.holder(new.options.unique_key)
-
-    def _check_after(self, news: list[codec.NewJob], many: bool) -> None:
-        """ApiError 400 when a job's `after` names a job that is neither held here nor earlier
-        in the array (itself or a later one: a cycle), for the first such job."""
-        positions: dict[str, int] = {}
-        for index, new in enumerate(news):
-            if new.id is not None:
-                positions.setdefault(new.id, index)
-        for index, new in enumerate(news):
-            after = new.options.after
-            if not after or self._existing(new) is not None:
-                continue
-            why = after_refusal(after, new.id or "", self.book, index, positions)
-            if why:
-                named = f" (id {new.id[:200]!r})" if new.id is not None else ""
-                raise ApiError(400, f"job {index}{named}: {why}" if many else why)
 
     def _admit(self, news: list[codec.NewJob]) -> None:
         """ApiError 503 unless the jobs these submissions would make (those that name no
@@ -484,8 +470,11 @@ class HttpDoor:
         return job
 
     async def _body(self, request: Request, array_limit: int = 0) -> bytes:
+        return await self._body_of(request, self.max_body, array_limit)
+
+    async def _body_of(self, request: Request, limit: int, array_limit: int = 0) -> bytes:
         timeout = self.config.http_body_timeout
-        return await read_body(request, self.max_body, IDLE_TIMEOUT, timeout, array_limit)
+        return await read_body(request, limit, IDLE_TIMEOUT, timeout, array_limit)
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(
