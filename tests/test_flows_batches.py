@@ -16,6 +16,7 @@ import httpx
 import pytest
 import trio
 
+from controller.client import AsyncClient, Batch, Client, Job
 from tests.helpers import (
     controller_argv,
     free_tcp_port,
@@ -25,6 +26,7 @@ from tests.helpers import (
     write_config,
 )
 from tests.test_http import client, http_controller
+from tests.worker_handlers import start_workers
 
 
 async def test_then_runs_once_every_job_of_the_batch_ended_whatever_the_outcome(sockdir):
@@ -192,3 +194,61 @@ def test_a_sigkill_in_the_middle_of_a_batch_loses_no_job_and_runs_then_once(tmp_
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+async def test_an_exec_then_job_finds_batch_id_in_its_environment(sockdir):
+    async with (
+        http_controller(sockdir, workers=0) as ctl,
+        client(ctl.url) as http,
+        trio.open_nursery() as nursery,
+    ):
+        script = 'printf "%s/%s" "$TASK_ID" "${BATCH_ID-none}"'
+        await start_workers(nursery, sockdir, "--exec", "sh", "-c", script, count=1)
+        await wait_until(lambda: ctl.shell.core.idle_workers == 1)
+        body = {"jobs": [{"id": "part"}], "then": {"id": "join"}}
+        batch = (await http.post("/batch/", json=body)).json()
+        then = (await http.get("/job/join/", params={"wait": 10})).json()
+        assert then["state"] == "finished"
+        assert then["result"] == f"{then['task_id']}/{batch['id']}"
+        part = (await http.get("/job/part/")).json()
+        assert part["result"] == f"{part['task_id']}/none"  # not a then job: no BATCH_ID
+        nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------- the client
+
+
+async def test_client_submit_batch_returns_a_batch(sockdir):
+    async with http_controller(sockdir, workers=1) as ctl:
+
+        def run() -> tuple[Batch[Job], bytes]:
+            with Client(ctl.url) as http_client:
+                with pytest.raises(ValueError, match="after and after_any are the batch's"):
+                    http_client.submit_batch([b"x"], then={"payload": b"t", "after": ["x"]})
+                with pytest.raises(ValueError, match="priority must be"):
+                    http_client.submit_batch([{"payload": b"x", "priority": 500}], then=b"t")
+                batch = http_client.submit_batch(
+                    [b"one", {"payload": "two", "id": "two", "queue": "default"}],
+                    then={"payload": b"then", "name": "join"},
+                )
+                return batch, batch.then.result(timeout=20)
+
+        batch, result = await trio.to_thread.run_sync(run)
+        assert isinstance(batch, Batch) and batch.id
+        assert [job.id for job in batch.jobs][1] == "two" and len(batch.jobs) == 2
+        assert result == b"then"
+        assert len(ctl.desk.book) == 3
+
+        def over_udp() -> None:
+            with Client(f"udp://127.0.0.1:{ctl.udp_port}") as udp_client:
+                udp_client.submit_batch([b"x"], then=b"t")
+
+        with pytest.raises(ValueError, match="submit_batch needs http"):
+            await trio.to_thread.run_sync(over_udp)
+
+
+async def test_async_client_submit_batch(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, AsyncClient(ctl.url) as http_client:
+        batch = await http_client.submit_batch([b"a", b"b"], then=b"t")
+        assert len(batch.jobs) == 2 and batch.then.state == "waiting"
+        assert batch.then.id == ctl.desk.waits.batches[batch.id]

@@ -42,6 +42,8 @@ def test_every_answer_matches_the_document(live_api: schemathesis.BaseSchema) ->
         "GET /job/{job_id}/output/",
         "GET /queue/",
         "PUT /queue/{name}/",
+        "POST /batch/",
+        "GET /batch/{batch_id}/",
         "GET /",
     }
 

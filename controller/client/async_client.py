@@ -18,10 +18,14 @@ from controller.client.http import AsyncHttpPool
 from controller.client.job_calls import (
     FINAL,
     MAX_WAIT,
+    NO_BATCH,
     NO_SUCH_REQUEST,
+    Batch,
+    batch_body,
     bulk_bodies,
     bulk_element,
     checked,
+    checked_batch,
     checked_list,
     job_path,
     outcome,
@@ -173,6 +177,15 @@ class AsyncClient:
             resp = await self._http.request("POST", "/job/", json=body)
             out += [AsyncJob(self, data) for data in checked_list(resp)]
         return out
+
+    async def submit_batch(self, jobs: Iterable[Any], *, then: Any) -> Batch[AsyncJob]:
+        """As `Client.submit_batch`."""
+        body = batch_body(jobs, then, option_fields)
+        if self._http is None:
+            raise ValueError(NO_BATCH)
+        resp = await self._http.request("POST", "/batch/", json=body)
+        batch_id, made, last = checked_batch(resp)
+        return Batch(batch_id, [AsyncJob(self, data) for data in made], AsyncJob(self, last))
 
     async def get(self, id: str) -> AsyncJob:
         if self._sync is not None and self.scheme == "redis":

@@ -40,10 +40,14 @@ from controller.client.http import HttpPool
 from controller.client.job_calls import (
     FINAL,
     MAX_WAIT,
+    NO_BATCH,
     NO_SUCH_REQUEST,
+    Batch,
+    batch_body,
     bulk_bodies,
     bulk_element,
     checked,
+    checked_batch,
     checked_list,
     job_path,
     outcome,
@@ -220,6 +224,17 @@ class Client:
                 for data in checked_list(self._http.request("POST", "/job/", json=body))
             ]
         return out
+
+    def submit_batch(self, jobs: Iterable[Any], *, then: Any) -> Batch[Job]:
+        """Submit a batch (`POST /batch/`, http(s):// only): `jobs` as `submit_many` takes
+        them, all made or none, and `then` (a payload or a dict of `submit()`'s keyword
+        arguments, without `after`), which waits in state `waiting` and runs once they have
+        all ended, whatever their outcomes. The `Batch` has `.id`, `.jobs` and `.then`."""
+        body = batch_body(jobs, then, option_fields)
+        if self._http is None:
+            raise ValueError(NO_BATCH)
+        batch_id, made, last = checked_batch(self._http.request("POST", "/batch/", json=body))
+        return Batch(batch_id, [Job(self, data) for data in made], Job(self, last))
 
     def _submit_each(self, elements: list[tuple[bytes, str | None, str | None, Any]]) -> list[Job]:
         """udp:// one submission each (no id anywhere, checked first); redis:// one pipeline."""
