@@ -252,3 +252,28 @@ async def test_async_client_submit_batch(sockdir):
         batch = await http_client.submit_batch([b"a", b"b"], then=b"t")
         assert len(batch.jobs) == 2 and batch.then.state == "waiting"
         assert batch.then.id == ctl.desk.waits.batches[batch.id]
+
+
+# ---------------------------------------------------------------- the console
+
+
+async def test_the_console_shows_a_batch_its_counts_and_jobs(sockdir):
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        body = {"jobs": [{"id": "a"}, {"id": "b=1", "queue": "q1"}], "then": {"id": "t"}}
+        batch = (await http.post("/batch/", json=body)).json()
+        await http.put("/job/a/", json={"state": "canceled"})
+        page = await http.get(f"/ui/batches/{batch['id']}")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        text = page.text
+        assert f"<h1>Batch {batch['id']}</h1>" in text
+        assert "<tr><td class=canceled>canceled</td><td class=num>1</td></tr>" in text
+        assert "<tr><td class=pending>pending</td><td class=num>1</td></tr>" in text
+        assert '<a href="/ui/jobs/a">a</a>' in text
+        assert (
+            '<a href="/ui/jobs/b%3D1">b=1</a></td><td class=pending>pending</td><td>q1</td>' in text
+        )
+        assert '<a href="/ui/jobs/t">t</a>' in text and "<b class=waiting>waiting</b>" in text
+        job_page = await http.get("/ui/jobs/t")
+        assert f'<a href="/ui/batches/{batch["id"]}">' in job_page.text
+        missing = await http.get("/ui/batches/nobody")
+        assert missing.status_code == 404 and "no batch" in missing.text
