@@ -14,20 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controller.app import assemble
 from controller.client import AsyncClient, Client, ControllerError, JobFailed
-from controller.config import Config
+from controller.config import Config, RedisSettings
 from controller.core import TaskState
 from controller.job_ids import DoorName
 from controller.job_states import JobState
 from controller.jobs import Job
 from controller.options import DEFAULT, MAX_AFTER, BadOption, from_json, parse, to_json
 from controller.shell.desk import JobDesk
-from tests.helpers import wait_until
+from tests.helpers import REDIS_SERVER, redis_server, wait_until
 from tests.test_http import client, http_controller
 
 # ---------------------------------------------------------------- HTTP
@@ -381,3 +382,40 @@ async def test_async_client_submit_takes_after(sockdir):
         assert then.state == "waiting"
         with pytest.raises(ValueError, match="after must be a list"):
             await client.submit(b"y", after="x")
+
+
+# ---------------------------------------------------------------- Redis
+
+needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+
+
+@needs_redis
+async def test_redis_entries_take_after_as_text(sockdir, tmp_path):
+    with redis_server(tmp_path) as server:
+        r = redis.Redis.from_url(server.url)
+        try:
+            gate = tmp_path / "gate"
+            async with http_controller(
+                sockdir,
+                workers=1,
+                handler="tests.worker_handlers:wait_for_file",
+                redis=RedisSettings(url=server.url),
+            ) as ctl:
+                r.xadd("jobs", {"id": "first", "payload": str(gate)})
+                await wait_until(lambda: ctl.desk.book.get("first") is not None, 20)
+                r.xadd(
+                    "jobs",
+                    {"id": "then", "payload": str(gate), "after": "first", "after_any": "true"},
+                )
+                await wait_until(lambda: ctl.desk.book.get("then") is not None, 20)
+                then = ctl.desk.book.get("then")
+                assert then is not None and then.state is JobState.WAITING
+                assert then.options.after == ("first",) and then.options.after_any
+                r.xadd("jobs", {"id": "bad", "payload": "x", "after": "nobody"})
+                await wait_until(lambda: r.hget("job:bad", "state") == b"failed", 20)
+                assert b"does not hold" in (r.hget("job:bad", "error") or b"")
+                assert ctl.desk.book.get("bad") is None
+                gate.write_text("go")
+                await wait_until(lambda: r.hget("job:then", "state") == b"finished", 20)
+        finally:
+            r.close()
