@@ -101,6 +101,7 @@ BAD_BODIES = [
     (b'{"jobs": [{"after": ["nobody"]}], "then": {}}', 400),
     (b'{"jobs": [{"id": "x", "after": ["y"]}, {"id": "y"}], "then": {}}', 400),
     (b'{"jobs": [], "then": {"id": "exists"}}', 409),
+    (b'{"jobs": [{"id": "m"}], "then": {"id": "m"}}', 400),
     (json.dumps({"jobs": [{}] * 10_001, "then": {}}).encode(), 413),
     (b'{"jobs": [' * 5000 + b"]" * 5000 + b', "then": {}}', 400),
 ]

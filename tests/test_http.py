@@ -477,6 +477,8 @@ async def test_openapi_document_names_every_path(sockdir):
             "/job/{job_id}/output/",
             "/queue/",
             "/queue/{name}/",
+            "/batch/",
+            "/batch/{batch_id}/",
             "/ping/",
             "/openapi.json",
             "/",

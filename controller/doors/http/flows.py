@@ -86,6 +86,8 @@ class BatchDoor:
             news, then = parse_batch(body, door.max_payload, door)
             book, desk = door.book, door.desk
             check_after(book, news, True, door._existing)
+            if then.id is not None and any(new.id == then.id for new in news):
+                raise ApiError(400, f"then: its id {then.id[:200]!r} is a job's of the batch")
             if then.id is not None and book.get(then.id) is not None:
                 raise ApiError(409, f"then: a job {then.id[:200]!r} exists already")
             door._admit([*news, dataclasses.replace(then, options=door.options)])
