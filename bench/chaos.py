@@ -18,8 +18,10 @@ connections at main.sock, and hostile values at every door (task_ids over 63
 bits, nested objects where numbers or text belong, lone surrogates in text,
 times too far ahead, ids of another door's jobs: see `hostile_datagrams`,
 `HOSTILE_BODIES` and `hostile_entries`). Every process is supervised the way systemd's
-Restart=always would. At the end it waits for every acknowledged job to end
-and checks that each has exactly one final outcome at its door. Exit status 1
+Restart=always would. Through HTTP it also submits batches (three jobs and a `then` job)
+and jobs that wait for another (`after`, `after_any`). At the end it waits for every
+acknowledged job to end and checks that each has exactly one final outcome at its door, and
+that no `then` or waiting job was lost or started before a job it waits for. Exit status 1
 when an acknowledged job was lost.
 """
 
@@ -45,7 +47,7 @@ from typing import Any
 import redis
 import trio
 
-from controller.client import AsyncClient, JobFailed, Outcome, UdpSession
+from controller.client import AsyncClient, ControllerError, JobFailed, Outcome, UdpSession
 from controller.config import JOURNAL_SYNC_MODES
 from tests.helpers import (
     REDIS_SERVER,
@@ -201,6 +203,9 @@ class Tally:
     others_submitted: collections.Counter[str] = field(default_factory=collections.Counter)
     acked: dict[str, set[str]] = field(default_factory=lambda: {"http": set(), "redis": set()})
     final: dict[str, str] = field(default_factory=dict)
+    # Batches and dependent jobs (HTTP): each `then` or dependent job acknowledged, by id, and
+    # the ids of the jobs it waits for.
+    flows: dict[str, list[str]] = field(default_factory=dict)
     # Hostile inputs sent, and those answered with an internal error (a contained bug).
     hostile: int = 0
     hostile_internal: int = 0
@@ -586,6 +591,64 @@ async def run(
                 tally.others_submitted[door] += 1
                 jobs.start_soon(one, f"{door[0]}{n}")
 
+    async def flow_jobs(url: str, window: int) -> None:
+        """Batches of three jobs with a `then` job, and a job that waits for another (after,
+        after_any), through the HTTP door; each submitted until acknowledged (a batch whose
+        then job's id exists was made by an earlier try), then waited for until it ends."""
+        limit = trio.Semaphore(window)
+
+        async def ended(client: AsyncClient, job_id: str) -> None:
+            while trio.current_time() < deadline + 30:
+                try:
+                    await (await client.get(job_id)).result(timeout=5)
+                    tally.final[job_id] = "finished"
+                    return
+                except JobFailed as exc:
+                    tally.final[job_id] = exc.state
+                    return
+                except Exception:  # down, or not ended within 5 s: ask again
+                    await trio.sleep(0.2)
+
+        async def one(n: int) -> None:
+            members = [f"b{n}-{k}" for k in range(3)]
+            then, waiter = f"t{n}", f"w{n}"
+            jobs = [{"payload": m, "id": m} for m in members]
+            try:
+                async with AsyncClient(url, timeout=5) as client:
+                    while trio.current_time() < deadline + 30:
+                        try:
+                            await client.submit_batch(jobs, then={"payload": then, "id": then})
+                            break
+                        except ControllerError as exc:
+                            if exc.status == 409:  # an earlier try made it
+                                break
+                            await trio.sleep(0.2)
+                        except Exception:  # the door is down (SIGKILL, restart): again
+                            await trio.sleep(0.2)
+                    else:
+                        return
+                    tally.flows[then] = members
+                    while trio.current_time() < deadline + 30:
+                        try:
+                            await client.submit(
+                                waiter, id=waiter, after=[members[0]], after_any=True
+                            )
+                            tally.flows[waiter] = [members[0]]
+                            break
+                        except Exception:
+                            await trio.sleep(0.2)
+                    for job_id in [then, waiter] if waiter in tally.flows else [then]:
+                        await ended(client, job_id)
+            finally:
+                limit.release()
+
+        async with trio.open_nursery() as jobs:
+            n = 0
+            while trio.current_time() < submit_until:
+                await limit.acquire()
+                n += 1
+                jobs.start_soon(one, n)
+
     sock = stdsocket.socket(stdsocket.AF_INET, stdsocket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     await start("controller")
@@ -615,6 +678,7 @@ async def run(
             async with trio.open_nursery() as clients:
                 if "http" in doors:
                     clients.start_soon(door_jobs, "http", f"http://127.0.0.1:{http_port}", 4)
+                    clients.start_soon(flow_jobs, f"http://127.0.0.1:{http_port}", 2)
                 if server is not None:
                     clients.start_soon(door_jobs, "redis", server.url, 4)
                 window = trio.Semaphore(16)
@@ -695,6 +759,28 @@ def periodic_jobs(workdir: Path) -> tuple[int, int]:
     return len(seen), sum(1 for n in seen.values() if n > 1)
 
 
+def flow_check(tally: Tally, execlog: Path) -> tuple[int, int, int]:
+    """(then and waiting jobs acknowledged with no outcome or that never ran, those whose first
+    run came before the first run of a job they wait for, then jobs that ran more than once),
+    from the executions log: each job's payload is its id, one line a run."""
+    first: dict[str, int] = {}
+    runs: collections.Counter[str] = collections.Counter()
+    for index, line in enumerate(execlog.read_text().split()):
+        first.setdefault(line, index)
+        runs[line] += 1
+    lost = early = twice = 0
+    for job_id, waits_for in tally.flows.items():
+        state = tally.final.get(job_id)
+        if state is None or (state == "finished" and job_id not in first):
+            lost += 1
+            continue
+        if job_id in first and any(first[job_id] < first.get(m, -1) for m in waits_for):
+            early += 1
+        if job_id.startswith("t") and runs[job_id] > 1:
+            twice += 1
+    return lost, early, twice
+
+
 def report(
     tally: Tally,
     execlog: Path,
@@ -760,6 +846,13 @@ def report(
         "running a job, or a result handed over just before a controller SIGKILL: "
         "at-least-once)"
     )
+    flows_lost, early, then_twice = flow_check(tally, execlog)
+    other_lost += flows_lost
+    print(
+        f"  batches and dependent jobs (HTTP): {len(tally.flows)} then or waiting jobs "
+        f"acknowledged, no outcome: {flows_lost}, started before a job they wait for: {early}, "
+        f"then jobs run more than once: {then_twice} (at-least-once, as any job)"
+    )
     tracebacks = sum(
         log.read_text(errors="replace").count("Traceback")
         for log in (workdir / "controller.log", workdir / "controller_b.log")
@@ -781,6 +874,7 @@ def report(
         not lost
         and unfinished_in_time == 0
         and other_lost == 0
+        and early == 0
         and by_status["success"] > 0
         and twice == 0
     )

@@ -37,7 +37,8 @@ from controller.journal import Journal
 from controller.journal_file import Recovered
 from controller.shell.committer import Committer
 from controller.shell.core_shell import CoreShell
-from controller.shell.desk import Door, JobDesk
+from controller.shell.desk import JobDesk
+from controller.shell.desk_ports import Door
 from controller.shell.durability import WriteAhead, commit_load
 from controller.shell.metrics import Metrics
 from controller.shell.recovery import recover

@@ -14,6 +14,7 @@ class JobState(enum.Enum):
 
     __hash__ = object.__hash__
 
+    WAITING = "waiting"  # for the jobs its option `after` names (DESIGN.md section 17)
     SCHEDULED = "scheduled"
     PENDING = "pending"
     REQUESTED = "requested"
@@ -28,4 +29,6 @@ class JobState(enum.Enum):
         return self not in _LIVE
 
 
-_LIVE = frozenset({JobState.SCHEDULED, JobState.PENDING, JobState.REQUESTED, JobState.WORKING})
+_LIVE = frozenset(
+    {JobState.WAITING, JobState.SCHEDULED, JobState.PENDING, JobState.REQUESTED, JobState.WORKING}
+)

@@ -254,7 +254,10 @@ class Job:
         if self.final is not None:
             return self.final
         task = self.task
-        return _FROM_TASK[task.state] if task is not None else JobState.PENDING
+        if task is not None:
+            return _FROM_TASK[task.state]
+        # No task yet: it waits for the jobs its option `after` names (the desk holds it).
+        return JobState.WAITING if self.options.after else JobState.PENDING
 
     @property
     def worker(self) -> int:

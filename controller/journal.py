@@ -155,6 +155,8 @@ class Journal:
         state, due = (
             ("pending", wall) if run_at is None or run_at <= wall else ("scheduled", run_at)
         )
+        if job.task is None and options.after:  # it waits for others (the desk's waits.py)
+            state = "waiting"
         kept = to_json(options)
         self._inserted[job.ref] = len(self._staged)
         self._stage(

@@ -46,6 +46,11 @@ UNIQUE_KEY_RULE = (
     "A-Z a-z 0-9 and . _ : ~ @ + = - / #"
 )
 
+# Dependencies (DESIGN.md section 17): a job waits for at most this many others, each named
+# by an id of at most MAX_AFTER_ID characters.
+MAX_AFTER = 100
+MAX_AFTER_ID = 200
+
 # Every option, in the order the documents list them.
 OPTIONS = (
     "queue",
@@ -60,6 +65,8 @@ OPTIONS = (
     "owner",
     "limits",
     "unique_key",
+    "after",
+    "after_any",
 )
 OPTION_NAMES = frozenset(OPTIONS)
 
@@ -88,6 +95,14 @@ class JobOptions:
     # While a job with this key has not ended, a submission with it makes nothing and answers
     # that job (DESIGN.md section 17; the job desk keeps the rule). "": none.
     unique_key: str = ""
+    # The jobs it waits for (state `waiting`) before it is queued, and whether it runs whatever
+    # their outcomes (False: one that failed or was canceled cancels it). The job desk keeps the
+    # rule (controller/shell/waits.py).
+    after: tuple[str, ...] = ()
+    after_any: bool = False
+    # The batch whose `then` job this is (POST /batch/: it waits for the batch's jobs, its
+    # `after`, as after_any). "": none. Not an option a submission gives.
+    batch: str = ""
 
     def retry_wait(self, failures: int, jitter: float) -> float:
         """Seconds before the retry that follows the `failures`-th failure: `retry_delay`
@@ -233,7 +248,36 @@ def parse(
         changes["limits"] = _limits(fields["limits"], defaults.limits, text)
     if "unique_key" in fields:
         changes["unique_key"] = unique_key(fields["unique_key"])
+    if "after" in fields:
+        changes["after"] = _after(fields["after"], text)
+    if "after_any" in fields:
+        changes["after_any"] = _flag("after_any", fields["after_any"], text)
     return replace(defaults, **changes)
+
+
+def _after(value: Any, text: bool) -> tuple[str, ...]:
+    """The job ids of `after`: a list (as text: comma separated) of at most MAX_AFTER, each
+    named once. Whether they name jobs the controller holds is the job desk's to check."""
+    if text and isinstance(value, str):
+        value = [part.strip() for part in value.split(",")] if value.strip() else []
+    if not isinstance(value, list):
+        raise BadOption(f"after must be a list of job ids, got {type(value).__name__}")
+    if len(value) > MAX_AFTER:
+        raise BadOption(f"after names at most {MAX_AFTER} jobs, got {len(value)}")
+    for job_id in value:
+        if not isinstance(job_id, str) or not 0 < len(job_id) <= MAX_AFTER_ID:
+            raise BadOption(
+                f"after: a job id is text of 1 to {MAX_AFTER_ID} characters, got {_shown(job_id)}"
+            )
+    return tuple(dict.fromkeys(value))
+
+
+def _flag(name: str, value: Any, text: bool) -> bool:
+    if text and isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
+        return value.strip().lower() in ("true", "1")
+    if not isinstance(value, bool):
+        raise BadOption(f"{name} must be true or false, got {_shown(value)}")
+    return value
 
 
 def unique_key(value: Any) -> str:
@@ -311,6 +355,9 @@ def as_fields(options: JobOptions) -> dict[str, Any]:
         "owner": options.owner,
         "limits": options.limits.to_json(),
         "unique_key": options.unique_key or None,
+        "after": list(options.after),
+        "after_any": options.after_any,
+        "batch": options.batch or None,
     }
 
 
@@ -330,6 +377,9 @@ def to_json(options: JobOptions) -> str:
             "owner": options.owner,
             **({"limits": options.limits.to_json()} if not options.limits.is_empty() else {}),
             **({"unique_key": options.unique_key} if options.unique_key else {}),
+            **({"after": list(options.after)} if options.after else {}),
+            **({"after_any": True} if options.after_any else {}),
+            **({"batch": options.batch} if options.batch else {}),
         },
         separators=(",", ":"),
     )
@@ -353,6 +403,9 @@ def from_json(text: str, defaults: JobOptions) -> JobOptions:
         owner=str(data.get("owner", defaults.owner)),
         limits=_kept_limits(data.get("limits"), defaults.limits),
         unique_key=str(data.get("unique_key", "")),
+        after=tuple(str(job_id) for job_id in data.get("after", ())),
+        after_any=bool(data.get("after_any", False)),
+        batch=str(data.get("batch", "")),
     )
 
 

@@ -104,16 +104,18 @@ class JobLimits(_message.Message):
     def __init__(self, memory_max: _Optional[int] = ..., tasks_max: _Optional[int] = ..., cpu_time: _Optional[float] = ..., file_size: _Optional[int] = ..., open_files: _Optional[int] = ..., cpu_quota: _Optional[float] = ...) -> None: ...
 
 class ControlMsg(_message.Message):
-    __slots__ = ("type", "extra_size", "task_id", "limits")
+    __slots__ = ("type", "extra_size", "task_id", "limits", "batch_id")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     type: ControlType
     extra_size: int
     task_id: int
     limits: JobLimits
-    def __init__(self, type: _Optional[_Union[ControlType, str]] = ..., extra_size: _Optional[int] = ..., task_id: _Optional[int] = ..., limits: _Optional[_Union[JobLimits, _Mapping]] = ...) -> None: ...
+    batch_id: str
+    def __init__(self, type: _Optional[_Union[ControlType, str]] = ..., extra_size: _Optional[int] = ..., task_id: _Optional[int] = ..., limits: _Optional[_Union[JobLimits, _Mapping]] = ..., batch_id: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("wall", "cpu", "max_rss", "memory_peak")

@@ -478,6 +478,8 @@ async def test_openapi_document_names_every_path(sockdir):
             "/queue/",
             "/queue/{name}/",
             "/events/",
+            "/batch/",
+            "/batch/{batch_id}/",
             "/ping/",
             "/openapi.json",
             "/",

@@ -43,6 +43,8 @@ def test_every_answer_matches_the_document(live_api: schemathesis.BaseSchema) ->
         "GET /queue/",
         "PUT /queue/{name}/",
         "GET /events/",
+        "POST /batch/",
+        "GET /batch/{batch_id}/",
         "GET /",
     }
 

@@ -51,6 +51,7 @@ class WorkerSession:
         self.usage: pb.Usage | None = None  # what the task used, when measured
         self.reason = ""  # "limit" when it failed on one of its limits
         self.limits = pb.JobLimits()  # the running task's own limits (SET_TASK)
+        self.batch_id = ""  # the batch whose then job the running task is (SET_TASK)
         self.draining = False
 
     @property
@@ -88,6 +89,7 @@ class WorkerSession:
             self.task_id = msg.task_id
             self.payload = extra
             self.limits = msg.limits
+            self.batch_id = msg.batch_id
             return Answer(
                 pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=msg.task_id), effect=Effect.START
             )
@@ -128,6 +130,7 @@ class WorkerSession:
         self.reason = reason
         self.payload = b""
         self.limits = pb.JobLimits()
+        self.batch_id = ""
 
     def fetched(self, task_id: int) -> None:
         """The FETCH answer carrying this task's outcome was written."""

@@ -211,8 +211,11 @@ class ExecRunner:
             limits=self.jail.ceilings if self.jail is not None else NO_LIMITS,
         )
 
-    def env(self, task_id: int) -> dict[str, str]:
+    def env(self, task_id: int, batch_id: str = "") -> dict[str, str]:
+        """The command's environment: TASK_ID, and BATCH_ID for a batch's then job."""
         env = {**self.environ, "TASK_ID": str(task_id)}
+        if batch_id:
+            env["BATCH_ID"] = batch_id
         return self.jail.env(env) if self.jail is not None else env
 
 

@@ -16,11 +16,13 @@ from controller.client.udp_engine import Outcome, UdpSession
 
 if TYPE_CHECKING:
     from controller.client.async_client import AsyncClient, AsyncJob
+    from controller.client.job_calls import Batch
     from controller.client.sync_client import Client, Job
 
 __all__ = [
     "AsyncClient",
     "AsyncJob",
+    "Batch",
     "Client",
     "ClientError",
     "ControllerError",
@@ -37,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from controller.client import sync_client
 
         return getattr(sync_client, name)
+    if name == "Batch":
+        from controller.client import job_calls
+
+        return job_calls.Batch
     if name in {"AsyncClient", "AsyncJob"}:
         from controller.client import async_client
 

@@ -18,10 +18,14 @@ from controller.client.http import AsyncHttpPool
 from controller.client.job_calls import (
     FINAL,
     MAX_WAIT,
+    NO_BATCH,
     NO_SUCH_REQUEST,
+    Batch,
+    batch_body,
     bulk_bodies,
     bulk_element,
     checked,
+    checked_batch,
     checked_list,
     job_path,
     outcome,
@@ -130,6 +134,8 @@ class AsyncClient:
         placement_timeout: float | None = None,
         owner: str | None = None,
         unique_key: str | None = None,
+        after: Sequence[str] | None = None,
+        after_any: bool | None = None,
     ) -> AsyncJob:
         """As `Client.submit`."""
         options = option_fields(
@@ -144,6 +150,8 @@ class AsyncClient:
             placement_timeout=placement_timeout,
             owner=owner,
             unique_key=unique_key,
+            after=after,
+            after_any=after_any,
         )
         data = payload_bytes(payload)
         if self._sync is not None:
@@ -169,6 +177,15 @@ class AsyncClient:
             resp = await self._http.request("POST", "/job/", json=body)
             out += [AsyncJob(self, data) for data in checked_list(resp)]
         return out
+
+    async def submit_batch(self, jobs: Iterable[Any], *, then: Any) -> Batch[AsyncJob]:
+        """As `Client.submit_batch`."""
+        body = batch_body(jobs, then, option_fields)
+        if self._http is None:
+            raise ValueError(NO_BATCH)
+        resp = await self._http.request("POST", "/batch/", json=body)
+        batch_id, made, last = checked_batch(resp)
+        return Batch(batch_id, [AsyncJob(self, data) for data in made], AsyncJob(self, last))
 
     async def get(self, id: str) -> AsyncJob:
         if self._sync is not None and self.scheme == "redis":

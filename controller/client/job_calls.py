@@ -10,8 +10,9 @@ of a submitted job (HTTP and UDP alike); `checked` reads an HTTP answer, raising
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlsplit
 
 from controller import datagram as dg
@@ -78,6 +79,41 @@ def bulk_bodies(
     """The `POST /job/` arrays that carry `elements`, at most MAX_BULK each."""
     bodies = [request_body(*element) for element in elements]
     return [bodies[start : start + MAX_BULK] for start in range(0, len(bodies), MAX_BULK)]
+
+
+J = TypeVar("J")
+# submit_batch over another scheme than http(s)://.
+NO_BATCH = "submit_batch needs http:// or https:// (POST /batch/ is the HTTP door's)"
+
+
+@dataclass(frozen=True)
+class Batch(Generic[J]):
+    """A batch `submit_batch` made: its id, its jobs in order, and its `then` job (which runs
+    once they have all ended, whatever their outcomes)."""
+
+    id: str
+    jobs: list[J]
+    then: J
+
+
+def batch_body(jobs: Iterable[Any], then: Any, check: Callable[..., dict[str, Any]]) -> Any:
+    """The body of `POST /batch/`: each job (and `then`) as `bulk_element` reads it; `then`
+    may not give `after` or `after_any` (they are the batch's). TypeError or ValueError."""
+    bodies = [request_body(*bulk_element(spec, check)) for spec in jobs]
+    if len(bodies) > MAX_BULK:
+        raise ValueError(f"a batch has at most {MAX_BULK} jobs, got {len(bodies)}")
+    if isinstance(then, dict) and ("after" in then or "after_any" in then):
+        raise ValueError("then: after and after_any are the batch's: leave them out")
+    return {"jobs": bodies, "then": request_body(*bulk_element(then, check))}
+
+
+def checked_batch(resp: Answer) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """A `POST /batch/` answer: (its id, its jobs' objects, its then job's object)."""
+    data = checked(resp)
+    jobs, then = data.get("jobs"), data.get("then")
+    if not isinstance(jobs, list) or not isinstance(then, dict):
+        raise ControllerError(resp.status, "the answer is not a batch")
+    return str(data.get("id", "")), [job if isinstance(job, dict) else {} for job in jobs], then
 
 
 def checked_list(resp: Answer) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ def option_fields(**given: Any) -> dict[str, Any]:
             continue
         if name == "run_at":
             value = _run_at(value)
-        elif name == "requires" and isinstance(value, tuple | list):
+        elif name in ("requires", "after") and isinstance(value, tuple | list):
             value = list(value)
         fields[name] = value
     try:
@@ -56,8 +56,10 @@ def _run_at(value: Any) -> str:
 
 def initial_state(fields: Mapping[str, Any]) -> str:
     """The state a job with these (checked) fields starts in: `scheduled` when it waits for
-    a time still to come, else `pending`."""
+    a time still to come, `waiting` when it waits for other jobs, else `pending`."""
     options = parse(fields, DEFAULT, time.time())
+    if options.after:
+        return "waiting"
     return "pending" if options.run_at is None else "scheduled"
 
 
@@ -67,6 +69,8 @@ def as_text(fields: Mapping[str, Any]) -> dict[str, str]:
     for name, value in fields.items():
         if isinstance(value, list):
             out[name] = ",".join(value)
+        elif isinstance(value, bool):
+            out[name] = "true" if value else "false"
         elif isinstance(value, dict):  # limits: a JSON object
             out[name] = json.dumps(value)
         elif isinstance(value, float):

@@ -13,10 +13,10 @@ API; https checks the certificate against the system's trust store, or only agai
 `id`, `get`, `cancel` and `retry` are not available there) or `redis://HOST:PORT/DB` (the
 Redis stream `jobs`, or `?stream=NAME`, that controllers consume; see
 controller/client/redis_backend.py).
-`job.state` uses the job states of the HTTP API (scheduled, pending, requested,
+`job.state` uses the job states of the HTTP API (waiting, scheduled, pending, requested,
 working, finished, failed, canceled, deleted) for all three.
 `submit` also takes the job options (queue, priority, requires, delay or run_at,
-max_retries, retry_delay, timeout, placement_timeout, owner, unique_key;
+max_retries, retry_delay, timeout, placement_timeout, owner, unique_key, after, after_any;
 controller/client/jobfields.py), checked before anything is sent; a job whose `unique_key`
 a live job holds makes nothing, and the `Job` returned is that live job (over redis:// the
 `Job` turns into it once a controller has read the entry: its `id` changes); `retry(id)`
@@ -40,10 +40,14 @@ from controller.client.http import HttpPool
 from controller.client.job_calls import (
     FINAL,
     MAX_WAIT,
+    NO_BATCH,
     NO_SUCH_REQUEST,
+    Batch,
+    batch_body,
     bulk_bodies,
     bulk_element,
     checked,
+    checked_batch,
     checked_list,
     job_path,
     outcome,
@@ -177,12 +181,16 @@ class Client:
         placement_timeout: float | None = None,
         owner: str | None = None,
         unique_key: str | None = None,
+        after: Sequence[str] | None = None,
+        after_any: bool | None = None,
     ) -> Job:
         """Submit a job. The options left None are not sent (the controller's defaults
         apply); a bad one raises ValueError with the controller's message, before sending.
         `delay`, `retry_delay`, `timeout` and `placement_timeout` are seconds, `run_at` an
         aware datetime, `requires` a list of labels. With `unique_key`, while a live job holds
-        that key nothing is made and the `Job` is that one (DESIGN.md section 17)."""
+        that key nothing is made and the `Job` is that one (DESIGN.md section 17). With
+        `after` (ids of jobs the controller holds) the job waits in state `waiting` until they
+        have all ended, and is canceled when one failed or was canceled unless `after_any`."""
         options = option_fields(
             queue=queue,
             priority=priority,
@@ -195,6 +203,8 @@ class Client:
             placement_timeout=placement_timeout,
             owner=owner,
             unique_key=unique_key,
+            after=after,
+            after_any=after_any,
         )
         return self._submit(payload_bytes(payload), name, id, options)
 
@@ -214,6 +224,17 @@ class Client:
                 for data in checked_list(self._http.request("POST", "/job/", json=body))
             ]
         return out
+
+    def submit_batch(self, jobs: Iterable[Any], *, then: Any) -> Batch[Job]:
+        """Submit a batch (`POST /batch/`, http(s):// only): `jobs` as `submit_many` takes
+        them, all made or none, and `then` (a payload or a dict of `submit()`'s keyword
+        arguments, without `after`), which waits in state `waiting` and runs once they have
+        all ended, whatever their outcomes. The `Batch` has `.id`, `.jobs` and `.then`."""
+        body = batch_body(jobs, then, option_fields)
+        if self._http is None:
+            raise ValueError(NO_BATCH)
+        batch_id, made, last = checked_batch(self._http.request("POST", "/batch/", json=body))
+        return Batch(batch_id, [Job(self, data) for data in made], Job(self, last))
 
     def _submit_each(self, elements: list[tuple[bytes, str | None, str | None, Any]]) -> list[Job]:
         """udp:// one submission each (no id anywhere, checked first); redis:// one pipeline."""

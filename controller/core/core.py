@@ -162,6 +162,38 @@ class Core:
         self.scheduler.dispatch(actions, now)
         return task, actions
 
+    def reserve_ref(self) -> int:
+        """A ref for a job that is not queued yet (it waits for others: `release` queues it)."""
+        ref = self.scheduler.next_ref
+        self.scheduler.next_ref += 1
+        return ref
+
+    def release(
+        self,
+        ref: int,
+        task_id: int,
+        payload: bytes,
+        job: object,
+        options: JobOptions,
+        now: float,
+        wait: float = 0.0,
+    ) -> tuple[Task, list[Action]]:
+        """Queue, under the ref `reserve_ref` gave, a job whose wait for others is over (after
+        `wait` seconds when > 0: scheduled); returns its task and the actions."""
+        scheduler = self.scheduler
+        task = Task(ref=ref, task_id=task_id, payload=payload, job=job)
+        task.opts = options
+        task.created_at = now
+        scheduler.tasks[ref] = task
+        scheduler.counters.submitted += 1
+        if wait > 0:
+            scheduler.schedule(task, now + wait)
+        else:
+            scheduler.enqueue(task, now)
+        actions: list[Action] = []
+        scheduler.dispatch(actions, now)
+        return task, actions
+
     def resubmit(
         self,
         ref: int,

@@ -25,11 +25,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import trio
 
-from controller.core import Core, Task, TaskFinished, TaskProgress, TaskState
+from controller.core import TaskFinished, TaskProgress, TaskState
 from controller.core.limits import Rate
 from controller.job_ids import DoorName
 from controller.job_states import JobState
@@ -43,6 +43,8 @@ from controller.jobs import (
 )
 from controller.journal import Journal
 from controller.options import JobOptions
+from controller.shell import waits
+from controller.shell.desk_ports import AnswerT, Door, Scheduling
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 from controller.usage import Usage
@@ -58,51 +60,6 @@ _FINAL = {
     TaskState.FAILED_POST: JobState.FAILED,
     TaskState.CANCELED: JobState.CANCELED,
 }
-
-
-class Door(Protocol):
-    """What the desk needs of a door's shell."""
-
-    def job_finished(self, job: Job, now: float) -> None:
-        """Tell the submitter of `job` (one of this door's, just ended) its outcome; call
-        the desk's `delivered` once the submitter has it (or never will)."""
-
-    def forget(self, job: Job) -> None:
-        """The book forgot `job` (or its outcome is no longer news): nothing more to send."""
-
-
-class Answer(Protocol):
-    """An answer a door holds until the journal has what it announces."""
-
-    @property
-    def job_id(self) -> str:
-        """The job the answer is about ("": none)."""
-
-    def refused(self) -> Answer | None:
-        """What goes instead when the journal refused the job's record (None: nothing)."""
-
-
-AnswerT = TypeVar("AnswerT", bound=Answer)
-
-
-class Scheduling(Protocol):
-    """What the desk needs of the scheduler's shell (controller/shell/core_shell.py)."""
-
-    core: Core
-
-    def queue(
-        self,
-        task_id: int,
-        payload: bytes,
-        job: object,
-        options: JobOptions | None = ...,
-        wait: float = ...,
-        now: float | None = ...,
-    ) -> tuple[Task, list[Any]]: ...
-
-    def execute(self, actions: list[Any]) -> None: ...
-
-    def attempt_used(self, ref: int, job: object, usage: Usage) -> None: ...
 
 
 class JobDesk:
@@ -144,6 +101,7 @@ class JobDesk:
         # Jobs that lost a change the journal could not store, by id: (it was the job's first
         # record, why). Marked and settled by the journal's refusals (refusals.py).
         self.refused: dict[str, tuple[bool, str]] = {}
+        self.waits = waits.Waits()  # jobs `waiting` (option `after`), out of the scheduler
 
     def connect(
         self,
@@ -284,6 +242,10 @@ class JobDesk:
         in the book and staged for the journal before the scheduler's actions run (one of
         them may hand it out at once); with `journal_first` they wait until it is on disk
         (the Redis door: the job is not acknowledged to anyone, so nothing else waits)."""
+        if options is not None and options.after:  # it waits for others first (waits.py)
+            notes = notes_of(name, info_url, download_url)
+            job = Job(job_id, 0, task_id, door, key, payload, notes, added_at=now, updated_at=now)
+            return waits.submit(self, job, options, now)
         run_at = options.run_at if options is not None else None
         wait = 0.0 if run_at is None else run_at - time.time()
         task, actions = self.scheduling.queue(task_id, payload, job_id, options, wait, now)
@@ -359,6 +321,8 @@ class JobDesk:
         """Cancel a live job (a local worker holding it gets RESTART); False if it ended."""
         if job.state.final:
             return False
+        if job.task is None:  # waiting for others: the scheduler has not seen it (waits.py)
+            return waits.cancel(self, job, now)
         actions = self.scheduling.core.cancel(job.ref, now)
         if actions:
             self.scheduling.execute(actions)  # its TaskFinished comes back through `finished`
@@ -411,9 +375,12 @@ class JobDesk:
         if job.state is JobState.DELETED:
             return
         self.cancel(job, now)
-        if job.final is None:  # its end did not come back at once: it ends here
+        ended_here = job.final is None  # its end did not come back at once: it ends here
+        if ended_here:
             self.went(job)
         self.book.delete(job, now)
+        if ended_here:
+            waits.let_go(self, job, now)  # those waiting for it go on
         job.drop_output()
         if self.journal is not None:
             self.journal.job_deleted(job.ref)
@@ -481,6 +448,8 @@ class JobDesk:
         if self.on_finished is not None:
             self.on_finished(job)
         self.tell(job, now)
+        if self.waits.dependents:  # jobs wait for others (waits.py)
+            waits.let_go(self, job, now)
 
     def tell(self, job: Job, now: float) -> None:
         """Ask the job's door to tell its submitter how it ended."""

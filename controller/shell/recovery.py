@@ -1,6 +1,7 @@
 """Recovery at start: the journal's jobs put back in the desk's book and the scheduler.
 
-Pending jobs go back in the queue, jobs that were running wait a grace time for their
+Pending jobs go back in the queue, waiting ones (option `after`) are held again (or let
+go: what they waited for ended), jobs that were running wait a grace time for their
 re-registering worker to claim them (`Core.recover`), ended jobs go back in the book,
 and outcomes not yet delivered are told again.
 """
@@ -20,6 +21,7 @@ from controller.jobs import (
 )
 from controller.journal_file import Recovered
 from controller.options import from_json
+from controller.shell import waits
 from controller.shell.desk import JobDesk
 from controller.usage import usage_from_text
 
@@ -50,6 +52,7 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
             core.limit(queue, concurrency, parse_rate(rate) if rate else None, now)
         except ValueError:
             log.warning("journal: queue %r: a bad rate %r is left out", queue[:80], str(rate)[:80])
+    waiting: list[Job] = []
     for row in recovered.jobs:
         counts[row.state] = counts.get(row.state, 0) + 1
         options = from_json(row.options, defaults) if row.options else defaults
@@ -68,11 +71,18 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
             options=options,
         )
         job.ran_on = row.ran_on
+        if options.batch:  # the `then` job of a batch (POST /batch/)
+            desk.waits.batches[options.batch] = row.id
         job.history = history_from_json(row.history, desk.book.wall_offset)
         for line in row.log:
             job.add_log(line, desk.max_log_size)
         if row.output:
             job.add_output(row.output, desk.output_retention)
+        if row.state == "waiting":  # held again once every job is back (below)
+            desk.book.add(job)
+            desk.came(job)
+            waiting.append(job)
+            continue
         if row.state in ("scheduled", "pending", "working"):
             left = options.placement_timeout - (wall - row.queued_at)
             core.recover(
@@ -112,6 +122,8 @@ def recover(desk: JobDesk, recovered: Recovered, now: float) -> None:
             desk.book.retain(job, now, retain)
         else:
             desk.tell(job, now)
+    for job in waiting:  # still waiting, or let go: what it waited for ended while down
+        waits.hold(desk, job, now)
     if recovered.jobs or recovered.pruned:
         summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
         log.info(

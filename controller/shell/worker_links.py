@@ -226,6 +226,7 @@ class WorkerLinks:
                 limits = self._limits(worker.task.opts.limits)
                 if limits is not None:
                     msg.limits.CopyFrom(limits)
+                msg.batch_id = worker.task.opts.batch  # a batch's then job: BATCH_ID
             channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
             self.taken.append(wid)
             return
@@ -261,6 +262,7 @@ class WorkerLinks:
                 limits = self._limits(worker.task.opts.limits)
                 if limits is not None:
                     msg.limits.CopyFrom(limits)
+                msg.batch_id = worker.task.opts.batch  # a batch's then job: BATCH_ID
         expect = None
         if action.uid is not None:
             # Whoever listens there now must be the worker that registered (its socket file

@@ -111,7 +111,7 @@ class JobSlot(LoopBase):
                 self._epoll,
                 runner.program,
                 runner.argv,
-                runner.env(task_id),
+                runner.env(task_id, self.session.batch_id),
                 payload,
                 max_output=runner.max_output,
                 stderr_keep=STDERR_TAIL,

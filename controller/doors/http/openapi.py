@@ -8,6 +8,7 @@ from typing import Any
 from controller import options
 from controller.declared import MAX_NAME_CHARS, MAX_NAMES
 from controller.doors.http import codec, events
+from controller.doors.http.openapi_batch import BATCH_PATHS
 from controller.doors.http.openapi_bulk import BAD_JOB, TOO_LARGE, one_or_many
 from controller.doors.http.openapi_options import OPTIONS_IN, OPTIONS_OUT
 from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
@@ -450,3 +451,4 @@ OPENAPI: dict[str, Any] = {
         }
     },
 }
+OPENAPI["paths"].update(BATCH_PATHS)

@@ -57,6 +57,12 @@ OPTIONS_IN: dict[str, Any] = {
     "placement_timeout": _SECONDS,
     "owner": {"type": "string", "pattern": ID_PATTERN},
     "unique_key": {"type": "string", "pattern": options.UNIQUE_KEY_PATTERN},
+    "after": {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1, "maxLength": options.MAX_AFTER_ID},
+        "maxItems": options.MAX_AFTER,
+    },
+    "after_any": {"type": "boolean"},
     "limits": {
         "type": "object",
         "additionalProperties": False,
@@ -79,4 +85,7 @@ OPTIONS_OUT: dict[str, Any] = {
     "owner": _TEXT,
     "limits": {"type": "object", "additionalProperties": {"type": "number"}},
     "unique_key": {"type": "string", "nullable": True},
+    "after": {"type": "array", "items": _TEXT},
+    "after_any": {"type": "boolean"},
+    "batch": {"type": "string", "nullable": True},
 }

@@ -20,11 +20,10 @@ from typing import Any
 
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.worker_context import WorkerContext
 
 from controller.config import Config
-from controller.doors.http import codec, keepalive
+from controller.doors.http import codec, flows, keepalive
 from controller.doors.http.access import Gate, read_tokens
 from controller.doors.http.asgi import (
     Endpoint,
@@ -49,6 +48,7 @@ from controller.doors.http.events import EventHub, listen, parse_last_id
 from controller.doors.http.openapi import OPENAPI
 from controller.doors.http.pollers import PollerDoor
 from controller.doors.http.queues import idle_queue, queue_report
+from controller.doors.http.server_config import hypercorn_config
 from controller.errors import StartupError
 from controller.job_ids import DoorName
 from controller.job_states import JobState
@@ -86,6 +86,7 @@ class HttpDoor:
         self.core = shell.core
         self.book = desk.book
         self.pollers = PollerDoor(desk, shell, self._refuse)  # /ping/ and the leases
+        self.flows = flows.BatchDoor(self)  # /batch/
         self.max_payload = config.max_extra_size
         self.max_body = codec.max_body(config.max_extra_size)
         self.max_bulk_body = codec.max_bulk_body(config.max_extra_size)  # a POST /job/ array's
@@ -109,11 +110,13 @@ class HttpDoor:
             ("/openapi.json", self.openapi, ["GET"]),
             ("/queue/", self.queues, ["GET"]),
             ("/events/", self.events_stream, ["GET"]),
+            ("/batch/", self.flows.batches, ["POST"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
         patterns: list[tuple[str, Endpoint, list[str]]] = [
             ("/job/{job_id}/retry/", self.retry, ["POST"]),
             ("/job/{job_id}/output/", self.output, ["GET"]),
             ("/queue/{name}/", self.queue, ["PUT"]),
+            ("/batch/{batch_id}/", self.flows.batch, ["GET"]),
         ]
         self.console = Console(self)  # `/` and /ui/...
         routes += self.console.routes()
@@ -134,7 +137,7 @@ class HttpDoor:
         http_tls, its certificate and key are loaded here, so that a bad one stops the start."""
         address = self.config.http_address
         assert address is not None
-        hc = self._hypercorn_config()
+        hc = hypercorn_config(self.config, IDLE_TIMEOUT, bool(self._idle_timer))
         tls = self.config.http_tls
         if tls is not None:
             try:
@@ -170,7 +173,7 @@ class HttpDoor:
         host, port = self.address()
         scheme = "https" if self.config.http_tls is not None else "http"
         log.info("HTTP job API and console on %s://%s:%d/", scheme, host, port)
-        hc = self._hypercorn_config()
+        hc = hypercorn_config(self.config, IDLE_TIMEOUT, bool(self._idle_timer))
         app = ASGIWrapper(self.app)  # type: ignore[arg-type]
         context = WorkerContext(None)
         idle_timer = self._idle_timer
@@ -197,29 +200,6 @@ class HttpDoor:
             )
         finally:
             await context.terminated.set()
-
-    def _hypercorn_config(self) -> HypercornConfig:
-        address = self.config.http_address
-        assert address is not None
-        hc = HypercornConfig()
-        host = f"[{address.host}]" if ":" in address.host else address.host
-        hc.bind = [f"{host}:{address.port}"]
-        tls = self.config.http_tls
-        if tls is not None:  # hypercorn then serves bind with TLS (and nothing in clear)
-            hc.certfile, hc.keyfile = str(tls.cert), str(tls.key)
-            hc.alpn_protocols = ["http/1.1"]  # the app speaks HTTP/1.1 only
-            # A connection that does not finish its handshake holds a slot no longer than
-            # an idle one would.
-            hc.ssl_handshake_timeout = IDLE_TIMEOUT
-        # hypercorn's own keep-alive wait starts after keepalive.GRACE idle (keepalive.py)
-        hc.keep_alive_timeout = IDLE_TIMEOUT - (keepalive.GRACE if self._idle_timer else 0.0)
-        hc.include_server_header = False  # a header per answer that tells nobody anything
-        hc.accesslog = None
-        server_log = logging.getLogger("controller.http.server")
-        server_log.setLevel(logging.WARNING)  # its "Running on ..." repeats our own line
-        hc.errorlog = server_log
-        hc.backlog = 1024
-        return hc
 
     def job_ended(self, job: Job) -> None:
         """The desk's hook: a job ended (or was deleted): wake its long-polls, count it for
@@ -274,6 +254,7 @@ class HttpDoor:
         answered as a single POST would (an existing id: that job), in one journal commit."""
         body = await self._body(request, self.max_bulk_body)
         news, many = codec.parse_new_jobs(body, self.max_payload, self.options)
+        flows.check_after(self.book, news, many, self._existing)
         self._admit(news)
         now = trio.current_time()
         answers: list[Job] = []
@@ -482,8 +463,11 @@ class HttpDoor:
         return job
 
     async def _body(self, request: Request, array_limit: int = 0) -> bytes:
+        return await self._body_of(request, self.max_body, array_limit)
+
+    async def _body_of(self, request: Request, limit: int, array_limit: int = 0) -> bytes:
         timeout = self.config.http_body_timeout
-        return await read_body(request, self.max_body, IDLE_TIMEOUT, timeout, array_limit)
+        return await read_body(request, limit, IDLE_TIMEOUT, timeout, array_limit)
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(

@@ -23,6 +23,7 @@ import redis
 import trio
 
 from controller.containment import INTERNAL_MESSAGE, contained
+from controller.dependencies import after_refusal
 from controller.doors.redis import codec
 from controller.doors.redis.base import BACKOFF_FIRST, LaneStopped, outcome_of
 from controller.doors.redis.listening import DoorListener
@@ -228,6 +229,11 @@ class DoorReader(DoorListener):
         self._submit(entry, options, now)
 
     def _submit(self, entry: Entry, options: JobOptions, now: float) -> None:
+        why = after_refusal(options.after, entry.job_id, self.desk.book) if options.after else ""
+        if why:  # a bad option: the entry fails, as for any other
+            log.warning("redis: entry %s refused: %s", entry.entry_id, why)
+            self._queue_outcome(entry.job_id, Outcome("failed", b"", why))
+            return
         holder = self.desk.holder(options.unique_key)
         if holder is not None:  # a live job holds its unique_key: nothing made
             self.counters["duplicates"] += 1

@@ -40,6 +40,7 @@ from controller import options
 from controller.allowlist import Networks, cached_allowed
 from controller.containment import INTERNAL_MESSAGE
 from controller.datagram import BadPacket
+from controller.dependencies import after_refusal
 from controller.doors.udp import calclink, words
 from controller.doors.udp.actions import ClientAction, Delivered, Send, Submit
 from controller.doors.udp.calclink import CalculatorAck, CalculatorAction
@@ -248,6 +249,10 @@ class FrontDoor:
                 return [], None
             return self.job_finished(job, now), None  # send the stored outcome again
         options = self._options(params, addr)
+        if options is not None and options.after:
+            why = after_refusal(options.after, job_id, self.book)
+            if why:
+                raise BadPacket("bad_option", why)
         if options is not None and options.unique_key:
             holder = self.holder(options.unique_key)
             if holder is not None:  # nothing made: the ack names the job that holds the key

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the client library reads these words without the controller
 
 # A failed job is `failed_post` when no worker took it in time, else `error`: see `status`.
 UDP_WORDS = {
+    JobState.WAITING: "queued",
     JobState.SCHEDULED: "queued",
     JobState.PENDING: "queued",
     JobState.REQUESTED: "running",

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
-from controller.doors.http import codec
+from controller.doors.http import codec, flows
 from controller.doors.http.access import BEARER
 from controller.doors.http.asgi import Request, Response, Scope, error_response, json_response
 from controller.doors.http.codec import ApiError
-from controller.doors.http.console import pages, pages_jobs, views
+from controller.doors.http.console import pages, pages_batches, pages_jobs, views
 from controller.doors.http.console.session import Sessions, parse_cookies
 from controller.doors.http.console.stats import EndRate
 from controller.doors.http.console.web import (
@@ -143,6 +143,7 @@ class Console:
             ("/ui/jobs/{job_id}/retry", self.action(self.retry), ["POST"]),
             ("/ui/jobs/{job_id}/delete", self.action(self.delete), ["POST"]),
             ("/ui/jobs/{job_id}", self.page(self.job), ["GET"]),
+            ("/ui/batches/{batch_id}", self.page(self.batch), ["GET"]),
             ("/ui/queues/{name}", self.action(self.pause), ["POST"]),
         ]
 
@@ -329,6 +330,20 @@ class Console:
             views.actions_of(job),
             **self._ctx(seen),
         )
+        return self._html(html, seen)
+
+    async def batch(self, request: Request, seen: Seen) -> Response:
+        """A batch: its counts, its then job and its jobs (ApiError 404 when none)."""
+        book = self.book
+        report = flows.report_of(book, self.desk.waits.batches, request.path_params["batch_id"])
+        jobs = []
+        for job_id in report["ids"][: pages_batches.MAX_LISTED]:
+            job = book.get(job_id)
+            if job is not None:
+                jobs.append((job_id, job.state.value, job.options.queue))
+        then = book.get(report["then"])
+        then_state = then.state.value if then is not None else ""
+        html = pages_batches.batch_page(report, jobs, then_state, **self._ctx(seen))
         return self._html(html, seen)
 
     async def queues(self, request: Request, seen: Seen) -> Response:

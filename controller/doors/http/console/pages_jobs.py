@@ -201,7 +201,7 @@ def job_page(
     body = f"""<h1>Job {e(job_id)}</h1>
 <section id=job-head data-live><p class=summary>
 <span>state <b class={e(state)}>{e(state)}</b></span>
-<span>added {e(fields["added_at"])}</span></p>
+<span>added {e(fields["added_at"])}</span>{_batch_link(fields.get("batch"))}</p>
 <div class=actions>{buttons or "<span class=muted>no action for a deleted job</span>"}</p></section>
 <h2>Fields</h2>
 <section id=job-fields data-live>{table(["field", "value"], rows, "")}</section>
@@ -217,3 +217,11 @@ def job_page(
     return layout(
         f"Job {job_id}: job controller", body, current="/ui/jobs", csrf=csrf, logout=logout
     )
+
+
+def _batch_link(batch_id: Any) -> str:
+    """The link to the batch whose then job this is ("" for any other job)."""
+    if not isinstance(batch_id, str) or not batch_id:
+        return ""
+    href = "/ui/batches/" + quote(batch_id, safe="")
+    return f' <span>then job of batch <a href="{e(href)}">{e(batch_id)}</a></span>'
