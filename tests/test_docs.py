@@ -350,7 +350,7 @@ def test_readme_python_example(controller: tuple[int, int], workdir: Path) -> No
         [sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout == "b'hi'\n"
+    assert done.stdout == "b'hi'\nb'join'\n"
 
 
 @pytest.mark.slow
@@ -438,6 +438,8 @@ FLOWS = Path(__file__).resolve().parent.parent / "docs" / "flows.md"
 SHOWS = {
     '[{"id": "report-1"': r'"id":"report-1"',
     "client.submit_many(": r"\[b'first', b'second', b'third'\]",
+    "state=waiting": r'(?s)"id":"tidy-1".*"state":"finished"',
+    "/batch/$batch/": r'"counts":\{"finished":2\}',
     "events/ | grep": r'(?s)"demo-1","state":"requested".*"demo-1","state":"finished"',
     '"unique_key": "report:2026-11", "delay": 60': r"(?s) 201\n.*\"report:2026-11\".* 200$",
     '{"concurrency": 1, "rate": "2/s"}': r'(?s)"concurrency":1,"rate":"2/s".*"id":"lim-4".*"finished"',
