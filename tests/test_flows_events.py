@@ -100,6 +100,30 @@ async def test_a_jobs_life_comes_in_order_and_the_stream_ends_cleanly_on_stop(so
         nursery.cancel_scope.cancel()
 
 
+async def test_a_waiting_job_is_an_event_when_made_and_when_let_go(sockdir):
+    listener = Listener()
+    async with (
+        http_controller(sockdir, workers=1) as ctl,
+        client(ctl.url) as http,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(listener.run, http)
+        await _listening(ctl, 1)
+        first = {"id": "first", "queue": "later"}  # nobody serves it until it is moved
+        resp = await http.post("/job/", json=[first, {"id": "then", "after": ["first"]}])
+        assert resp.status_code == 201
+        await wait_until(lambda: listener.states("then") == ["waiting"])
+        await http.put("/job/first/", json={"state": "canceled"})
+        await wait_until(lambda: "canceled" in listener.states("then"))
+        assert listener.states("then") == ["waiting", "canceled"]
+        resp = await http.post("/job/", json=[{"id": "a2"}, {"id": "b2", "after": ["a2"]}])
+        await wait_until(lambda: "finished" in listener.states("b2"))
+        assert listener.states("b2")[0] == "waiting"
+        assert listener.states("b2")[-2:] == ["working", "finished"]
+        assert len(listener.states("b2")) >= 4  # let go: pending or requested, in between
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_stream_ends_with_its_last_chunk_when_the_controller_stops(sockdir):
     listener = Listener()
     failure: list[BaseException] = []

@@ -79,6 +79,8 @@ def submit(desk: JobDesk, job: Job, options: JobOptions, now: float) -> Job:
     desk.came(job)
     if desk.journal is not None:
         desk.journal.job_added(job)
+    if desk.on_change is not None:  # made: waiting (an event of GET /events/)
+        desk.on_change(job)
     hold(desk, job, now)
     return job
 
@@ -135,6 +137,8 @@ def release(desk: JobDesk, job: Job, now: float) -> None:
             journal.job_progress(job.ref, "scheduled", 0, (), due)
         else:
             journal.job_progress(job.ref, "pending", 0, ())
+    if desk.on_change is not None:  # let go: pending or scheduled
+        desk.on_change(job)
     if actions:
         scheduling.execute(actions)
 
