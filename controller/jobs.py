@@ -83,6 +83,10 @@ class JobNotes:
     log_size: int = 0  # bytes of `log` (UTF-8)
     output: bytearray | None = None  # what it wrote to stderr: the newest output_retention bytes
     output_total: int = 0  # bytes of output ever appended (what a follower has seen is counted so)
+    # What its worker last reported of its running attempt (controller/progress.py): shown,
+    # not journaled; None until it reports.
+    progress: float | None = None
+    status: str = ""
 
 
 def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobNotes | None:
@@ -173,6 +177,8 @@ class Job:
         if self.history is None:
             self.history = []
         self.history.append(Attempt(self.ran_on, self.started_at, now, "failed", error, self.usage))
+        if self.notes is not None:  # its progress was that attempt's
+            self.notes.progress, self.notes.status = None, ""
         self.started_at = 0.0
 
     @property
@@ -244,6 +250,22 @@ class Job:
         if total <= seen:
             return total, b""
         return total, bytes(notes.output[-(total - seen) :])
+
+    @property
+    def progress(self) -> tuple[float, str] | None:
+        """(progress, status) its worker last reported; None when it has not."""
+        notes = self.notes
+        if notes is None or notes.progress is None:
+            return None
+        return notes.progress, notes.status
+
+    def set_progress(self, progress: float | None, status: str = "") -> None:
+        if self.notes is None:
+            if progress is None:
+                return
+            self.notes = JobNotes()
+        self.notes.progress = progress
+        self.notes.status = status
 
     def drop_output(self) -> None:
         if self.notes is not None:

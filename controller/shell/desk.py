@@ -46,6 +46,7 @@ from controller.jobs import (
 )
 from controller.journal import Journal
 from controller.options import JobOptions
+from controller.progress import clean as clean_progress
 from controller.shell.durability import WriteAhead
 from controller.shell.timer import DeadlineTimer
 from controller.usage import Usage
@@ -326,6 +327,14 @@ class JobDesk:
             self.journal.job_output(job.ref, kept, self.output_retention)
         if self.on_output is not None:
             self.on_output(job)
+
+    def progressed(self, job: Job, progress: object, status: object, ref: int = 0) -> None:
+        """A worker's report of its running job's progress (cleaned by controller/progress.py;
+        `ref`: of the task it holds, when not 0). The one place progress changes: not
+        journaled, and an ended job keeps its last values."""
+        reported = clean_progress(progress, status)
+        if reported is not None and not job.state.final and (not ref or job.ref == ref):
+            job.set_progress(*reported)
 
     def task_usage(self, ref: int, job_id: object, usage: Usage) -> None:
         """What the running attempt of task `ref` used, as its worker reported with its outcome

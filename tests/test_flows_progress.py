@@ -1,0 +1,216 @@
+"""Progress (DESIGN.md section 17): what a running job reports, from every worker kind, shown
+as the job object's `progress` and `status` and by `jobctl show`; hostile reports refused or
+clamped. Real controllers and workers (tests/test_output.py's manner)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller import datagram as dg
+from controller.progress import MAX_STATUS, check_http, clean
+from tests.helpers import live_controller, reap, wait_for_condition, worker_argv
+from worker.progress import ProgressLines, Reporter, checked, parse_line
+
+
+def _call(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None) -> Any:
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, method=method)
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _status(url: str, method: str, body: Any = None, raw: bytes | None = None) -> int:
+    try:
+        _call(url, method, body, raw)
+    except urllib.error.HTTPError as exc:
+        assert json.loads(exc.read())["code"] == exc.code
+        return exc.code
+    return 200
+
+
+def _job(url: str, job_id: str) -> dict[str, Any]:
+    return dict(_call(f"{url}/job/{job_id}/"))
+
+
+@contextmanager
+def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(argv, stderr=sink)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        reap(proc)
+
+
+def _remote(*args: str) -> list[str]:
+    return [sys.executable, "-m", "worker", "--log-level", "WARNING", *args]
+
+
+def _reports_then_ends(
+    url: str, tmp: Path, job_id: str, first: tuple[float, str], last: tuple[float, str]
+) -> None:
+    """Submit a job whose payload names a gate file; see `first` while it runs, open the
+    gate, and see `last` kept once it finished."""
+    gate = tmp / f"gate-{job_id}"
+    _call(f"{url}/job/", "POST", {"id": job_id, "payload": str(gate)})
+    wait_for_condition(
+        lambda: (_job(url, job_id)["progress"], _job(url, job_id)["status"]) == first, 20
+    )
+    assert _job(url, job_id)["state"] in ("requested", "working")
+    gate.touch()
+    done = _call(f"{url}/job/{job_id}/?wait=20")
+    assert done["state"] == "finished", done
+    assert (done["progress"], done["status"]) == last
+
+
+# A command reporting through JOB_PROGRESS_FD: a good line, bad ones (ignored), and past the
+# gate (its payload) a number over 1, clamped.
+SCRIPT = (
+    'read gate; printf "progress 0.4 copying files\\nnot progress\\nprogress nan x\\n'
+    'progress\\n" >&"$JOB_PROGRESS_FD"; while [ ! -e "$gate" ]; do sleep 0.02; done; '
+    'echo "progress 7 past the end" >&"$JOB_PROGRESS_FD"; echo ok'
+)
+
+
+@pytest.mark.parametrize("handler", ["progressing", "aprogressing"])
+@pytest.mark.parametrize("seed", [False, True], ids=["channel", "seed-protocol"])
+def test_a_handler_reports_progress_on_either_exchange(
+    tmp_path: Path, handler: str, seed: bool
+) -> None:
+    with live_controller(tmp_path) as ctl:
+        flags = ["--seed-protocol"] if seed else []
+        argv = worker_argv(tmp_path / "s", *flags, "--handler", f"tests.worker_handlers:{handler}")
+        with _process(argv, tmp_path / "worker.log"):
+            _reports_then_ends(ctl.url, tmp_path, "h", (0.25, "started"), (0.75, "almost"))
+            # A job that reports nothing shows none; the next attempt does not show the last.
+            other = _call(f"{ctl.url}/job/", "POST", {"id": "n", "payload": str(tmp_path / "g2")})
+            assert other["progress"] is None and other["status"] is None
+
+
+def test_an_exec_command_writes_progress_lines_to_job_progress_fd(tmp_path: Path) -> None:
+    args = ("--workers", "1", "--", "--exec", "sh", "-c", SCRIPT)
+    with live_controller(tmp_path, *args) as ctl:
+        _reports_then_ends(ctl.url, tmp_path, "e", (0.4, "copying files"), (1.0, "past the end"))
+        # jobctl show shows it.
+        shown = subprocess.run(
+            [sys.executable, "-m", "controller.client.jobctl", "--url", ctl.url, "show", "e"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        assert any(line.split() == ["progress", "100%"] for line in shown.splitlines()), shown
+        assert any(line.split() == ["status", "past", "the", "end"] for line in shown.splitlines())
+
+
+def test_a_calculator_sends_progress_in_its_busy_heartbeats(tmp_path: Path) -> None:
+    with live_controller(tmp_path, allowed_calculators=["127.0.0.0/8"]) as ctl:
+        argv = _remote(
+            "--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.1", "--exec", "sh", "-c", SCRIPT
+        )
+        with _process(argv, tmp_path / "calculator.log"):
+            _reports_then_ends(
+                ctl.url, tmp_path, "c", (0.4, "copying files"), (0.4, "copying files")
+            )
+
+
+def test_a_hostile_heartbeat_progress_is_dropped_and_the_calculator_lives(tmp_path: Path) -> None:
+    with (
+        live_controller(tmp_path, allowed_calculators=["127.0.0.0/8"]) as ctl,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock,
+    ):
+        sock.connect(("127.0.0.1", ctl.udp_port))
+        sock.settimeout(5)
+        for bad in ("x", None, [1], {"a": 1}, 1e308 * 10, True):
+            params = {"status": "busy", "progress": bad, "progress_status": 5}
+            sock.send(dg.request("heartbeat", params, 1))
+        sock.send(dg.request("heartbeat", {"status": "ready"}, 2))
+        _call(f"{ctl.url}/job/", "POST", {"id": "for-calc", "payload": "p"})
+        # The calculator is alive and gets the job (after the heartbeats' acks).
+        while b"perform_task" not in sock.recv(65536):
+            pass
+
+
+def test_a_poller_sends_progress_in_its_lease_put(tmp_path: Path) -> None:
+    with live_controller(tmp_path) as ctl:
+        argv = _remote("--hub", ctl.url, "--pulse", "0.1", "--exec", "sh", "-c", SCRIPT)
+        with _process(argv, tmp_path / "poller.log"):
+            _reports_then_ends(
+                ctl.url, tmp_path, "p", (0.4, "copying files"), (1.0, "past the end")
+            )
+
+
+def test_hostile_progress_in_a_put_is_400_and_the_holder_alone_reports(tmp_path: Path) -> None:
+    with live_controller(tmp_path) as ctl:
+        _call(f"{ctl.url}/job/", "POST", {"id": "j"})
+        job = _call(f"{ctl.url}/ping/?worker=w1&wait=5")
+        path = f"{ctl.url}/job/j/"
+        base = {"state": "working", "worker": "w1", "lease": job["lease"]}
+        for bad in ("0.5", -0.1, 1.01, True, None, [0.5], 1e400):
+            assert _status(path, "PUT", {**base, "progress": bad}) == 400, bad
+        assert (
+            _status(path, "PUT", raw=json.dumps(base).encode()[:-1] + b', "progress": NaN}') == 400
+        )
+        assert _status(path, "PUT", {**base, "progress": 0.5, "status": 3}) == 400
+        assert _status(path, "PUT", {**base, "progress": 0.5, "status": "x" * 201}) == 400
+        assert _status(path, "PUT", {**base, "status": "no progress"}) == 400
+        assert _status(path, "PUT", {"state": "working", "progress": 0.5}) == 400  # no worker
+        assert _job(ctl.url, "j")["progress"] is None
+        other = {**base, "worker": "w2", "progress": 0.9}
+        assert _status(path, "PUT", other) == 409  # not the holder
+        assert _status(path, "PUT", {**base, "progress": 1, "status": "x" * 200}) == 200
+        assert (_job(ctl.url, "j")["progress"], _job(ctl.url, "j")["status"]) == (1.0, "x" * 200)
+        assert _status(path, "PUT", {**base, "state": "finished", "progress": 0}) == 200
+        assert _job(ctl.url, "j")["progress"] == 0.0  # with its end: kept
+        assert _status(path, "PUT", {**base, "progress": 0.3}) == 409  # ended: no more
+
+
+def test_the_controller_cleans_what_the_worker_wire_and_heartbeats_carry() -> None:
+    assert clean(0.5, "ok") == (0.5, "ok")
+    assert clean(-3, "") == (0.0, "")
+    assert clean(7, "") == (1.0, "")
+    for bad in (math.nan, math.inf, -math.inf, "0.5", None, True, [1]):
+        assert clean(bad, "s") is None
+    assert clean(0.5, "a\nb\x00" + "x" * 500) == (0.5, "a b " + "x" * (MAX_STATUS - 4))
+    assert clean(0.5, 12) == (0.5, "")
+    assert check_http(0.5, "s") is None
+    assert check_http(2, "") is not None and check_http(0.5, "x" * 201) is not None
+
+
+def test_the_worker_keeps_the_latest_value_and_reads_lines() -> None:
+    woken: list[int] = []
+    reporter = Reporter(lambda: woken.append(1))
+    for step in range(1000):
+        reporter.set(step / 1000, "")
+    assert woken == [1]  # once, for the first: the owner sends at most a few a second
+    assert reporter.take() == (0.999, "") and reporter.take() is None
+    assert parse_line(b"progress 0.4 copying files") == (0.4, "copying files")
+    assert parse_line(b"  progress   1e-1  ") == (0.1, "")
+    for bad in (b"progress", b"progress x", b"progress inf", b"Progress 0.1", b"\xff", b"p 1"):
+        assert parse_line(bad) is None
+    with pytest.raises(ValueError):
+        checked(math.nan)
+    seen: list[tuple[float, str]] = []
+    lines = ProgressLines(lambda p, s: seen.append((p, s)))
+    lines.feed(b"progress 0.1 a\nprogress 0.2 b\nprog")
+    lines.feed(b"ress 0.3 c\n" + b"y" * 5000)
+    lines.feed(b"\nprogress 0.4 d\n")
+    assert seen == [(0.2, "b"), (0.3, "c"), (0.4, "d")]
