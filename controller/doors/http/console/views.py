@@ -82,6 +82,7 @@ def job_row(job: Job, now: float, wall_offset: float) -> dict[str, Any]:
         "added_at": rfc3339(job.added_at + wall_offset),
         "attempts": job.task.attempts if job.task is not None else job.attempts,
         "error": job.error,
+        "progress": job.progress,  # (progress, status) its worker last reported, or None
     }
 
 
