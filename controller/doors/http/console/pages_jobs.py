@@ -117,7 +117,7 @@ def jobs_page(
 <label>Id or name <input type=search name=q value="{e(search)}"></label>
 <button>Filter</button> <a href="/ui/jobs">clear</a></form>
 {bulk}
-<section id=jobs-list data-live>{pager}
+<section id=jobs-list>{pager}
 {table(headers, rows, "no job matches")}</section>"""
     return layout("Jobs: job controller", body, current="/ui/jobs", csrf=csrf, logout=logout)
 
