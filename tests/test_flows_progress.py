@@ -16,12 +16,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import trio
 
 from controller import datagram as dg
 from controller.progress import MAX_STATUS, check_http, clean
-from tests.helpers import live_controller, reap, wait_for_condition, worker_argv
-from worker.progress import ProgressLines, Reporter, checked, parse_line
+from gen import worker_protocol_pb2 as pb
+from tests.fakes import FakeController
+from tests.helpers import (
+    exchange,
+    live_controller,
+    reap,
+    wait_for_condition,
+    wait_until,
+    worker_argv,
+)
+from tests.test_http import http_controller
+from worker.progress import SEND_SECONDS, ProgressLines, Reporter, checked, parse_line
 
 
 def _call(url: str, method: str = "GET", body: Any = None, raw: bytes | None = None) -> Any:
@@ -214,3 +226,94 @@ def test_the_worker_keeps_the_latest_value_and_reads_lines() -> None:
     lines.feed(b"ress 0.3 c\n" + b"y" * 5000)
     lines.feed(b"\nprogress 0.4 d\n")
     assert seen == [(0.2, "b"), (0.3, "c"), (0.4, "d")]
+
+
+# Four bursts of 3,000 progress lines as fast as the shell writes them, 0.3 s apart, then a
+# last one, then the result.
+FLOOD = (
+    "for b in 1 2 3 4; do i=0; while [ $i -lt 3000 ]; do "
+    'echo "progress 0.$i flood"; i=$((i+1)); done; sleep 0.3; done '
+    '>&"$JOB_PROGRESS_FD"; echo "progress 0.99 last" >&"$JOB_PROGRESS_FD"; cat'
+)
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv)
+
+
+@pytest.mark.parametrize("takes", [True, False], ids=["takes-progress", "older-controller"])
+async def test_a_flood_of_progress_is_a_few_pulses_a_second_and_its_last_goes_first(
+    tmp_path: Path, takes: bool
+) -> None:
+    sockdir = tmp_path / "s"
+    sockdir.mkdir()
+    fake = FakeController(sockdir, takes_progress=takes)
+    proc = _spawn(worker_argv(sockdir, "--pulse", "30", "--exec", "sh", "-c", FLOOD))
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(fake.serve)
+                await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_OK)))
+                started = trio.current_time()
+                task = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=7)
+                resp, _ = await fake.control(1, task, b"result")
+                assert resp.error == pb.WORKER_ERR_OK
+                await fake.wait_for(lambda: bool(fake.of_type(pb.PULSE_FETCH_ME)))
+                took = trio.current_time() - started
+                resp, extra = await fake.control(1, pb.ControlMsg(type=pb.CTRL_FETCH))
+                assert (resp.error, extra) == (pb.WORKER_ERR_OK, b"result")
+                sent = fake.of_type(pb.PULSE_PROGRESS)
+                if not takes:
+                    assert sent == []
+                else:
+                    assert 3 <= len(sent) <= took / SEND_SECONDS + 2
+                    assert (sent[-1].task_id, sent[-1].status) == (7, "last")
+                    assert sent[-1].progress == pytest.approx(0.99)
+                    # The last progress is answered before the outcome is announced.
+                    order = [p.type for _, p in fake.pulses]
+                    assert order.index(pb.PULSE_FETCH_ME) > len(order) - 1 - order[::-1].index(
+                        pb.PULSE_PROGRESS
+                    )
+                nursery.cancel_scope.cancel()
+    finally:
+        reap(proc)
+
+
+async def test_hostile_progress_pulses_on_main_sock_are_cleaned_and_answered(
+    tmp_path: Path,
+) -> None:
+    sockdir = tmp_path / "s"
+    sockdir.mkdir()
+    handler = "tests.worker_handlers:progressing"
+    gate = tmp_path / "gate"
+    async with (
+        http_controller(sockdir, workers=1, handler=handler) as ctl,
+        httpx.AsyncClient(base_url=ctl.url, timeout=30) as http,
+    ):
+        await http.post("/job/", json={"id": "j", "payload": str(gate)})
+        held = ctl.desk.book.get("j")
+        assert held is not None
+        await wait_until(lambda: held.progress == (0.25, "started"))
+        worker = int((await http.get("/job/j/")).json()["worker"])
+
+        async def pulse(**fields: Any) -> int:
+            msg = pb.WorkerPulse(type=pb.PULSE_PROGRESS, worker_id=worker, **fields)
+            resp, _ = await exchange(sockdir / "main.sock", msg, pb.PulseResponse)
+            return int(resp.error)
+
+        task_id = held.task_id
+        assert await pulse(task_id=task_id, progress=math.nan, status="nan") == 0
+        assert await pulse(task_id=task_id, progress=math.inf) == 0
+        assert held.progress == (0.25, "started")  # dropped
+        assert await pulse(task_id=task_id + 1, progress=0.5) == 0  # not its job
+        assert held.progress == (0.25, "started")
+        assert await pulse(task_id=task_id, progress=5.0, status="\x00" + "y" * 999) == 0
+        assert held.progress == (1.0, " " + "y" * (MAX_STATUS - 1))
+        assert await pulse(task_id=task_id, progress=-2.0) == 0
+        assert held.progress == (0.0, "")
+        msg = pb.WorkerPulse(type=pb.PULSE_PROGRESS, worker_id=worker + 99, progress=0.5)
+        resp, _ = await exchange(sockdir / "main.sock", msg, pb.PulseResponse)
+        assert resp.error == pb.CTRL_ERR_UNKNOWN_ID
+        gate.touch()
+        done = (await http.get("/job/j/", params={"wait": 10})).json()
+        assert (done["state"], done["progress"], done["status"]) == ("finished", 0.75, "almost")
