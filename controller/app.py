@@ -177,6 +177,7 @@ def assemble(
         doors=doors,
         on_finished=http.job_ended if http is not None else None,
         on_output=http.output_grew if http is not None else None,
+        on_change=http.events.job_changed if http is not None else None,
     )
 
     committer = None

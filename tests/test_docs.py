@@ -427,3 +427,54 @@ def test_readme_jobctl_example(controller: tuple[int, int], workdir: Path) -> No
         assert resp.status == 201
     out = run_shell(localize(block(".venv/bin/jobctl list"), udp, http), workdir)
     assert "default" in out  # the queue's name, paused and resumed
+
+
+# ---------------------------------------------------------------- docs/flows.md's examples
+# Each run in the page's order against a controller like `make run`'s.
+
+FLOWS = Path(__file__).resolve().parent.parent / "docs" / "flows.md"
+# What an example's output shows, by a line of the example (examples not named here must
+# run without an error).
+SHOWS = {
+    '[{"id": "report-1"': r'"id":"report-1"',
+    "client.submit_many(": r"\[b'first', b'second', b'third'\]",
+    "events/ | grep": r'(?s)"demo-1","state":"requested".*"demo-1","state":"finished"',
+    '"unique_key": "report:2026-11", "delay": 60': r"(?s) 201\n.*\"report:2026-11\".* 200$",
+    '{"concurrency": 1, "rate": "2/s"}': r'(?s)"concurrency":1,"rate":"2/s".*"id":"lim-4".*"finished"',
+}
+
+
+def flows_examples() -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of docs/flows.md, in order."""
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(FLOWS.read_text())]
+
+
+def test_every_flows_example_is_shell_or_python() -> None:
+    blocks = flows_examples()
+    assert blocks and all(language in {"sh", "python", "text"} for language, _ in blocks), blocks
+    for line in SHOWS:  # each expectation names an example that is there
+        assert any(line in code for _, code in blocks), line
+
+
+@pytest.fixture
+def flows_ports(tmp_path: Path) -> Iterator[tuple[int, int]]:
+    with live_controller(tmp_path, "--workers", "2") as ctl:
+        yield ctl.udp_port, int(ctl.url.rsplit(":", 1)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_flows_examples_run_in_order(flows_ports: tuple[int, int], workdir: Path) -> None:
+    for language, code in flows_examples():
+        if language == "text":  # what a command prints, shown, not run
+            continue
+        local = localize(code, *flows_ports)
+        if language == "python":
+            script = workdir / "example.py"
+            script.write_text(local)
+            local = f"{sys.executable} {script}"
+        out = run_shell(local, workdir)
+        assert "Traceback" not in out and '"error": "internal"' not in out, (code, out)
+        for line, pattern in SHOWS.items():
+            if line in code:
+                assert re.search(pattern, out.strip()), (pattern, out)

@@ -477,6 +477,7 @@ async def test_openapi_document_names_every_path(sockdir):
             "/job/{job_id}/output/",
             "/queue/",
             "/queue/{name}/",
+            "/events/",
             "/ping/",
             "/openapi.json",
             "/",

@@ -27,6 +27,7 @@ from controller.client.exit_status import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, EX
 from controller.client.http import HttpPool
 from controller.client.httpwire import Answer
 from controller.client.jobctl_tables import job_details, jobs_table, queues_table
+from controller.client.jobctl_watch import add_watch_command, run_watch
 from controller.tokens import read_token
 
 # The packaged controller's http_token_file (packaging/controller.json): read when no
@@ -46,6 +47,7 @@ examples:
   jobctl pause mail && jobctl resume mail      stop, then resume handing out mail's jobs
   jobctl queues --json                         the queues, as JSON for a script
   jobctl output job-1 --follow                 a job's output, as it is written
+  jobctl watch --queue mail                    every change of mail's jobs, as it happens
   jobctl --url https://ctl.example:8443 --token-file /etc/controller/token list
 
 Against this host's controller, jobctl sends the first token of
@@ -198,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="go on printing what the job writes until it ends",
     )
+    add_watch_command(command)
     return parser
 
 
@@ -449,6 +452,7 @@ COMMANDS: dict[str, Callable[[Api, argparse.Namespace], int]] = {
     "resume": run_resume,
     "queues": run_queues,
     "output": run_output,
+    "watch": lambda api, args: run_watch(api, args, _refusal, _message),
 }
 
 

@@ -15,12 +15,9 @@ counts the jobs not yet ended and the bytes of their payloads as they come and g
 addition where a job is made, revived or recovered, one subtraction where it ends, is
 canceled or deleted), and every door asks it (`room`, `entries_room`) before making one.
 
-It keeps the rule of unique jobs (DESIGN.md section 17) the same way: the live jobs by their
-`unique_key` (`unique`), added in the same places (a job made, revived or recovered) and
-removed in the same places (it ended, was canceled or deleted), and every door asks it
-(`holder`) before making a job: a key held answers the holder instead. A failed or canceled
-job is not retried while another live job holds its key (`no_retry` says why), so at most one
-live job ever holds a key.
+It keeps the unique jobs' rule in the same places: the live jobs by `unique_key` (`unique`);
+every door asks `holder` before making a job (a key held answers the holder instead), and a
+job is not retried while another live job holds its key (`no_retry`): one live job a key.
 """
 
 from __future__ import annotations
@@ -136,6 +133,9 @@ class JobDesk:
         # door wakes those who follow it. Connected by the assembly, with the doors.
         self.on_finished: Callable[[Job], None] | None = None
         self.on_output: Callable[[Job], None] | None = None
+        # Told of every change of a job's state (made, started, back to pending or scheduled,
+        # ended, deleted, retried): the HTTP door's event stream.
+        self.on_change: Callable[[Job], None] | None = None
         self.scheduling = scheduling
         self.journal = journal
         self.write_ahead = write_ahead if write_ahead is not None else WriteAhead(journal)
@@ -152,12 +152,14 @@ class JobDesk:
         doors: Mapping[DoorName, Door],
         on_finished: Callable[[Job], None] | None = None,
         on_output: Callable[[Job], None] | None = None,
+        on_change: Callable[[Job], None] | None = None,
     ) -> None:
         """The doors that tell their submitters how jobs ended (a job of a door not here is
-        kept for retention untold), and who is told of every job's end and output."""
+        kept for retention untold), and who is told of every job's end, output and change."""
         self.doors = dict(doors)
         self.on_finished = on_finished
         self.on_output = on_output
+        self.on_change = on_change
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forget jobs past their retention, until cancelled."""
@@ -299,6 +301,8 @@ class JobDesk:
             self.unique.setdefault(task.opts.unique_key, job)
         if self.journal is not None:
             self.journal.job_added(job)
+        if self.on_change is not None:
+            self.on_change(job)
         if journal_first:
             self.write_ahead.after_commit(self.scheduling.execute, actions)
         else:
@@ -382,6 +386,8 @@ class JobDesk:
         self.came(job)
         if self.journal is not None:
             self.journal.job_retried(job.ref, job.attempts)
+        if self.on_change is not None:
+            self.on_change(job)
         door = self.doors.get(job.door)
         if door is not None:
             door.forget(job)  # its old outcome is no longer news
@@ -420,6 +426,8 @@ class JobDesk:
         job.drop_output()
         if self.journal is not None:
             self.journal.job_deleted(job.ref)
+        if self.on_change is not None:
+            self.on_change(job)
         if self.on_finished is not None:
             self.on_finished(job)
 
@@ -444,6 +452,8 @@ class JobDesk:
                 if self.journal is not None:
                     text = history_to_json(job.history or [], self.book.wall_offset)
                     self.journal.job_history(job.ref, text)
+            if self.on_change is not None:
+                self.on_change(job)
         if self.journal is None:
             return
         if action.state is TaskState.SCHEDULED:
@@ -475,6 +485,8 @@ class JobDesk:
             if job.ref in self.leased_refs:
                 self.leased_refs.discard(job.ref)
                 self.journal.job_unleased(job.ref)
+        if self.on_change is not None:
+            self.on_change(job)
         if self.on_finished is not None:
             self.on_finished(job)
         self.tell(job, now)

@@ -7,7 +7,7 @@ from typing import Any
 
 from controller import options
 from controller.declared import MAX_NAME_CHARS, MAX_NAMES
-from controller.doors.http import codec
+from controller.doors.http import codec, events
 from controller.doors.http.openapi_bulk import BAD_JOB, TOO_LARGE, one_or_many
 from controller.doors.http.openapi_options import OPTIONS_IN, OPTIONS_OUT
 from controller.doors.http.openapi_progress import PROGRESS_IN, PROGRESS_OUT, PROGRESS_RULES
@@ -204,6 +204,7 @@ OPENAPI: dict[str, Any] = {
                 },
             },
         },
+        "/events/": events.openapi_path(_errors),
         "/queue/": {
             "get": {
                 "summary": "every queue that has jobs, workers, a pause or a limit",

@@ -45,6 +45,7 @@ from controller.doors.http.connections import (
 )
 from controller.doors.http.console.handlers import Console
 from controller.doors.http.console.session import TokenFile
+from controller.doors.http.events import EventHub, listen, parse_last_id
 from controller.doors.http.openapi import OPENAPI
 from controller.doors.http.pollers import PollerDoor
 from controller.doors.http.queues import idle_queue, queue_report
@@ -93,6 +94,7 @@ class HttpDoor:
         self.redis_status = redis_status
         self._ended: dict[str, trio.Event] = {}
         self._grew: dict[str, trio.Event] = {}  # by job id: set when its output grows or it ends
+        self.events = EventHub()  # GET /events/: told of every job's change by the desk
         self._sockets: Any = None
         # The bearer tokens, for the API and the console's logins alike: the file must be
         # usable at start (else the start stops), then it is read again as it changes.
@@ -106,6 +108,7 @@ class HttpDoor:
             ("/ping/", self.pollers.ping, ["GET"]),
             ("/openapi.json", self.openapi, ["GET"]),
             ("/queue/", self.queues, ["GET"]),
+            ("/events/", self.events_stream, ["GET"]),
         ]  # each also without its trailing slash (no redirect), and /job/{id}/:
         patterns: list[tuple[str, Endpoint, list[str]]] = [
             ("/job/{job_id}/retry/", self.retry, ["POST"]),
@@ -173,7 +176,8 @@ class HttpDoor:
         idle_timer = self._idle_timer
 
         async def connection(stream: trio.abc.Stream) -> None:
-            server = OneOneServer(app, hc, context, {}, stream)  # type: ignore[arg-type]
+            state = {"stream": stream}  # scope["state"]: /events/ closes a stuck stream
+            server = OneOneServer(app, hc, context, state, stream)  # type: ignore[arg-type]
             if idle_timer:
                 timer = keepalive.fit(server, head_limit=self.config.http_body_timeout)
                 if timer is not None and isinstance(stream, OneOneStream):
@@ -427,6 +431,18 @@ class HttpDoor:
             if event is None:
                 event = self._grew[job.id] = trio.Event()
             await event.wait()
+
+    async def events_stream(self, request: Request) -> Response | StreamingResponse:
+        """GET /events/: job changes as Server-Sent Events (events.py)."""
+        self.counters["requests"] += 1
+        try:
+            queue = codec.parse_queue(request.query_params.get("queue"))
+            last_id = parse_last_id(
+                request.header(b"last-event-id"), request.query_params.get("last_event_id")
+            )
+        except ApiError as exc:
+            return self._refuse(exc)
+        return listen(self.events, queue, last_id)
 
     async def queues(self, request: Request) -> Response:
         """GET /queue/: every queue that has jobs, workers or a pause."""
