@@ -30,6 +30,7 @@ from controller.job_ids import DoorName
 from controller.job_states import JobState
 from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
+from controller.progress import clean as clean_progress
 from controller.usage import Usage, usage_from_row
 
 # Records forgotten per expire() call: deletes reach the journal in bounded batches,
@@ -252,20 +253,26 @@ class Job:
         return total, bytes(notes.output[-(total - seen) :])
 
     @property
-    def progress(self) -> tuple[float, str] | None:
-        """(progress, status) its worker last reported; None when it has not."""
-        notes = self.notes
-        if notes is None or notes.progress is None:
-            return None
-        return notes.progress, notes.status
+    def progress(self) -> float | None:
+        """How far it is (0 to 1), as its worker last reported; None when it has not."""
+        return self.notes.progress if self.notes is not None else None
 
-    def set_progress(self, progress: float | None, status: str = "") -> None:
+    @property
+    def progress_status(self) -> str:
+        """What its worker last said it does, with its progress ("" when nothing)."""
+        return self.notes.status if self.notes is not None else ""
+
+    def reported(self, progress: object, status: object, ref: int = 0) -> bool:
+        """Its worker's report (hostile: cleaned by controller/progress.py; `ref`: the task
+        the worker holds, when not 0), kept unless it is bad, not its running task's, or the
+        job has ended (it keeps its last values); whether it was kept."""
+        value = clean_progress(progress, status)
+        if value is None or self.state.final or (ref and ref != self.ref):
+            return False
         if self.notes is None:
-            if progress is None:
-                return
             self.notes = JobNotes()
-        self.notes.progress = progress
-        self.notes.status = status
+        self.notes.progress, self.notes.status = value
+        return True
 
     def drop_output(self) -> None:
         if self.notes is not None:

@@ -293,7 +293,7 @@ async def test_hostile_progress_pulses_on_main_sock_are_cleaned_and_answered(
         await http.post("/job/", json={"id": "j", "payload": str(gate)})
         held = ctl.desk.book.get("j")
         assert held is not None
-        await wait_until(lambda: held.progress == (0.25, "started"))
+        await wait_until(lambda: (held.progress, held.progress_status) == (0.25, "started"))
         worker = int((await http.get("/job/j/")).json()["worker"])
 
         async def pulse(**fields: Any) -> int:
@@ -304,13 +304,16 @@ async def test_hostile_progress_pulses_on_main_sock_are_cleaned_and_answered(
         task_id = held.task_id
         assert await pulse(task_id=task_id, progress=math.nan, status="nan") == 0
         assert await pulse(task_id=task_id, progress=math.inf) == 0
-        assert held.progress == (0.25, "started")  # dropped
+        assert (held.progress, held.progress_status) == (0.25, "started")  # dropped
         assert await pulse(task_id=task_id + 1, progress=0.5) == 0  # not its job
-        assert held.progress == (0.25, "started")
+        assert (held.progress, held.progress_status) == (0.25, "started")
         assert await pulse(task_id=task_id, progress=5.0, status="\x00" + "y" * 999) == 0
-        assert held.progress == (1.0, " " + "y" * (MAX_STATUS - 1))
+        assert (held.progress, held.progress_status) == (1.0, " " + "y" * (MAX_STATUS - 1))
         assert await pulse(task_id=task_id, progress=-2.0) == 0
-        assert held.progress == (0.0, "")
+        assert (held.progress, held.progress_status) == (0.0, "")
+        # Each progress kept is an event of GET /events/, carrying it; a dropped one is none.
+        changes = [c for c in ctl.web.events.ring if c[1] == "j"]
+        assert [c[4] for c in changes][-3:] == [0.25, 1.0, 0.0]
         msg = pb.WorkerPulse(type=pb.PULSE_PROGRESS, worker_id=worker + 99, progress=0.5)
         resp, _ = await exchange(sockdir / "main.sock", msg, pb.PulseResponse)
         assert resp.error == pb.CTRL_ERR_UNKNOWN_ID

@@ -445,8 +445,8 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
         "usage": job.usage.to_json() if job.usage is not None else None,
         "reason": job.reason or None,
     }
-    reported = job.progress  # what its worker last reported (controller/progress.py)
-    out["progress"], out["status"] = reported if reported is not None else (None, None)
+    out["progress"] = progress = job.progress  # what its worker last reported, or None
+    out["status"] = job.progress_status if progress is not None else None
     task = job.task
     if task is not None and task.state is TaskState.SCHEDULED and task.attempts:
         out["run_at"] = rfc3339(task.deadline + wall_offset)  # waiting to be retried
