@@ -320,3 +320,23 @@ async def test_hostile_progress_pulses_on_main_sock_are_cleaned_and_answered(
         gate.touch()
         done = (await http.get("/job/j/", params={"wait": 10})).json()
         assert (done["state"], done["progress"], done["status"]) == ("finished", 0.75, "almost")
+
+
+@pytest.mark.parametrize("kind", ["--hub", "--udp"])
+def test_a_remote_workers_handler_reports_progress(tmp_path: Path, kind: str) -> None:
+    with live_controller(tmp_path, allowed_calculators=["127.0.0.0/8"]) as ctl:
+        where = ctl.url if kind == "--hub" else f"127.0.0.1:{ctl.udp_port}"
+        handler = "tests.worker_handlers:progressing"
+        argv = _remote(kind, where, "--pulse", "0.1", "--handler", handler)
+        with _process(argv, tmp_path / "remote.log"):
+            # A calculator's last report is its last busy heartbeat's: 0.75 or an earlier one.
+            last = (0.75, "almost") if kind == "--hub" else None
+            gate = tmp_path / "gate-r"
+            _call(f"{ctl.url}/job/", "POST", {"id": "r", "payload": str(gate)})
+            wait_for_condition(lambda: _job(ctl.url, "r")["status"] == "started", 20)
+            assert _job(ctl.url, "r")["progress"] == 0.25
+            gate.touch()
+            done = _call(f"{ctl.url}/job/r/?wait=20")
+            assert done["state"] == "finished" and done["progress"] is not None
+            if last is not None:
+                assert (done["progress"], done["status"]) == last
