@@ -164,6 +164,12 @@ def assemble(
         hand_out=http.pollers.hand_out if http is not None else None,
         room=redis.look_for_room if redis is not None else None,
     )
+    # A local worker's progress report goes to the job its task is (desk.progressed checks it).
+    shell.on_reported = lambda ref, job_id, progress, status: (
+        desk.progressed(job, progress, status, ref)
+        if (job := desk.book.get(str(job_id))) is not None
+        else None
+    )
     # The doors that tell their submitters how jobs ended, and who follows every job.
     doors: dict[DoorName, Door] = {DoorName.UDP: udp}
     if redis is not None:

@@ -30,6 +30,7 @@ from controller.job_ids import DoorName
 from controller.job_states import JobState
 from controller.options import DEFAULT as DEFAULT_OPTIONS
 from controller.options import JobOptions
+from controller.progress import clean as clean_progress
 from controller.usage import Usage, usage_from_row
 
 # Records forgotten per expire() call: deletes reach the journal in bounded batches,
@@ -83,6 +84,10 @@ class JobNotes:
     log_size: int = 0  # bytes of `log` (UTF-8)
     output: bytearray | None = None  # what it wrote to stderr: the newest output_retention bytes
     output_total: int = 0  # bytes of output ever appended (what a follower has seen is counted so)
+    # What its worker last reported of its running attempt (controller/progress.py): shown,
+    # not journaled; None until it reports.
+    progress: float | None = None
+    status: str = ""
 
 
 def notes_of(name: str = "", info_url: str = "", download_url: str = "") -> JobNotes | None:
@@ -173,6 +178,8 @@ class Job:
         if self.history is None:
             self.history = []
         self.history.append(Attempt(self.ran_on, self.started_at, now, "failed", error, self.usage))
+        if self.notes is not None:  # its progress was that attempt's
+            self.notes.progress, self.notes.status = None, ""
         self.started_at = 0.0
 
     @property
@@ -244,6 +251,28 @@ class Job:
         if total <= seen:
             return total, b""
         return total, bytes(notes.output[-(total - seen) :])
+
+    @property
+    def progress(self) -> float | None:
+        """How far it is (0 to 1), as its worker last reported; None when it has not."""
+        return self.notes.progress if self.notes is not None else None
+
+    @property
+    def progress_status(self) -> str:
+        """What its worker last said it does, with its progress ("" when nothing)."""
+        return self.notes.status if self.notes is not None else ""
+
+    def reported(self, progress: object, status: object, ref: int = 0) -> bool:
+        """Its worker's report (hostile: cleaned by controller/progress.py; `ref`: the task
+        the worker holds, when not 0), kept unless it is bad, not its running task's, or the
+        job has ended (it keeps its last values); whether it was kept."""
+        value = clean_progress(progress, status)
+        if value is None or self.state.final or (ref and ref != self.ref):
+            return False
+        if self.notes is None:
+            self.notes = JobNotes()
+        self.notes.progress, self.notes.status = value
+        return True
 
     def drop_output(self) -> None:
         if self.notes is not None:

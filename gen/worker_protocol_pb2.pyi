@@ -14,6 +14,7 @@ class PulseType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PULSE_FETCH_ME: _ClassVar[PulseType]
     PULSE_SHUTDOWN: _ClassVar[PulseType]
     PULSE_OUTPUT: _ClassVar[PulseType]
+    PULSE_PROGRESS: _ClassVar[PulseType]
 
 class ControllerError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ PULSE_OK: PulseType
 PULSE_FETCH_ME: PulseType
 PULSE_SHUTDOWN: PulseType
 PULSE_OUTPUT: PulseType
+PULSE_PROGRESS: PulseType
 CTRL_ERR_OK: ControllerError
 CTRL_ERR_UNKNOWN_TYPE: ControllerError
 CTRL_ERR_UNKNOWN_ID: ControllerError
@@ -56,7 +58,7 @@ WORKER_ERR_TASK_FAILED: WorkerError
 WORKER_ERR_FAILED: WorkerError
 
 class WorkerPulse(_message.Message):
-    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size", "channel")
+    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size", "channel", "progress", "status")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,8 @@ class WorkerPulse(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     type: PulseType
     worker_id: int
     task_id: int
@@ -73,19 +77,23 @@ class WorkerPulse(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[str]
     extra_size: int
     channel: bool
-    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ..., channel: _Optional[bool] = ...) -> None: ...
+    progress: float
+    status: str
+    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ..., channel: _Optional[bool] = ..., progress: _Optional[float] = ..., status: _Optional[str] = ...) -> None: ...
 
 class PulseResponse(_message.Message):
-    __slots__ = ("error", "worker_id", "takes_output", "channel")
+    __slots__ = ("error", "worker_id", "takes_output", "channel", "takes_progress")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    TAKES_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     error: ControllerError
     worker_id: int
     takes_output: bool
     channel: bool
-    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ..., channel: _Optional[bool] = ...) -> None: ...
+    takes_progress: bool
+    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ..., channel: _Optional[bool] = ..., takes_progress: _Optional[bool] = ...) -> None: ...
 
 class JobLimits(_message.Message):
     __slots__ = ("memory_max", "tasks_max", "cpu_time", "file_size", "open_files", "cpu_quota")

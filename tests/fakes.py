@@ -103,6 +103,8 @@ class FakeController:
     # False: a controller older than job output (its REGISTER answer does not offer to take it).
     takes_output: bool = False
     outputs: list[tuple[int, bytes]] = field(default_factory=list)  # (task_id, bytes) received
+    # False: a controller older than job progress (it is sent no PULSE_PROGRESS).
+    takes_progress: bool = False
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_dir / "main.sock"
@@ -123,7 +125,10 @@ class FakeController:
                 self.outputs.append((pulse.task_id, extra))
             if pulse.type == pb.PULSE_REGISTER:
                 resp = pb.PulseResponse(
-                    error=pb.CTRL_ERR_OK, worker_id=self.next_id, takes_output=self.takes_output
+                    error=pb.CTRL_ERR_OK,
+                    worker_id=self.next_id,
+                    takes_output=self.takes_output,
+                    takes_progress=self.takes_progress,
                 )
                 self.known.add(self.next_id)
                 self.next_id += 1

@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -175,3 +176,29 @@ def says_hello(payload: bytes) -> bytes:
 
 def cannot_do(payload: bytes) -> bytes:
     raise RuntimeError(f"cannot do {payload!r}")
+
+
+def _gate_open(payload: bytes) -> bool:
+    return os.path.exists(payload.decode())
+
+
+def progressing(payload: bytes, report: Callable[..., None]) -> bytes:
+    """Reports progress, waits until the file named by the payload exists, reports again."""
+    report(0.25, "started")
+    while not _gate_open(payload):
+        time.sleep(0.01)
+    for step in range(2000):  # a flood: the worker sends a few of these, the last one last
+        report(0.5 + step / 4000)
+    report(0.75, "almost")
+    return b"done"
+
+
+async def aprogressing(payload: bytes, report: Callable[..., None]) -> bytes:
+    """progressing, async."""
+    report(0.25, "started")
+    while not _gate_open(payload):
+        await trio.sleep(0.01)
+    for step in range(2000):
+        report(0.5 + step / 4000)
+    report(0.75, "almost")
+    return b"done"

@@ -31,6 +31,7 @@ from controller.declared import DEFAULT as DECLARED_DEFAULT
 from controller.declared import Declared
 from worker.leaving import leave_on_signals
 from worker.output import SINK, OutputSink
+from worker.progress import REPORTER, Reporter
 from worker.runner import Runner, TaskFailed, take_usage
 
 log = logging.getLogger("worker.calculator")
@@ -77,6 +78,10 @@ class Calculator:
         self._beat_now = trio.Event()
         self._idle = trio.Event()  # set when a job's report is acknowledged
         self._draining = False
+        # The running job's progress (worker/progress.py): the latest goes with each busy
+        # heartbeat as params.progress and params.progress_status.
+        self._reporter = Reporter()
+        self._progress: tuple[float, str] | None = None
 
     async def run(self) -> int:
         with self.sock:
@@ -95,7 +100,11 @@ class Calculator:
     async def _heartbeats(self) -> None:
         while True:
             status = "busy" if self._running is not None or self._report else "ready"
-            self._send(dg.request("heartbeat", {"status": status, **self._declared}))
+            beat: dict[str, Any] = {"status": status, **self._declared}
+            self._progress = self._reporter.take() or self._progress
+            if self._running is not None and self._progress is not None:
+                beat["progress"], beat["progress_status"] = self._progress
+            self._send(dg.request("heartbeat", beat))
             if self._report is not None and self._report_with_beats:
                 self._send(self._report[1])
             with trio.move_on_after(self.pulse_period):
@@ -182,6 +191,9 @@ class Calculator:
         params: dict[str, Any] = {"task_id": task_id}
         sink = OutputSink(limit=dg.MAX_INLINE_RESULT)
         SINK.set(sink)  # this task's context: the job's stderr and logging go there
+        self._reporter.clear()
+        self._progress = None
+        REPORTER.set(self._reporter)  # and its progress
         try:
             result = await self.runner(task_id, payload)
             params["status"] = "success"

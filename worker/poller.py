@@ -36,6 +36,7 @@ from controller.declared import Declared
 from worker.errors import SetupError
 from worker.leaving import leave_on_signals
 from worker.output import SINK, OutputSink
+from worker.progress import REPORTER, Reporter
 from worker.runner import Runner, TaskFailed, take_usage
 
 log = logging.getLogger("worker.poller")
@@ -169,11 +170,15 @@ class Poller:
         payload = dg.read_bytes(job, "payload") or b""
         outcome: dict[str, Any] = {}
         stderr = Lines(OutputSink(limit=MAX_LOG))
+        reporter = Reporter()  # its progress: the latest goes with the next lease PUT
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._lease, http, path, lease, stderr, nursery.cancel_scope)
+            nursery.start_soon(
+                self._lease, http, path, lease, stderr, reporter, nursery.cancel_scope
+            )
             # Set after the lease task started (it copied this task's context): the job's
             # stderr and logging go to the sink, the poller's own lines do not.
             token = SINK.set(stderr.sink)
+            REPORTER.set(reporter)
             try:
                 result = await self.runner(task_id, payload)
                 outcome = {"state": "finished"}
@@ -194,6 +199,7 @@ class Poller:
             rest = stderr.take(final=True)
             if rest:
                 outcome["log"] = rest
+            _put_progress(outcome, reporter)
             await self._put(http, path, outcome, lease)  # a 409: it was taken back
 
     async def _lease(
@@ -202,15 +208,18 @@ class Poller:
         path: str,
         lease: str,
         stderr: Lines,
+        reporter: Reporter,
         job_scope: trio.CancelScope,
     ) -> None:
-        """Renew the lease every pulse, carrying what the job wrote to stderr since the last."""
+        """Renew the lease every pulse, carrying what the job wrote to stderr since the last
+        and its latest progress."""
         while True:
             await trio.sleep(self.pulse_period)
             body: dict[str, Any] = {"state": "working"}
             lines = stderr.take()
             if lines:
                 body["log"] = lines
+            _put_progress(body, reporter)
             if not await self._put(http, path, body, lease):
                 log.warning("%s was canceled or taken back: stopping it", path)
                 job_scope.cancel()
@@ -240,3 +249,10 @@ class Poller:
         if not self._reachable:
             log.info("controller at %s reachable again", self.hub)
         self._reachable = True
+
+
+def _put_progress(body: dict[str, Any], reporter: Reporter) -> None:
+    """The job's latest progress in a PUT's body, when it reported one since the last."""
+    value = reporter.take()
+    if value is not None:
+        body["progress"], body["status"] = value

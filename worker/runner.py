@@ -27,6 +27,7 @@ from gen import worker_protocol_pb2 as pb
 from worker.errors import SetupError
 from worker.limits.jail import Jail
 from worker.output import SINK
+from worker.progress import PROGRESS_FD, REPORTER, ProgressLines, report
 from worker.spawn import Finished, spawn_and_wait
 
 Runner = Callable[[int, bytes], Awaitable[bytes]]
@@ -116,16 +117,33 @@ def load_handler(spec: str) -> Callable[[bytes], Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def takes_report(func: Callable[..., Any]) -> bool:
+    """Whether a handler takes a second positional argument (`report`, worker/progress.py)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: called with the payload
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return True
+    return sum(1 for p in params if p.kind in positional) >= 2
+
+
 class HandlerRunner:
     """A `--handler` callable as a runner: async callables run in the caller's trio loop,
-    plain ones in a thread. `failure` and `result` turn what it did into the task's outcome
-    (the local worker calls them when it runs a plain handler in a thread of its own)."""
+    plain ones in a thread; one that takes a second argument gets `report` (its progress).
+    `failure` and `result` turn what it did into the task's outcome (the local worker calls
+    them when it runs a plain handler in a thread of its own)."""
 
     __slots__ = ("func", "is_async", "max_output")
 
-    def __init__(self, func: Callable[[bytes], Any], max_output: int) -> None:
-        self.func = func
+    def __init__(self, func: Callable[..., Any], max_output: int) -> None:
         self.is_async = inspect.iscoroutinefunction(func)
+        # Called with the payload alone; one that takes `report` gets it (an async one's
+        # coroutine is awaited all the same).
+        self.func: Callable[[bytes], Any] = (
+            (lambda payload: func(payload, report)) if takes_report(func) else func
+        )
         self.max_output = max_output
 
     async def __call__(self, task_id: int, payload: bytes) -> bytes:
@@ -189,7 +207,7 @@ class ExecRunner:
         self.argv = argv
         self.program = program  # looked up once, not per job
         # The worker's environment, read once: os.environ decodes every variable on each copy.
-        self.environ = dict(os.environ)
+        self.environ = {**os.environ, "JOB_PROGRESS_FD": str(PROGRESS_FD)}
         self.max_output = max_output
         # The job user, limits and cgroup of its commands (worker/limits/jail.py); None: plain.
         self.jail = jail if jail is not None and jail.active else None
@@ -238,9 +256,12 @@ async def run_command(
     """Run one `--exec` job (`program`: argv[0]'s path, looked up here when not given;
     `environ`: the command's environment before TASK_ID, os.environ when not given)."""
     env = {**(os.environ if environ is None else environ), "TASK_ID": str(task_id)}
+    env["JOB_PROGRESS_FD"] = str(PROGRESS_FD)
     if program is None:
         program = shutil.which(argv[0]) or argv[0]
     sink = SINK.get()  # the job's output: its stderr as it comes
+    reporter = REPORTER.get()  # its progress: lines on JOB_PROGRESS_FD
+    lines = ProgressLines(reporter.set) if reporter is not None else None
     try:
         done = await spawn_and_wait(
             program,
@@ -251,6 +272,7 @@ async def run_command(
             stderr_keep=STDERR_TAIL,
             read_chunk=READ_CHUNK,
             on_stderr=sink.write if sink is not None else None,
+            on_progress=lines.feed if lines is not None else None,
             jail=jail,
             limits=limits,
         )

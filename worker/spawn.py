@@ -2,7 +2,8 @@
 
 `os.posix_spawn` (glibc starts the child with vfork semantics: no copy of the
 worker's memory, no thread hop) in a session of its own, a pidfd for its exit,
-and its stdin, stdout, stderr and pidfd in an epoll set: `Command` in the
+and its stdin, stdout, stderr, progress pipe (its descriptor 3, `JOB_PROGRESS_FD`) and
+pidfd in an epoll set: `Command` in the
 local worker's own loop (worker/local/job.py), `spawn_and_wait` in a trio task
 (calculators, pollers). No process object, no task per pipe. Stopping a job
 early (RESTART, task_timeout, SIGTERM past the drain) kills the whole
@@ -28,6 +29,10 @@ import trio
 from controller.joblimits import NO_LIMITS, JobLimits
 from gen import worker_protocol_pb2 as pb
 from worker.limits.jail import Jail
+from worker.progress import PROGRESS_FD
+
+# Bytes read from a command's progress pipe at once (its lines are short).
+PROGRESS_READ = 4096
 
 # Signals Python ignores that a command expects at their default (as subprocess does).
 _DEFAULT_SIGNALS = {signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU}
@@ -67,6 +72,7 @@ class Command:
         "_jail",
         "_limits",
         "_max_output",
+        "_on_progress",
         "_on_stderr",
         "_open",
         "_read_chunk",
@@ -79,6 +85,7 @@ class Command:
         "out_r",
         "pid",
         "pidfd",
+        "prog_r",
     )
 
     def __init__(
@@ -93,6 +100,7 @@ class Command:
         stderr_keep: int,
         read_chunk: int,
         on_stderr: Callable[[bytes], None] | None = None,
+        on_progress: Callable[[bytes], None] | None = None,
         jail: Jail | None = None,
         limits: JobLimits = NO_LIMITS,
     ) -> None:
@@ -100,10 +108,10 @@ class Command:
         self._jail = jail
         self._limits = limits
         self._started = time.perf_counter()
-        self.pid, self.in_w, self.out_r, self.err_r, self._cgroup = _start(
+        self.pid, self.in_w, self.out_r, self.err_r, self.prog_r, self._cgroup = _start(
             program, argv, env, jail, limits
         )
-        self._open = {self.in_w, self.out_r, self.err_r}
+        self._open = {self.in_w, self.out_r, self.err_r, self.prog_r}
         try:
             self.pidfd = os.pidfd_open(self.pid)
         except BaseException:  # out of descriptors: stop it, reap it, and say so
@@ -116,6 +124,7 @@ class Command:
         self._stderr_keep = stderr_keep
         self._read_chunk = read_chunk
         self._on_stderr = on_stderr
+        self._on_progress = on_progress
         self._exited = False
         self.done = Finished()
         self._view = memoryview(payload)
@@ -126,6 +135,7 @@ class Command:
             self._close(self.in_w)
         epoll.register(self.out_r, _IN)
         epoll.register(self.err_r, _IN)
+        epoll.register(self.prog_r, _IN)
         epoll.register(self.pidfd, select.EPOLLIN)
 
     @property
@@ -139,7 +149,13 @@ class Command:
     @property
     def running(self) -> bool:
         """Until it has exited and both its outputs are closed."""
-        return not self._exited or self.out_r in self._open or self.err_r in self._open
+        opened = self._open
+        return (
+            not self._exited
+            or self.out_r in opened
+            or self.err_r in opened
+            or self.prog_r in opened
+        )
 
     def on_event(self, fd: int) -> None:
         done = self.done
@@ -167,6 +183,12 @@ class Command:
                 self._on_stderr(bytes(done.stderr[before:]))
             if len(done.stderr) > 2 * self._stderr_keep:
                 del done.stderr[: -self._stderr_keep]
+        elif fd == self.prog_r:
+            data = os.read(fd, PROGRESS_READ)
+            if not data:
+                self._close(fd)
+            elif self._on_progress is not None:
+                self._on_progress(data)
 
     def reap(self) -> Finished:
         """Once it is no longer `running`: its exit code, what it used, and its descriptors
@@ -260,6 +282,7 @@ async def spawn_and_wait(
     stderr_keep: int,
     read_chunk: int,
     on_stderr: Callable[[bytes], None] | None = None,
+    on_progress: Callable[[bytes], None] | None = None,
     jail: Jail | None = None,
     limits: JobLimits = NO_LIMITS,
 ) -> Finished:
@@ -277,6 +300,7 @@ async def spawn_and_wait(
             stderr_keep=stderr_keep,
             read_chunk=read_chunk,
             on_stderr=on_stderr,
+            on_progress=on_progress,
             jail=jail,
             limits=limits,
         )
@@ -299,12 +323,13 @@ async def spawn_and_wait(
 
 def _start(
     program: str, argv: list[str], env: dict[str, str], jail: Jail | None, limits: JobLimits
-) -> tuple[int, int, int, int, Path | None]:
+) -> tuple[int, int, int, int, int, Path | None]:
     """Start it (posix_spawn returns as soon as the child has exec'd: no blocking wait);
-    (pid, its stdin, its stdout, its stderr, its cgroup)."""
+    (pid, its stdin, its stdout, its stderr, its progress pipe, its cgroup)."""
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    prog_r, prog_w = os.pipe2(os.O_CLOEXEC)
 
     def spawn(resetids: bool = False) -> int:
         return os.posix_spawn(
@@ -315,6 +340,7 @@ def _start(
                 (os.POSIX_SPAWN_DUP2, in_r, 0),
                 (os.POSIX_SPAWN_DUP2, out_w, 1),
                 (os.POSIX_SPAWN_DUP2, err_w, 2),
+                (os.POSIX_SPAWN_DUP2, prog_w, PROGRESS_FD),  # JOB_PROGRESS_FD
             ],
             setsid=True,  # its own process group, so RESTART can kill it all
             setsigdef=_DEFAULT_SIGNALS,
@@ -329,12 +355,12 @@ def _start(
         else:
             pid, cgroup = jail.spawn(spawn, limits)
     except BaseException:
-        for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+        for fd in (in_r, in_w, out_r, out_w, err_r, err_w, prog_r, prog_w):
             os.close(fd)
         raise
-    for fd in (in_r, out_w, err_w):
+    for fd in (in_r, out_w, err_w, prog_w):
         os.close(fd)
-    return pid, in_w, out_r, err_r, cgroup
+    return pid, in_w, out_r, err_r, prog_r, cgroup
 
 
 def _reap(pid: int) -> tuple[int, resource.struct_rusage]:

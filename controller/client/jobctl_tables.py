@@ -112,6 +112,8 @@ def job_details(job: dict[str, Any]) -> str:
             shown = f"{when(value)}  ({value})"
         elif key in ("payload_b64", "result_b64") and isinstance(value, str):
             shown = f"{len(value) * 3 // 4 - value.count('=')} bytes (base64 in --json)"
+        elif key == "progress" and isinstance(value, int | float) and value is not True:
+            shown = f"{value * 100:.0f}%"  # as far as its worker last said (0..1)
         elif key == "usage" and isinstance(value, dict):
             shown = usage_line(value)
         elif key == "limits" and isinstance(value, dict):

@@ -136,6 +136,11 @@ class Calculators:
             self.scheduler.dispatch(actions, now)
         return actions
 
+    def holding(self, address: Address) -> Task | None:
+        """The task the calculator at `address` holds now, if any."""
+        worker = self._live(address)
+        return worker.task if worker is not None else None
+
     def held(self, address: Address, task_id: int) -> Task | None:
         """The task the calculator at `address` holds, if its number is `task_id`."""
         worker = self._live(address)

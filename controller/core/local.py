@@ -196,7 +196,11 @@ class LocalWorkers:
         actions: list[Action] = [
             Reply(
                 pb.PulseResponse(
-                    error=pb.CTRL_ERR_OK, worker_id=wid, takes_output=True, channel=pulse.channel
+                    error=pb.CTRL_ERR_OK,
+                    worker_id=wid,
+                    takes_output=True,
+                    takes_progress=True,
+                    channel=pulse.channel,
                 )
             )
         ]

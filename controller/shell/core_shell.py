@@ -99,6 +99,8 @@ class CoreShell:
         self.on_finished: Callable[[TaskFinished], None] = lambda finished: None
         self.on_progress: Callable[[TaskProgress], None] | None = None
         self.on_output: Callable[[int, object, bytes], None] | None = None
+        # A local worker's progress report: task ref, task job, progress, status (unchecked).
+        self.on_reported: Callable[[int, object, float, str], None] | None = None
         self.on_usage: Callable[[int, object, Usage], None] | None = None
         self.on_perform: Callable[[PerformTask], None] | None = None
         self.on_hand_out: Callable[[HandOut], None] | None = None
@@ -351,7 +353,7 @@ class CoreShell:
         extra: bytes,
     ) -> None:
         try:
-            if pulse.type == pb.PULSE_OUTPUT:
+            if pulse.type == pb.PULSE_OUTPUT or pulse.type == pb.PULSE_PROGRESS:
                 self._output(uid, conn, pulse, extra)
                 return
             if pulse.channel and pulse.type != pb.PULSE_REGISTER:
@@ -384,9 +386,15 @@ class CoreShell:
     def _output(
         self, uid: int, conn: Incoming[pb.WorkerPulse], pulse: pb.WorkerPulse, extra: bytes
     ) -> None:
-        """What a local worker's job wrote to stderr: kept with the job it holds."""
+        """What a local worker's job wrote to stderr, or its progress: kept with the job it
+        holds."""
         reply, task = self.core.local.output(PulseReceived(pulse, None, uid))
-        if task is not None and extra and self.on_output is not None:
+        if task is None:
+            pass
+        elif pulse.type == pb.PULSE_PROGRESS:
+            if self.on_reported is not None:
+                self.on_reported(task.ref, task.job, pulse.progress, pulse.status)
+        elif extra and self.on_output is not None:
             self.on_output(task.ref, task.job, extra)
         conn.reply(wire.encode_frame(reply.response))
 

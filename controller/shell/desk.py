@@ -10,14 +10,13 @@ that ends in the scheduler is recorded in the book and the journal here, and its
 Retention (forgetting old outcomes) runs here too. Putting the journal's jobs back at
 start is recovery.py's; settling the changes the journal refuses is refusals.py's.
 
-The desk also owns the bound on queued work (`max_pending`, `max_pending_bytes`): it
-counts the jobs not yet ended and the bytes of their payloads as they come and go (one
-addition where a job is made, revived or recovered, one subtraction where it ends, is
-canceled or deleted), and every door asks it (`room`, `entries_room`) before making one.
-
-It keeps the unique jobs' rule in the same places: the live jobs by `unique_key` (`unique`);
-every door asks `holder` before making a job (a key held answers the holder instead), and a
-job is not retried while another live job holds its key (`no_retry`): one live job a key.
+The desk also owns the bound on queued work (`max_pending`, `max_pending_bytes`): it counts
+the jobs not yet ended and the bytes of their payloads as they come and go (added where a job
+is made, revived or recovered, taken away where it ends, is canceled or deleted), and every
+door asks it (`room`, `entries_room`) before making one. It keeps the unique jobs' rule in the
+same places: the live jobs by `unique_key` (`unique`); every door asks `holder` before making a
+job (a key held answers the holder instead), and a job is not retried while another live job
+holds its key (`no_retry`): one live job a key.
 """
 
 from __future__ import annotations
@@ -85,12 +84,12 @@ class JobDesk:
         self.unique: dict[str, Job] = {}
         self.max_log_size = max_log_size
         self.output_retention = output_retention
-        # Told when a job ends (`on_finished`) or its output grows (`on_output`): the HTTP
-        # door wakes those who follow it. Connected by the assembly, with the doors.
+        # Told when a job ends (`on_finished`) or its output grows (`on_output`), and of every
+        # change of its state or progress (`on_change`: made, started, back to pending or
+        # scheduled, ended, deleted, retried, progressed): the HTTP door, which wakes those who
+        # follow it and streams the events. Connected by the assembly, with the doors.
         self.on_finished: Callable[[Job], None] | None = None
         self.on_output: Callable[[Job], None] | None = None
-        # Told of every change of a job's state (made, started, back to pending or scheduled,
-        # ended, deleted, retried): the HTTP door's event stream.
         self.on_change: Callable[[Job], None] | None = None
         self.scheduling = scheduling
         self.journal = journal
@@ -150,8 +149,7 @@ class JobDesk:
         )
 
     def refusal_for(self, size: int) -> str:
-        """Why a new job with a payload of `size` bytes is refused for want of room ("" when
-        it fits)."""
+        """Why a job with a `size`-byte payload is refused for want of room ("" if it fits)."""
         return "" if self.room(size) else self.busy(size)
 
     def entries_room(self) -> int:
@@ -171,8 +169,7 @@ class JobDesk:
             self.unique.setdefault(key, job)
 
     def went(self, job: Job) -> None:
-        """A job ended, was canceled or deleted: it leaves the count of queued work (and
-        frees its unique_key)."""
+        """A job ended, was canceled or deleted: out of the queued work's count (frees its key)."""
         self.live_jobs -= 1
         self.live_bytes -= len(job.payload)
         key = job.options.unique_key
@@ -180,8 +177,7 @@ class JobDesk:
             del self.unique[key]
 
     def holder(self, unique_key: str) -> Job | None:
-        """The live job that holds `unique_key` (None: the key is free, or ""): a door answers
-        it instead of making a new job with that key."""
+        """The live job holding `unique_key` (None: free, or ""): a door answers it instead."""
         return self.unique.get(unique_key) if unique_key and self.unique else None
 
     def no_retry(self, job: Job) -> str:
@@ -292,6 +288,11 @@ class JobDesk:
             self.journal.job_output(job.ref, kept, self.output_retention)
         if self.on_output is not None:
             self.on_output(job)
+
+    def progressed(self, job: Job, progress: object, status: object, ref: int = 0) -> None:
+        """A worker's report of its job's progress: the one place it changes (Job.reported)."""
+        if job.reported(progress, status, ref) and self.on_change is not None:
+            self.on_change(job)
 
     def task_usage(self, ref: int, job_id: object, usage: Usage) -> None:
         """What the running attempt of task `ref` used, as its worker reported with its outcome

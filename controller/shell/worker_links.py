@@ -69,6 +69,8 @@ class LinkHost(Protocol):
     reactor: Reactor
     # Where a local worker's job output goes: (task ref, task job, the bytes).
     on_output: Callable[[int, object, bytes], None] | None
+    # Where its progress goes: (task ref, task job, progress, status), unchecked.
+    on_reported: Callable[[int, object, float, str], None] | None
 
     def execute(self, actions: list[Action]) -> None: ...
 
@@ -193,6 +195,11 @@ class WorkerLinks:
             task = self.core.local.output(PulseReceived(pulse, None, uid))[1]
             if task is not None and extra and self.shell.on_output is not None:
                 self.shell.on_output(task.ref, task.job, extra)
+            return
+        if ptype == pb.PULSE_PROGRESS:
+            task = self.core.local.output(PulseReceived(pulse, None, uid))[1]
+            if task is not None and self.shell.on_reported is not None:
+                self.shell.on_reported(task.ref, task.job, pulse.progress, pulse.status)
             return
         if ptype == pb.PULSE_REGISTER:
             channel.send(wire.encode_channel(wire.CHANNEL_PULSE_RESPONSE, _FAILED_RESPONSE))

@@ -25,6 +25,7 @@ from controller.joblimits import NO_LIMITS, from_proto
 from gen import worker_protocol_pb2 as pb
 from worker.local.base import LoopBase, Outcome, Settings
 from worker.output import CHUNK, SINK, OutputSink
+from worker.progress import REPORTER, ProgressLines, Reporter
 from worker.runner import (
     READ_CHUNK,
     STDERR_TAIL,
@@ -76,6 +77,13 @@ class JobSlot(LoopBase):
         self._output_at = math.inf  # when to send them
         self._sending_output = False  # a PULSE_OUTPUT is on its way
         self._ending: tuple[int, Outcome] | None = None  # an outcome waiting for its output
+        # Its progress (worker/progress.py), for a controller that takes it: the latest
+        # value, sent in a PULSE_PROGRESS at most every SEND_SECONDS, and before its outcome.
+        self._takes_progress = False
+        self._reporter = Reporter(self._progress_arrived)
+        self._progress_due = False  # the reporter may hold a value (set from any thread)
+        self._progress_next = 0.0  # the earliest time the next may go
+        self._sending_progress = False  # one is on its way on the seed's exchange
 
     @abc.abstractmethod
     def _fetch_me(self) -> None:
@@ -117,6 +125,9 @@ class JobSlot(LoopBase):
                 stderr_keep=STDERR_TAIL,
                 read_chunk=READ_CHUNK,
                 on_stderr=self._sink.write if self._takes_output else None,
+                on_progress=(
+                    ProgressLines(self._reporter.set).feed if self._takes_progress else None
+                ),
                 jail=jail,
                 limits=limits,
             )
@@ -159,6 +170,7 @@ class JobSlot(LoopBase):
         while (job := jobs.get()) is not None:
             task_id, payload = job
             SINK.set(self._sink if self._takes_output else None)  # its stderr and logging
+            REPORTER.set(self._reporter if self._takes_progress else None)
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 result = runner.result(runner.func(payload))
@@ -188,6 +200,7 @@ class JobSlot(LoopBase):
         while True:
             task_id, payload = await trio.lowlevel.wait_task_rescheduled(_parked_abort)
             SINK.set(self._sink if self._takes_output else None)  # its stderr and logging
+            REPORTER.set(self._reporter if self._takes_progress else None)
             wall, cpu = time.perf_counter(), time.process_time()
             try:
                 result = await self.runner(task_id, payload)
@@ -211,7 +224,9 @@ class JobSlot(LoopBase):
         task_id, self._job_id = self._job_id, 0
         if not ok:
             log.info("task %d failed: %s", task_id, result.decode("utf-8", "replace"))
-        if self._output_due or self._sending_output:  # its last output goes first
+        if self._progress_due:  # its last progress goes now, before its outcome
+            self._send_progress(time.monotonic(), task_id)
+        if self._output_due or self._sending_output or self._sending_progress:
             self._ending = (task_id, outcome)
             if not self._sending_output:
                 self._output_at = 0.0
@@ -226,6 +241,8 @@ class JobSlot(LoopBase):
         self._outcome = None
         self._ending = None
         self._sink.clear()
+        self._reporter.clear()
+        self._progress_due = False
         if self._command is not None:
             self._command.kill()
             for fd in self._command_fds:
@@ -251,9 +268,24 @@ class JobSlot(LoopBase):
         else:
             self._output_settled()
 
+    def _progress_arrived(self) -> None:
+        """The reporter's hook (any thread): a value waits to be sent."""
+        self._progress_due = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"p")
+
+    @abc.abstractmethod
+    def _send_progress(self, now: float, task_id: int = 0) -> None:
+        """One PULSE_PROGRESS with the latest value, for `task_id` (0: the running job)."""
+
+    def _progress_sent(self, resp: pb.PulseResponse | None, why: str) -> None:
+        self._sending_progress = False
+        if not self._output_due:
+            self._output_settled()
+
     def _output_settled(self) -> None:
         """Nothing waits to be sent: an outcome held for its output goes out now."""
-        if self._ending is not None and not self._sending_output:
+        if self._ending is not None and not self._sending_output and not self._sending_progress:
             task_id, (ok, result, usage, reason) = self._ending
             self._ending = None
             self.session.finished(task_id, ok, result, usage, reason)

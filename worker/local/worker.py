@@ -72,6 +72,7 @@ from worker.local.base import Settings
 from worker.local.channel import ChannelLink
 from worker.local.seed import SeedExchange
 from worker.output import BATCH_SECONDS, CHUNK
+from worker.progress import SEND_SECONDS
 from worker.runner import ExecRunner, HandlerRunner, Runner
 
 log = logging.getLogger("worker")
@@ -208,6 +209,8 @@ class LocalWorker(ChannelLink, SeedExchange):
                 self._output_at = now if len(self._sink) >= CHUNK else now + BATCH_SECONDS
             if now >= self._output_at:
                 self._send_output()
+        if self._progress_due and not self._sending_progress and now >= self._progress_next:
+            self._send_progress(now)
         if self._dials or self._conns:
             for dial in list(self._dials.values()):
                 if dial.connect_at and now >= dial.connect_at:
@@ -227,6 +230,8 @@ class LocalWorker(ChannelLink, SeedExchange):
             wake = min(wake, self._drain_deadline)
         if self._output_due and not self._sending_output:
             wake = min(wake, self._output_at)
+        if self._progress_due and not self._sending_progress:
+            wake = min(wake, self._progress_next)
         for dial in self._dials.values():  # those on their way, backlog retries included
             wake = min(wake, dial.connect_at or dial.deadline)
         for conn in self._conns.values():
@@ -244,6 +249,7 @@ class LocalWorker(ChannelLink, SeedExchange):
         if resp is not None and resp.error == pb.CTRL_ERR_OK and resp.HasField("worker_id"):
             log.info("registered as worker %d", resp.worker_id)
             self._takes_output = resp.takes_output
+            self._takes_progress = resp.takes_progress
             if self.ask_channel and resp.channel:
                 if self._open_channel(resp.worker_id):
                     self._backoff = REGISTER_BACKOFF_START
@@ -328,6 +334,28 @@ class LocalWorker(ChannelLink, SeedExchange):
             self._output_sent(_CHANNEL_OK, "")
             return
         self._dial(pulse, self._output_sent, self._sink.take(CHUNK))
+
+    def _send_progress(self, now: float, task_id: int = 0) -> None:
+        """One PULSE_PROGRESS with the latest value the job reported (none: nothing)."""
+        self._progress_due = False  # cleared before looking: a report from now on sets it again
+        value = self._reporter.take()
+        session = self.session
+        task_id = task_id or session.task_id
+        if value is None or session.worker_id == 0 or not self._takes_progress or not task_id:
+            return
+        self._progress_next = now + SEND_SECONDS
+        pulse = pb.WorkerPulse(
+            type=pb.PULSE_PROGRESS,
+            worker_id=session.worker_id,
+            task_id=task_id,
+            progress=value[0],
+            status=value[1],
+        )
+        if self._chan is not None:  # no answer on the channel
+            self._chan_send(wire.encode_channel(wire.CHANNEL_PULSE, pulse))
+            return
+        self._sending_progress = True
+        self._dial(pulse, self._progress_sent)
 
     def _shutdown(self) -> None:
         """The drain's end (its job handed over, or its deadline passed): SHUTDOWN to the

@@ -33,6 +33,7 @@ from controller.job_ids import (
 from controller.job_states import JobState
 from controller.jobs import Job
 from controller.options import JobOptions, rfc3339
+from controller.progress import check_http as check_progress
 from controller.usage import Usage, usage_from_json
 
 # ?wait= is capped so that a forgotten long-poll does not hold a connection for ever.
@@ -57,7 +58,18 @@ QUEUE_FIELDS = frozenset({"paused", "concurrency", "rate"})
 # The largest queue concurrency taken (a whole number, as a rate's N).
 MAX_CONCURRENCY = 1_000_000_000
 UPDATE_FIELDS = frozenset(
-    {"state", "log", "worker", "lease", "result", "result_b64", "error", "usage"}
+    {
+        "state",
+        "log",
+        "worker",
+        "lease",
+        "result",
+        "result_b64",
+        "error",
+        "usage",
+        "progress",
+        "status",
+    }
 )
 # A poller's lease is a token the controller made (about 22 characters); anything longer is not one.
 MAX_LEASE = 200
@@ -96,6 +108,7 @@ class Update:
     error: str | None
     lease: str | None = None
     usage: Usage | None = None  # a poller's report of what its attempt used
+    progress: tuple[float, str] | None = None  # a poller's `progress` and `status`
 
 
 def max_body(max_payload: int) -> int:
@@ -270,10 +283,26 @@ def parse_update(body: bytes, max_result: int) -> Update:
         error=_text(data, "error", MAX_ERROR),
         lease=_text(data, "lease", MAX_LEASE),
         usage=_usage(data),
+        progress=_progress(data),
     )
     if update.state is None and update.log is None:
         raise ApiError(400, "give state and/or log")
+    if update.progress is not None and update.worker is None:
+        raise ApiError(400, "progress comes from the poller holding the job: give worker")
     return update
+
+
+def _progress(data: dict[str, Any]) -> tuple[float, str] | None:
+    """A poller's `progress` (a number from 0 to 1) and `status` (text, optional)."""
+    if "progress" not in data:
+        if "status" in data:
+            raise ApiError(400, "status comes with progress")
+        return None
+    progress, status = data["progress"], data.get("status", "")
+    why = check_progress(progress, status)
+    if why is not None:
+        raise ApiError(400, why)
+    return float(progress), status
 
 
 def _usage(data: dict[str, Any]) -> Usage | None:
@@ -416,6 +445,8 @@ def job_json(job: Job, wall_offset: float, name_of: Callable[[int], str] = str) 
         "usage": job.usage.to_json() if job.usage is not None else None,
         "reason": job.reason or None,
     }
+    out["progress"] = progress = job.progress  # what its worker last reported, or None
+    out["status"] = job.progress_status if progress is not None else None
     task = job.task
     if task is not None and task.state is TaskState.SCHEDULED and task.attempts:
         out["run_at"] = rfc3339(task.deadline + wall_offset)  # waiting to be retried

@@ -125,7 +125,7 @@ class EventHub:
             job.id,
             job.state.value,
             job.options.queue,
-            getattr(job, "progress", None),  # None until jobs report their progress
+            job.progress,  # None until its worker reports it (controller/progress.py)
         )
         self.next_seq += 1
         self.ring.append(change)

@@ -11,6 +11,7 @@ from controller.doors.http import codec, events
 from controller.doors.http.openapi_batch import BATCH_PATHS
 from controller.doors.http.openapi_bulk import BAD_JOB, TOO_LARGE, one_or_many
 from controller.doors.http.openapi_options import OPTIONS_IN, OPTIONS_OUT
+from controller.doors.http.openapi_progress import PROGRESS_IN, PROGRESS_OUT, PROGRESS_RULES
 from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
 from controller.job_states import JobState
 from controller.options import NAME_RULE
@@ -357,6 +358,7 @@ OPENAPI: dict[str, Any] = {
                 "additionalProperties": False,
                 "anyOf": [{"required": ["state"]}, {"required": ["log"]}],
                 "not": {"required": ["result", "result_b64"]},
+                "allOf": PROGRESS_RULES,
                 "properties": {
                     "state": {
                         "type": "string",
@@ -373,6 +375,7 @@ OPENAPI: dict[str, Any] = {
                     "result": _TEXT,
                     "result_b64": {"type": "string", "format": "byte"},
                     "error": {"type": "string", "maxLength": codec.MAX_ERROR},
+                    **PROGRESS_IN,
                 },
             },
             "Claim": {
@@ -410,6 +413,7 @@ OPENAPI: dict[str, Any] = {
                     "error",
                     "failed_post",
                     *OPTIONS_OUT,
+                    *PROGRESS_OUT,
                 ],
                 "properties": {
                     "id": _TEXT,
@@ -446,6 +450,7 @@ OPENAPI: dict[str, Any] = {
                         "enum": ["limit", "error", "timeout", "lost", "placement", None],
                     },
                     **OPTIONS_OUT,
+                    **PROGRESS_OUT,
                 },
             },
         }

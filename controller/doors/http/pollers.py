@@ -121,6 +121,8 @@ class PollerDoor:
         if update.log is not None:  # first: a follower of the job sees it before its end
             self.desk.logged(job, update.log, now)
         final = update.state in (JobState.FINISHED, JobState.FAILED)
+        if update.progress is not None and final:  # before its end, which keeps it
+            self.desk.progressed(job, *update.progress, job.ref)
         if final and update.usage is not None and job.task is not None:
             self.desk.scheduling.attempt_used(job.ref, job.task.job, update.usage)
         if update.state is JobState.WORKING or update.state is None:
@@ -130,3 +132,5 @@ class PollerDoor:
         else:
             actions = self.pollers.failed(name, job.ref, update.error or "", now)
         self.execute(actions)
+        if update.progress is not None and not final:  # after `working` starts its attempt
+            self.desk.progressed(job, *update.progress, job.ref)

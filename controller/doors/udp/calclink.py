@@ -34,6 +34,9 @@ class Heartbeat:
     address: Address
     ready: bool
     serves: declared.Declared = declared.DEFAULT  # the queues it serves, its labels
+    # A busy one's params.progress and params.progress_status, unchecked (the desk cleans
+    # them: controller/progress.py); None when it sent no progress.
+    progress: tuple[object, object] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,10 @@ def decode(
         except declared.BadDeclaration as exc:
             code = "bad_queues" if exc.what == "queues" else "bad_labels"
             raise BadPacket(code, str(exc)) from None
-        return [Heartbeat(address, status == "ready", serves)]
+        progress = None
+        if status == "busy" and "progress" in params:
+            progress = (params["progress"], params.get("progress_status", ""))
+        return [Heartbeat(address, status == "ready", serves, progress)]
     task_id = dg.task_id_field(params.get("task_id"))
     status = params.get("status")
     printed = params.get("output", "")

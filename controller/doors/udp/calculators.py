@@ -19,6 +19,7 @@ from controller.config import Config
 from controller.core import Action, PerformTask
 from controller.doors.udp.actions import Send
 from controller.doors.udp.calclink import (
+    Address,
     CalculatorAction,
     CalculatorLink,
     Completed,
@@ -63,7 +64,10 @@ class CalculatorShell:
     def _answer(self, action: CalculatorAction, now: float) -> list[Action]:
         kind = self.kind
         if isinstance(action, Heartbeat):
-            return kind.heartbeat(action.address, action.ready, now, action.serves)
+            actions = kind.heartbeat(action.address, action.ready, now, action.serves)
+            if action.progress is not None:
+                self._progressed(action.address, *action.progress)
+            return actions
         if isinstance(action, Completed):
             task = kind.held(action.address, action.task_id)
             if task is not None:  # kept with the job first: its followers see it before its end
@@ -80,6 +84,13 @@ class CalculatorShell:
         if not acked.refused:
             return kind.acknowledged(acked.address, acked.ref, now)
         return kind.unacknowledged(acked.address, acked.ref, now)
+
+    def _progressed(self, address: Address, progress: object, status: object) -> None:
+        """A busy heartbeat's progress, for the job the calculator holds."""
+        task = self.kind.holding(address)
+        job = self.desk.book.get(str(task.job)) if task is not None else None
+        if job is not None and task is not None:
+            self.desk.progressed(job, progress, status, task.ref)
 
     def perform(self, action: PerformTask) -> None:
         """A job placed on a calculator: perform_task now (the repeats come from `expire`).

@@ -84,7 +84,7 @@ def jobs_page(
         rows.append(
             f'<tr><td><a href="{job_href(job["id"])}">{e(job["id"])}</a></td>'
             f"<td class=name>{e(job['name'])}</td><td>{e(job['queue'])}</td>"
-            f"<td class={st}>{st}</td>"
+            f"<td class={st}>{st}</td><td>{progress_bar(job['progress'])}</td>"
             f"<td>{e(job['door'])}</td><td class=time>{e(job['added_at'])}</td>"
             f"<td class=num>{job['attempts']}</td>"
             f'<td class=err title="{e(job["error"][:1000])}">{e(job["error"][:200])}</td></tr>'
@@ -109,7 +109,7 @@ def jobs_page(
             + button_form("/ui/bulk", "Delete all…", csrf, [*fields, ("action", "delete")])
             + "</div>"
         )
-    headers = ["id", "name", "queue", "state", "door", "added", "attempts", "error"]
+    headers = ["id", "name", "queue", "state", "progress", "door", "added", "attempts", "error"]
     body = f"""<h1>Jobs</h1>
 <form method=get action="/ui/jobs" class=filter>
 <label>State <select name=state>{_options(states, state, "any but deleted")}</select></label>
@@ -155,6 +155,20 @@ def bulk_done_page(
     return layout("Done: job controller", body, current="/ui/jobs", csrf=csrf, logout=logout)
 
 
+def progress_bar(reported: tuple[float, str] | None) -> str:
+    """A job's progress as a bar (an HTML <progress>: drawn without JavaScript too), its
+    percentage and its status text; "" when its worker has reported none."""
+    if reported is None:
+        return ""
+    value, status = reported
+    percent = f"{value * 100:.0f}%"
+    text = f" <span class=pstatus>{e(status)}</span>" if status else ""
+    return (
+        f'<progress class=bar max=1 value="{value:.4f}" title="{e(status)}">{percent}</progress>'
+        f" <span class=num>{percent}</span>{text}"
+    )
+
+
 def _field(value: Any) -> str:
     if value is None:
         return "<span class=muted>null</span>"
@@ -198,10 +212,12 @@ def job_page(
         bytes_view(result) if result is not None else "<p class=muted>none (not finished)</p>"
     )
     state = fields["state"]
+    reported = (fields["progress"], fields["status"]) if fields["progress"] is not None else None
+    bar = f"<span class=progress>progress {progress_bar(reported)}</span>" if reported else ""
     body = f"""<h1>Job {e(job_id)}</h1>
 <section id=job-head data-live><p class=summary>
 <span>state <b class={e(state)}>{e(state)}</b></span>
-<span>added {e(fields["added_at"])}</span>{_batch_link(fields.get("batch"))}</p>
+<span>added {e(fields["added_at"])}</span>{_batch_link(fields.get("batch"))}{bar}</p>
 <div class=actions>{buttons or "<span class=muted>no action for a deleted job</span>"}</p></section>
 <h2>Fields</h2>
 <section id=job-fields data-live>{table(["field", "value"], rows, "")}</section>

@@ -82,6 +82,8 @@ def job_row(job: Job, now: float, wall_offset: float) -> dict[str, Any]:
         "added_at": rfc3339(job.added_at + wall_offset),
         "attempts": job.task.attempts if job.task is not None else job.attempts,
         "error": job.error,
+        # (progress, status) its worker last reported, or None
+        "progress": (job.progress, job.progress_status) if job.progress is not None else None,
     }
 
 
