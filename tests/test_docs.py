@@ -440,6 +440,8 @@ SHOWS = {
     "client.submit_many(": r"\[b'first', b'second', b'third'\]",
     "state=waiting": r'(?s)"id":"tidy-1".*"state":"finished"',
     "/batch/$batch/": r'"counts":\{"finished":2\}',
+    "progress_job:resize": r"finished 0\.75 resizing d\.png",
+    '"id": "steps-1"': r"finished 0\.8 step 4 of 4",
     "events/ | grep": r'(?s)"demo-1","state":"requested".*"demo-1","state":"finished"',
     '"unique_key": "report:2026-11", "delay": 60': r"(?s) 201\n.*\"report:2026-11\".* 200$",
     '{"concurrency": 1, "rate": "2/s"}': r'(?s)"concurrency":1,"rate":"2/s".*"id":"lim-4".*"finished"',
@@ -459,18 +461,20 @@ def test_every_flows_example_is_shell_or_python() -> None:
 
 
 @pytest.fixture
-def flows_ports(tmp_path: Path) -> Iterator[tuple[int, int]]:
+def flows_ports(tmp_path: Path) -> Iterator[tuple[int, int, Path]]:
+    """(UDP port, HTTP port, socket directory) of a controller like make run's."""
     with live_controller(tmp_path, "--workers", "2") as ctl:
-        yield ctl.udp_port, int(ctl.url.rsplit(":", 1)[1])
+        yield ctl.udp_port, int(ctl.url.rsplit(":", 1)[1]), tmp_path / "s"
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_the_flows_examples_run_in_order(flows_ports: tuple[int, int], workdir: Path) -> None:
+def test_the_flows_examples_run_in_order(flows_ports: tuple[int, int, Path], workdir: Path) -> None:
     for language, code in flows_examples():
         if language == "text":  # what a command prints, shown, not run
             continue
-        local = localize(code, *flows_ports)
+        udp, http, sockets = flows_ports
+        local = localize(code, udp, http).replace("--socket-dir .run ", f"--socket-dir {sockets} ")
         if language == "python":
             script = workdir / "example.py"
             script.write_text(local)
