@@ -1,6 +1,7 @@
-"""A job's progress bar in the console, in a real browser (tests/test_console_browser.py's
-manner: Debian's chromium through chromium-driver and Selenium): the bar on the job's page
-moves as the job reports, without a reload, and the jobs list shows it too."""
+"""The console's flows pages in a real browser (tests/test_console_browser.py's manner:
+Debian's chromium through chromium-driver and Selenium): a job's progress bar moves as the job
+reports, without a reload, and the jobs list shows it too; a batch's page and its `then` job,
+waiting for the batch's jobs, link to each other and to those jobs."""
 
 from __future__ import annotations
 
@@ -98,3 +99,36 @@ def test_the_bar_moves_on_the_jobs_page_and_shows_in_the_list(
     driver.get(f"{ctl.url}/ui/jobs/moving")
     wait.until(lambda d: "finished" in d.find_element(By.ID, "job-head").text)
     assert _bar(driver, "#job-head") > 0  # an ended job keeps its last value
+
+
+def test_a_batch_page_and_a_waiting_job_link_to_each_other(
+    browser: tuple[LiveController, WebDriver, Path],
+) -> None:
+    """The batch page counts its jobs and links its then job, which waits for them and links
+    back; a job waiting for another links to it."""
+    ctl, driver, tmp = browser
+    gate = tmp / "batch-gate"
+    request = urllib.request.Request(
+        f"{ctl.url}/batch/",
+        json.dumps(
+            {
+                "jobs": [{"id": "part-1", "payload": str(gate)}],
+                "then": {"id": "join", "payload": str(gate)},  # the worker waits for the file
+            }
+        ).encode(),
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=20) as resp:
+        batch = json.loads(resp.read())
+    wait = WebDriverWait(driver, 20)
+    driver.get(f"{ctl.url}/ui/jobs/join")
+    assert "runs after" in driver.find_element(By.CSS_SELECTOR, "p.waits").text
+    assert driver.find_element(By.CSS_SELECTOR, "#job-head b").text == "waiting"
+    driver.find_element(By.LINK_TEXT, batch["id"]).click()
+    wait.until(lambda d: "/ui/batches/" in d.current_url)
+    assert "part-1" in driver.page_source and "join" in driver.page_source
+    gate.touch()
+    driver.get(f"{ctl.url}/ui/jobs/join")
+    wait.until(lambda d: "finished" in d.find_element(By.ID, "job-head").text)
+    driver.find_element(By.LINK_TEXT, "part-1").click()
+    wait.until(lambda d: d.current_url.endswith("/ui/jobs/part-1"))

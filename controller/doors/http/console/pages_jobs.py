@@ -218,6 +218,7 @@ def job_page(
 <section id=job-head data-live><p class=summary>
 <span>state <b class={e(state)}>{e(state)}</b></span>
 <span>added {e(fields["added_at"])}</span>{_batch_link(fields.get("batch"))}{bar}</p>
+{_waits_for(fields)}
 <div class=actions>{buttons or "<span class=muted>no action for a deleted job</span>"}</p></section>
 <h2>Fields</h2>
 <section id=job-fields data-live>{table(["field", "value"], rows, "")}</section>
@@ -241,3 +242,15 @@ def _batch_link(batch_id: Any) -> str:
         return ""
     href = "/ui/batches/" + quote(batch_id, safe="")
     return f' <span>then job of batch <a href="{e(href)}">{e(batch_id)}</a></span>'
+
+
+def _waits_for(fields: dict[str, Any]) -> str:
+    """The jobs this one waits (or waited) for, as links ("" when it names none)."""
+    after = fields.get("after")
+    if not isinstance(after, list) or not after:
+        return ""
+    links = ", ".join(
+        f'<a href="{e(job_href(str(job_id)))}">{e(str(job_id))}</a>' for job_id in after[:100]
+    )
+    outcome = "whatever their outcomes" if fields.get("after_any") else "if they all finish"
+    return f"<p class=waits>runs after {links} ({outcome})</p>"
