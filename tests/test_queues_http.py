@@ -42,6 +42,8 @@ async def test_a_job_without_options_shows_the_http_defaults(sockdir):
         "run_at": None,
         "timeout": 0.0,
         "unique_key": None,
+        "after": [],
+        "after_any": False,
     }
 
 
