@@ -1,6 +1,7 @@
 """The layers, read from the imports (CONTRIBUTING.md): every import points down, and no two
-modules import each other, however far round. An import under `if TYPE_CHECKING:` is for the
-type checker only and does not count; an import inside a function does."""
+modules import each other, however far round. Every import counts, wherever it stands (inside
+a function or under `if TYPE_CHECKING:` too): a circle of files that name each other is a
+circle for a reader."""
 
 from __future__ import annotations
 
@@ -18,23 +19,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _type_checking_only(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imports_of(path: Path, known: set[str]) -> set[str]:
     """The project's modules `path` imports (a name imported from a package that is a module
     of its own counts as that module)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -9,15 +9,48 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from controller.core import TaskFinished, TaskState
 from controller.job_states import JobState
-from controller.jobs import Job
+from controller.jobs import Job, JobBook
 from controller.options import JobOptions
 
 if TYPE_CHECKING:
-    from controller.shell.desk import JobDesk
+    from controller.core import Core
+    from controller.journal import Journal
+
+
+class Scheduling(Protocol):
+    @property
+    def core(self) -> Core: ...
+
+    def execute(self, actions: list[Any]) -> None: ...
+
+
+class JobDesk(Protocol):
+    """What these functions need of the job desk (controller/shell/desk.py, which holds the
+    `Waits` and calls them)."""
+
+    @property
+    def book(self) -> JobBook: ...
+
+    @property
+    def journal(self) -> Journal | None: ...
+
+    @property
+    def scheduling(self) -> Scheduling: ...
+
+    @property
+    def waits(self) -> Waits: ...
+
+    @property
+    def on_change(self) -> Callable[[Job], None] | None: ...
+
+    def came(self, job: Job) -> None: ...
+
+    def finished(self, action: TaskFinished) -> None: ...
 
 
 class Waits:

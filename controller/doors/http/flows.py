@@ -10,18 +10,56 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from controller.dependencies import after_refusal
 from controller.doors.http import codec
 from controller.doors.http.asgi import Request, Response, json_response
+from controller.doors.http.batch_report import report_of
 from controller.doors.http.codec import ApiError, NewJob
 from controller.jobs import Job, JobBook
 
 if TYPE_CHECKING:
-    from controller.doors.http.shell import HttpDoor
+    from controller.core import Core
+    from controller.options import JobOptions
+    from controller.shell.desk import JobDesk
+
+
+class HttpDoor(Protocol):
+    """What batches need of the HTTP door's shell (controller/doors/http/shell.py)."""
+
+    @property
+    def book(self) -> JobBook: ...
+
+    @property
+    def core(self) -> Core: ...
+
+    @property
+    def desk(self) -> JobDesk: ...
+
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    @property
+    def options(self) -> JobOptions: ...
+
+    @property
+    def max_payload(self) -> int: ...
+
+    @property
+    def max_bulk_body(self) -> int: ...
+
+    def _admit(self, news: list[NewJob]) -> None: ...
+
+    def _existing(self, new: NewJob) -> Job | None: ...
+
+    def _make(self, new: NewJob, now: float) -> Job: ...
+
+    def _refuse(self, exc: ApiError) -> Response: ...
+
+    async def _body_of(self, request: Request, limit: int, array_limit: int = 0) -> bytes: ...
 
 
 def check_after(
@@ -127,19 +165,3 @@ def batch_report(book: JobBook, batches: dict[str, str], request: Request) -> di
     (a job already forgotten is not counted), their ids, its `then` job's id."""
     batch_id = request.path_params["batch_id"]
     return report_of(book, batches, batch_id)
-
-
-def report_of(book: JobBook, batches: dict[str, str], batch_id: str) -> dict[str, Any]:
-    """Batch `batch_id`'s report (ApiError 404 when none is known)."""
-    then = book.get(batches.get(batch_id, ""))
-    if then is None or then.options.batch != batch_id:
-        batches.pop(batch_id, None)  # its `then` job was forgotten: so is the batch
-        raise ApiError(404, f"no batch {batch_id[:200]!r}")
-    ids = list(then.options.after)
-    counts: dict[str, int] = {}
-    for job_id in ids:
-        job = book.get(job_id)
-        if job is not None:
-            state = job.state.value
-            counts[state] = counts.get(state, 0) + 1
-    return {"id": batch_id, "counts": counts, "ids": ids, "then": then.id}

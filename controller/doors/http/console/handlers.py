@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
-from controller.doors.http import codec, flows
+from controller.doors.http import codec
 from controller.doors.http.access import BEARER
 from controller.doors.http.asgi import Request, Response, Scope, error_response, json_response
+from controller.doors.http.batch_report import report_of
 from controller.doors.http.codec import ApiError
 from controller.doors.http.console import pages, pages_batches, pages_jobs, views
 from controller.doors.http.console.session import Sessions, parse_cookies
@@ -335,7 +336,7 @@ class Console:
     async def batch(self, request: Request, seen: Seen) -> Response:
         """A batch: its counts, its then job and its jobs (ApiError 404 when none)."""
         book = self.book
-        report = flows.report_of(book, self.desk.waits.batches, request.path_params["batch_id"])
+        report = report_of(book, self.desk.waits.batches, request.path_params["batch_id"])
         jobs = []
         for job_id in report["ids"][: pages_batches.MAX_LISTED]:
             job = book.get(job_id)
