@@ -10,50 +10,31 @@ from controller.declared import MAX_NAME_CHARS, MAX_NAMES
 from controller.doors.http import codec, events
 from controller.doors.http.openapi_batch import BATCH_PATHS
 from controller.doors.http.openapi_bulk import BAD_JOB, TOO_LARGE, one_or_many
+from controller.doors.http.openapi_common import ERROR, error_answers, json_answer
 from controller.doors.http.openapi_options import OPTIONS_IN, OPTIONS_OUT
 from controller.doors.http.openapi_progress import PROGRESS_IN, PROGRESS_OUT, PROGRESS_RULES
 from controller.job_ids import ID_PATTERN, MAX_ID_LENGTH, MAX_TEXT
 from controller.job_states import JobState
 from controller.options import NAME_RULE
 
-_ERROR = {"$ref": "#/components/schemas/Error"}
+_ERROR = ERROR  # the Error object, as the schemas below name it
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    """The error answers `codes`, each the Error object; where a token is asked for (401),
-    also 429 (too many wrong tokens from this address)."""
-    why = {
-        400: BAD_JOB,
-        401: "a bearer token is needed (http_token_file is set)",
-        403: "the source address is not in allowed_clients",
-        404: "no such job or path",
-        409: "a change the job's state does not allow",
-        413: TOO_LARGE,
-        429: "10 wrong tokens from this address within a minute: it waits a minute",
-        503: "the journal cannot record now, or the jobs not yet ended would go past "
-        "max_pending or max_pending_bytes; try again after Retry-After seconds",
-    }
-    if 401 in codes:
-        codes = (*codes, 429)
-    answers: dict[str, Any] = {}
-    for code in codes:
-        answer: dict[str, Any] = {
-            "description": why[code],
-            "content": {"application/json": {"schema": _ERROR}},
-        }
-        if code in (429, 503):
-            answer["headers"] = {
-                "Retry-After": {
-                    "description": "seconds to wait before asking again",
-                    "schema": {"type": "integer", "minimum": 0},
-                }
-            }
-        answers[str(code)] = answer
-    return answers
+    """The error answers `codes` (and 429 with 401: openapi_common.py)."""
+    return error_answers(_WHY, codes)
+
+
+_WHY = {
+    400: BAD_JOB,
+    404: "no such job or path",
+    409: "a change the job's state does not allow",
+    413: TOO_LARGE,
+}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+    return json_answer(schema, description)
 
 
 _JOB = {"$ref": "#/components/schemas/Job"}

@@ -6,45 +6,22 @@ from __future__ import annotations
 from typing import Any
 
 from controller.doors.http.codec import MAX_BULK
+from controller.doors.http.openapi_common import error_answers, json_answer
 from controller.job_states import JobState
 
 _JOB = {"$ref": "#/components/schemas/Job"}
 _NEW = {"$ref": "#/components/schemas/NewJob"}
-_ERROR = {"$ref": "#/components/schemas/Error"}
 _WHY = {
     400: "malformed JSON, or a bad job (`job N` names the first bad one of `jobs`, `then:` the "
     "then job); nothing is made",
-    401: "a bearer token is needed (http_token_file is set)",
-    403: "the source address is not in allowed_clients",
     404: "no such batch (or its then job was forgotten)",
     409: "the then job's id exists already",
     413: f"a payload over max_extra_size, or more than {MAX_BULK} jobs",
-    429: "10 wrong tokens from this address within a minute: it waits a minute",
-    503: "the journal cannot record now, or the jobs not yet ended would go past "
-    "max_pending or max_pending_bytes; try again after Retry-After seconds",
 }
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    answers: dict[str, Any] = {}
-    for code in (*codes, 429):
-        answer: dict[str, Any] = {
-            "description": _WHY[code],
-            "content": {"application/json": {"schema": _ERROR}},
-        }
-        if code in (429, 503):
-            answer["headers"] = {
-                "Retry-After": {
-                    "description": "seconds to wait before asking again",
-                    "schema": {"type": "integer", "minimum": 0},
-                }
-            }
-        answers[str(code)] = answer
-    return answers
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
+    return error_answers(_WHY, codes)
 
 
 _BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -75,7 +52,7 @@ BATCH_PATHS: dict[str, Any] = {
                 },
             },
             "responses": {
-                "201": _json(
+                "201": json_answer(
                     {
                         "type": "object",
                         "required": ["id", "jobs", "then"],
@@ -96,7 +73,7 @@ BATCH_PATHS: dict[str, Any] = {
         "get": {
             "summary": "a batch's jobs counted by state, their ids and its then job's id",
             "responses": {
-                "200": _json(
+                "200": json_answer(
                     {
                         "type": "object",
                         "required": ["id", "counts", "ids", "then"],
