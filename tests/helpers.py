@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,28 @@ def controller_argv(config: Path, *args: str, log_level: str | None = None) -> l
     """The command line of a real controller with this config file, plus `args`."""
     level = ["--log-level", log_level] if log_level is not None else []
     return [sys.executable, "-m", "controller", "--config", str(config), *level, *args]
+
+
+@contextmanager
+def logged_process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A process started with `argv`, its stderr appended to `log`; terminated (killed after
+    10 s) and reaped at the end."""
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(argv, stderr=sink)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        reap(proc)
+
+
+def remote_worker_argv(*args: str) -> list[str]:
+    """The command line of a remote worker (a calculator or a poller: `args` say which)."""
+    return [sys.executable, "-m", "worker", "--log-level", "WARNING", *args]
 
 
 def worker_argv(socket_dir: Path, *args: str, log_level: str = "ERROR") -> list[str]:

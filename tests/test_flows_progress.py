@@ -11,8 +11,6 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,9 @@ from tests.fakes import FakeController
 from tests.helpers import (
     exchange,
     live_controller,
+    logged_process,
     reap,
+    remote_worker_argv,
     wait_for_condition,
     wait_until,
     worker_argv,
@@ -55,25 +55,6 @@ def _status(url: str, method: str, body: Any = None, raw: bytes | None = None) -
 
 def _job(url: str, job_id: str) -> dict[str, Any]:
     return dict(_call(f"{url}/job/{job_id}/"))
-
-
-@contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(argv, stderr=sink)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        reap(proc)
-
-
-def _remote(*args: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "--log-level", "WARNING", *args]
 
 
 def _reports_then_ends(
@@ -110,7 +91,7 @@ def test_a_handler_reports_progress_on_either_exchange(
     with live_controller(tmp_path) as ctl:
         flags = ["--seed-protocol"] if seed else []
         argv = worker_argv(tmp_path / "s", *flags, "--handler", f"tests.worker_handlers:{handler}")
-        with _process(argv, tmp_path / "worker.log"):
+        with logged_process(argv, tmp_path / "worker.log"):
             _reports_then_ends(ctl.url, tmp_path, "h", (0.25, "started"), (0.75, "almost"))
             # A job that reports nothing shows none; the next attempt does not show the last.
             other = _call(f"{ctl.url}/job/", "POST", {"id": "n", "payload": str(tmp_path / "g2")})
@@ -135,10 +116,10 @@ def test_an_exec_command_writes_progress_lines_to_job_progress_fd(tmp_path: Path
 
 def test_a_calculator_sends_progress_in_its_busy_heartbeats(tmp_path: Path) -> None:
     with live_controller(tmp_path, allowed_calculators=["127.0.0.0/8"]) as ctl:
-        argv = _remote(
+        argv = remote_worker_argv(
             "--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.1", "--exec", "sh", "-c", SCRIPT
         )
-        with _process(argv, tmp_path / "calculator.log"):
+        with logged_process(argv, tmp_path / "calculator.log"):
             _reports_then_ends(
                 ctl.url, tmp_path, "c", (0.4, "copying files"), (0.4, "copying files")
             )
@@ -163,8 +144,8 @@ def test_a_hostile_heartbeat_progress_is_dropped_and_the_calculator_lives(tmp_pa
 
 def test_a_poller_sends_progress_in_its_lease_put(tmp_path: Path) -> None:
     with live_controller(tmp_path) as ctl:
-        argv = _remote("--hub", ctl.url, "--pulse", "0.1", "--exec", "sh", "-c", SCRIPT)
-        with _process(argv, tmp_path / "poller.log"):
+        argv = remote_worker_argv("--hub", ctl.url, "--pulse", "0.1", "--exec", "sh", "-c", SCRIPT)
+        with logged_process(argv, tmp_path / "poller.log"):
             _reports_then_ends(
                 ctl.url, tmp_path, "p", (0.4, "copying files"), (1.0, "past the end")
             )
@@ -327,8 +308,8 @@ def test_a_remote_workers_handler_reports_progress(tmp_path: Path, kind: str) ->
     with live_controller(tmp_path, allowed_calculators=["127.0.0.0/8"]) as ctl:
         where = ctl.url if kind == "--hub" else f"127.0.0.1:{ctl.udp_port}"
         handler = "tests.worker_handlers:progressing"
-        argv = _remote(kind, where, "--pulse", "0.1", "--handler", handler)
-        with _process(argv, tmp_path / "remote.log"):
+        argv = remote_worker_argv(kind, where, "--pulse", "0.1", "--handler", handler)
+        with logged_process(argv, tmp_path / "remote.log"):
             # A calculator's last report is its last busy heartbeat's: 0.75 or an earlier one.
             last = (0.75, "almost") if kind == "--hub" else None
             gate = tmp_path / "gate-r"

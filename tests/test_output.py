@@ -6,19 +6,21 @@ import contextlib
 import http.client
 import json
 import sqlite3
-import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from tests.helpers import live_controller, reap, wait_for_condition, worker_argv
+from tests.helpers import (
+    live_controller,
+    logged_process,
+    remote_worker_argv,
+    wait_for_condition,
+    worker_argv,
+)
 
 
 def _call(url: str, method: str = "GET", body: Any = None) -> Any:
@@ -46,25 +48,6 @@ def _ended(url: str, job_id: str, timeout: float = 20) -> dict[str, Any]:
     job = _call(f"{url}/job/{job_id}/?wait={timeout}")
     assert job["state"] in ("finished", "failed"), job
     return job
-
-
-@contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(argv, stderr=sink)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        reap(proc)
-
-
-def _remote(*args: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "--log-level", "WARNING", *args]
 
 
 SLOW = "echo one >&2; sleep 1; echo two >&2"
@@ -121,7 +104,7 @@ def test_a_handlers_prints_and_logging_are_its_output(tmp_path: Path, handler: s
         argv = worker_argv(
             tmp_path / "s", "--handler", f"tests.worker_handlers:{handler}", log_level="INFO"
         )
-        with _process(argv, tmp_path / "worker.log"):
+        with logged_process(argv, tmp_path / "worker.log"):
             job_id = _call(f"{ctl.url}/job/", "POST", {"payload": "hello"})["id"]
             assert _ended(ctl.url, job_id)["result"] == "hello"
             text = _output(ctl.url, job_id)[2]
@@ -135,11 +118,11 @@ def test_a_handlers_prints_and_logging_are_its_output(tmp_path: Path, handler: s
 
 def test_a_calculators_output_comes_with_its_report(tmp_path: Path) -> None:
     with live_controller(tmp_path, allowed_calculators=["127.0.0.0/8"]) as ctl:
-        argv = _remote(
+        argv = remote_worker_argv(
             *["--udp", f"127.0.0.1:{ctl.udp_port}", "--pulse", "0.2"],
             *["--exec", "sh", "-c", "printf 'calc\\377\\n' >&2; cat"],
         )
-        with _process(argv, tmp_path / "calculator.log"):
+        with logged_process(argv, tmp_path / "calculator.log"):
             job_id = _call(f"{ctl.url}/job/", "POST", {"payload": "x"})["id"]
             assert _ended(ctl.url, job_id)["result"] == "x"
             assert _output(ctl.url, job_id)[2] == "calc\ufffd\n"
@@ -148,10 +131,10 @@ def test_a_calculators_output_comes_with_its_report(tmp_path: Path) -> None:
 def test_a_pollers_output_is_its_lease_log(tmp_path: Path) -> None:
     script = "echo first >&2; sleep 0.8; printf 'second' >&2; cat"
     with live_controller(tmp_path) as ctl:
-        argv = _remote(
+        argv = remote_worker_argv(
             *["--hub", ctl.url, "--pulse", "0.2", "--exec", "sh", "-c", script],
         )
-        with _process(argv, tmp_path / "poller.log"):
+        with logged_process(argv, tmp_path / "poller.log"):
             job_id = _call(f"{ctl.url}/job/", "POST", {"payload": "p"})["id"]
             wait_for_condition(lambda: _output(ctl.url, job_id)[2] == "first\n")
             job = _ended(ctl.url, job_id)
