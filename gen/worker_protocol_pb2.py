@@ -24,33 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15worker_protocol.proto\x12\x13\x63ontroller.protocol\"\xda\x01\n\x0bWorkerPulse\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.controller.protocol.PulseType\x12\x11\n\tworker_id\x18\x02 \x01(\x04\x12\x0f\n\x07task_id\x18\x03 \x01(\x04\x12\x12\n\nnext_pulse\x18\x04 \x01(\x04\x12\x0e\n\x06queues\x18\x05 \x03(\t\x12\x0e\n\x06labels\x18\x06 \x03(\t\x12\x12\n\nextra_size\x18\x07 \x01(\x04\x12\x0f\n\x07\x63hannel\x18\x08 \x01(\x08\x12\x10\n\x08progress\x18\t \x01(\x01\x12\x0e\n\x06status\x18\n \x01(\t\"\xa9\x01\n\rPulseResponse\x12\x33\n\x05\x65rror\x18\x01 \x01(\x0e\x32$.controller.protocol.ControllerError\x12\x16\n\tworker_id\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctakes_output\x18\x03 \x01(\x08\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\x08\x12\x16\n\x0etakes_progress\x18\x05 \x01(\x08\x42\x0c\n\n_worker_id\"~\n\tJobLimits\x12\x12\n\nmemory_max\x18\x01 \x01(\x04\x12\x11\n\ttasks_max\x18\x02 \x01(\x04\x12\x10\n\x08\x63pu_time\x18\x03 \x01(\x01\x12\x11\n\tfile_size\x18\x04 \x01(\x04\x12\x12\n\nopen_files\x18\x05 \x01(\x04\x12\x11\n\tcpu_quota\x18\x06 \x01(\x01\"\xb4\x01\n\nControlMsg\x12.\n\x04type\x18\x01 \x01(\x0e\x32 .controller.protocol.ControlType\x12\x12\n\nextra_size\x18\x02 \x01(\x04\x12\x14\n\x07task_id\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12.\n\x06limits\x18\x04 \x01(\x0b\x32\x1e.controller.protocol.JobLimits\x12\x10\n\x08\x62\x61tch_id\x18\x05 \x01(\tB\n\n\x08_task_id\"H\n\x05Usage\x12\x0c\n\x04wall\x18\x01 \x01(\x01\x12\x0b\n\x03\x63pu\x18\x02 \x01(\x01\x12\x0f\n\x07max_rss\x18\x03 \x01(\x04\x12\x13\n\x0bmemory_peak\x18\x04 \x01(\x04\"\xa1\x01\n\x0eWorkerResponse\x12/\n\x05\x65rror\x18\x01 \x01(\x0e\x32 .controller.protocol.WorkerError\x12\x0f\n\x07task_id\x18\x02 \x01(\x04\x12\x12\n\nextra_size\x18\x03 \x01(\x04\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.controller.protocol.Usage\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xba\x02\n\x0c\x43hannelFrame\x12\x31\n\x05pulse\x18\x01 \x01(\x0b\x32 .controller.protocol.WorkerPulseH\x00\x12<\n\x0epulse_response\x18\x02 \x01(\x0b\x32\".controller.protocol.PulseResponseH\x00\x12\x32\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x1f.controller.protocol.ControlMsgH\x00\x12\x37\n\x08response\x18\x04 \x01(\x0b\x32#.controller.protocol.WorkerResponseH\x00\x12\x31\n\x07\x61nswers\x18\x05 \x01(\x0e\x32 .controller.protocol.ControlType\x12\x12\n\nextra_size\x18\x06 \x01(\x04\x42\x05\n\x03msg*{\n\tPulseType\x12\x12\n\x0ePULSE_REGISTER\x10\x00\x12\x0c\n\x08PULSE_OK\x10\x01\x12\x12\n\x0ePULSE_FETCH_ME\x10\x02\x12\x12\n\x0ePULSE_SHUTDOWN\x10\x03\x12\x10\n\x0cPULSE_OUTPUT\x10\x04\x12\x12\n\x0ePULSE_PROGRESS\x10\x05*k\n\x0f\x43ontrollerError\x12\x0f\n\x0b\x43TRL_ERR_OK\x10\x00\x12\x19\n\x15\x43TRL_ERR_UNKNOWN_TYPE\x10\x01\x12\x17\n\x13\x43TRL_ERR_UNKNOWN_ID\x10\x02\x12\x13\n\x0f\x43TRL_ERR_FAILED\x10\x03*W\n\x0b\x43ontrolType\x12\x10\n\x0c\x43TRL_RESTART\x10\x00\x12\x0e\n\nCTRL_FETCH\x10\x01\x12\x11\n\rCTRL_SET_TASK\x10\x02\x12\x13\n\x0f\x43TRL_GET_STATUS\x10\x03*\x81\x01\n\x0bWorkerError\x12\x11\n\rWORKER_ERR_OK\x10\x00\x12\x17\n\x13WORKER_ERR_NO_FETCH\x10\x01\x12\x13\n\x0fWORKER_ERR_BUSY\x10\x02\x12\x1a\n\x16WORKER_ERR_TASK_FAILED\x10\x03\x12\x15\n\x11WORKER_ERR_FAILED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15worker_protocol.proto\x12\x13\x63ontroller.protocol\"\xee\x01\n\x0bWorkerPulse\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.controller.protocol.PulseType\x12\x11\n\tworker_id\x18\x02 \x01(\x04\x12\x0f\n\x07task_id\x18\x03 \x01(\x04\x12\x12\n\nnext_pulse\x18\x04 \x01(\x04\x12\x0e\n\x06queues\x18\x05 \x03(\t\x12\x0e\n\x06labels\x18\x06 \x03(\t\x12\x12\n\nextra_size\x18\x07 \x01(\x04\x12\x0f\n\x07\x63hannel\x18\x08 \x01(\x08\x12\x10\n\x08progress\x18\t \x01(\x01\x12\x0e\n\x06status\x18\n \x01(\t\x12\x12\n\ntakes_next\x18\x0b \x01(\x08\"\xbd\x01\n\rPulseResponse\x12\x33\n\x05\x65rror\x18\x01 \x01(\x0e\x32$.controller.protocol.ControllerError\x12\x16\n\tworker_id\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctakes_output\x18\x03 \x01(\x08\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\x08\x12\x16\n\x0etakes_progress\x18\x05 \x01(\x08\x12\x12\n\ntakes_next\x18\x06 \x01(\x08\x42\x0c\n\n_worker_id\"~\n\tJobLimits\x12\x12\n\nmemory_max\x18\x01 \x01(\x04\x12\x11\n\ttasks_max\x18\x02 \x01(\x04\x12\x10\n\x08\x63pu_time\x18\x03 \x01(\x01\x12\x11\n\tfile_size\x18\x04 \x01(\x04\x12\x12\n\nopen_files\x18\x05 \x01(\x04\x12\x11\n\tcpu_quota\x18\x06 \x01(\x01\"\xb4\x01\n\nControlMsg\x12.\n\x04type\x18\x01 \x01(\x0e\x32 .controller.protocol.ControlType\x12\x12\n\nextra_size\x18\x02 \x01(\x04\x12\x14\n\x07task_id\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12.\n\x06limits\x18\x04 \x01(\x0b\x32\x1e.controller.protocol.JobLimits\x12\x10\n\x08\x62\x61tch_id\x18\x05 \x01(\tB\n\n\x08_task_id\"H\n\x05Usage\x12\x0c\n\x04wall\x18\x01 \x01(\x01\x12\x0b\n\x03\x63pu\x18\x02 \x01(\x01\x12\x0f\n\x07max_rss\x18\x03 \x01(\x04\x12\x13\n\x0bmemory_peak\x18\x04 \x01(\x04\"\xa1\x01\n\x0eWorkerResponse\x12/\n\x05\x65rror\x18\x01 \x01(\x0e\x32 .controller.protocol.WorkerError\x12\x0f\n\x07task_id\x18\x02 \x01(\x04\x12\x12\n\nextra_size\x18\x03 \x01(\x04\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.controller.protocol.Usage\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\xba\x02\n\x0c\x43hannelFrame\x12\x31\n\x05pulse\x18\x01 \x01(\x0b\x32 .controller.protocol.WorkerPulseH\x00\x12<\n\x0epulse_response\x18\x02 \x01(\x0b\x32\".controller.protocol.PulseResponseH\x00\x12\x32\n\x07\x63ontrol\x18\x03 \x01(\x0b\x32\x1f.controller.protocol.ControlMsgH\x00\x12\x37\n\x08response\x18\x04 \x01(\x0b\x32#.controller.protocol.WorkerResponseH\x00\x12\x31\n\x07\x61nswers\x18\x05 \x01(\x0e\x32 .controller.protocol.ControlType\x12\x12\n\nextra_size\x18\x06 \x01(\x04\x42\x05\n\x03msg*{\n\tPulseType\x12\x12\n\x0ePULSE_REGISTER\x10\x00\x12\x0c\n\x08PULSE_OK\x10\x01\x12\x12\n\x0ePULSE_FETCH_ME\x10\x02\x12\x12\n\x0ePULSE_SHUTDOWN\x10\x03\x12\x10\n\x0cPULSE_OUTPUT\x10\x04\x12\x12\n\x0ePULSE_PROGRESS\x10\x05*k\n\x0f\x43ontrollerError\x12\x0f\n\x0b\x43TRL_ERR_OK\x10\x00\x12\x19\n\x15\x43TRL_ERR_UNKNOWN_TYPE\x10\x01\x12\x17\n\x13\x43TRL_ERR_UNKNOWN_ID\x10\x02\x12\x13\n\x0f\x43TRL_ERR_FAILED\x10\x03*f\n\x0b\x43ontrolType\x12\x10\n\x0c\x43TRL_RESTART\x10\x00\x12\x0e\n\nCTRL_FETCH\x10\x01\x12\x11\n\rCTRL_SET_TASK\x10\x02\x12\x13\n\x0f\x43TRL_GET_STATUS\x10\x03\x12\r\n\tCTRL_DROP\x10\x04*\x81\x01\n\x0bWorkerError\x12\x11\n\rWORKER_ERR_OK\x10\x00\x12\x17\n\x13WORKER_ERR_NO_FETCH\x10\x01\x12\x13\n\x0fWORKER_ERR_BUSY\x10\x02\x12\x1a\n\x16WORKER_ERR_TASK_FAILED\x10\x03\x12\x15\n\x11WORKER_ERR_FAILED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'worker_protocol_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULSETYPE']._serialized_start=1305
-  _globals['_PULSETYPE']._serialized_end=1428
-  _globals['_CONTROLLERERROR']._serialized_start=1430
-  _globals['_CONTROLLERERROR']._serialized_end=1537
-  _globals['_CONTROLTYPE']._serialized_start=1539
-  _globals['_CONTROLTYPE']._serialized_end=1626
-  _globals['_WORKERERROR']._serialized_start=1629
-  _globals['_WORKERERROR']._serialized_end=1758
+  _globals['_PULSETYPE']._serialized_start=1345
+  _globals['_PULSETYPE']._serialized_end=1468
+  _globals['_CONTROLLERERROR']._serialized_start=1470
+  _globals['_CONTROLLERERROR']._serialized_end=1577
+  _globals['_CONTROLTYPE']._serialized_start=1579
+  _globals['_CONTROLTYPE']._serialized_end=1681
+  _globals['_WORKERERROR']._serialized_start=1684
+  _globals['_WORKERERROR']._serialized_end=1813
   _globals['_WORKERPULSE']._serialized_start=47
-  _globals['_WORKERPULSE']._serialized_end=265
-  _globals['_PULSERESPONSE']._serialized_start=268
-  _globals['_PULSERESPONSE']._serialized_end=437
-  _globals['_JOBLIMITS']._serialized_start=439
-  _globals['_JOBLIMITS']._serialized_end=565
-  _globals['_CONTROLMSG']._serialized_start=568
-  _globals['_CONTROLMSG']._serialized_end=748
-  _globals['_USAGE']._serialized_start=750
-  _globals['_USAGE']._serialized_end=822
-  _globals['_WORKERRESPONSE']._serialized_start=825
-  _globals['_WORKERRESPONSE']._serialized_end=986
-  _globals['_CHANNELFRAME']._serialized_start=989
-  _globals['_CHANNELFRAME']._serialized_end=1303
+  _globals['_WORKERPULSE']._serialized_end=285
+  _globals['_PULSERESPONSE']._serialized_start=288
+  _globals['_PULSERESPONSE']._serialized_end=477
+  _globals['_JOBLIMITS']._serialized_start=479
+  _globals['_JOBLIMITS']._serialized_end=605
+  _globals['_CONTROLMSG']._serialized_start=608
+  _globals['_CONTROLMSG']._serialized_end=788
+  _globals['_USAGE']._serialized_start=790
+  _globals['_USAGE']._serialized_end=862
+  _globals['_WORKERRESPONSE']._serialized_start=865
+  _globals['_WORKERRESPONSE']._serialized_end=1026
+  _globals['_CHANNELFRAME']._serialized_start=1029
+  _globals['_CHANNELFRAME']._serialized_end=1343
 # @@protoc_insertion_point(module_scope)

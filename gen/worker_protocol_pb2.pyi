@@ -29,6 +29,7 @@ class ControlType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CTRL_FETCH: _ClassVar[ControlType]
     CTRL_SET_TASK: _ClassVar[ControlType]
     CTRL_GET_STATUS: _ClassVar[ControlType]
+    CTRL_DROP: _ClassVar[ControlType]
 
 class WorkerError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ CTRL_RESTART: ControlType
 CTRL_FETCH: ControlType
 CTRL_SET_TASK: ControlType
 CTRL_GET_STATUS: ControlType
+CTRL_DROP: ControlType
 WORKER_ERR_OK: WorkerError
 WORKER_ERR_NO_FETCH: WorkerError
 WORKER_ERR_BUSY: WorkerError
@@ -58,7 +60,7 @@ WORKER_ERR_TASK_FAILED: WorkerError
 WORKER_ERR_FAILED: WorkerError
 
 class WorkerPulse(_message.Message):
-    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size", "channel", "progress", "status")
+    __slots__ = ("type", "worker_id", "task_id", "next_pulse", "queues", "labels", "extra_size", "channel", "progress", "status", "takes_next")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,7 @@ class WorkerPulse(_message.Message):
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_NEXT_FIELD_NUMBER: _ClassVar[int]
     type: PulseType
     worker_id: int
     task_id: int
@@ -79,21 +82,24 @@ class WorkerPulse(_message.Message):
     channel: bool
     progress: float
     status: str
-    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ..., channel: _Optional[bool] = ..., progress: _Optional[float] = ..., status: _Optional[str] = ...) -> None: ...
+    takes_next: bool
+    def __init__(self, type: _Optional[_Union[PulseType, str]] = ..., worker_id: _Optional[int] = ..., task_id: _Optional[int] = ..., next_pulse: _Optional[int] = ..., queues: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., extra_size: _Optional[int] = ..., channel: _Optional[bool] = ..., progress: _Optional[float] = ..., status: _Optional[str] = ..., takes_next: _Optional[bool] = ...) -> None: ...
 
 class PulseResponse(_message.Message):
-    __slots__ = ("error", "worker_id", "takes_output", "channel", "takes_progress")
+    __slots__ = ("error", "worker_id", "takes_output", "channel", "takes_progress", "takes_next")
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     TAKES_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_NEXT_FIELD_NUMBER: _ClassVar[int]
     error: ControllerError
     worker_id: int
     takes_output: bool
     channel: bool
     takes_progress: bool
-    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ..., channel: _Optional[bool] = ..., takes_progress: _Optional[bool] = ...) -> None: ...
+    takes_next: bool
+    def __init__(self, error: _Optional[_Union[ControllerError, str]] = ..., worker_id: _Optional[int] = ..., takes_output: _Optional[bool] = ..., channel: _Optional[bool] = ..., takes_progress: _Optional[bool] = ..., takes_next: _Optional[bool] = ...) -> None: ...
 
 class JobLimits(_message.Message):
     __slots__ = ("memory_max", "tasks_max", "cpu_time", "file_size", "open_files", "cpu_quota")

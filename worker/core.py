@@ -1,6 +1,8 @@
 """The worker's session state, pure: what to answer each ControlMsg and what to pulse.
 
-A worker holds at most one task. Its task id stays in every pulse from the
+A worker runs at most one task. On a channel whose controller granted `takes_next` it
+may hold one more, the next, which starts once the running one's outcome is out
+(docs/protocol.md, "A next task"). Its task id stays in every pulse from the
 moment SET_TASK is accepted until the result (or the failure) has been
 fetched, so that a controller that restarted in between can take the task
 over. The local worker's loop (`worker.local.worker`) owns the sockets, the clock and
@@ -29,6 +31,8 @@ class Effect(enum.Enum):
     START = enum.auto()  # start running the accepted task
     RESTART = enum.auto()  # stop everything and exit 75
     FETCHED = enum.auto()  # the outcome went out: back to idle once the answer is written
+    HELD = enum.auto()  # a next task, held: nothing to send (its outcome is the answer)
+    QUIET = enum.auto()  # nothing to send (a CTRL_DROP of a task it does not hold)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,8 @@ class WorkerSession:
         self.limits = pb.JobLimits()  # the running task's own limits (SET_TASK)
         self.batch_id = ""  # the batch whose then job the running task is (SET_TASK)
         self.draining = False
+        self.takes_next = False  # granted: a SET_TASK while one runs is held as the next
+        self.waiting: tuple[pb.ControlMsg, bytes] | None = None  # the next task, held
 
     @property
     def has_outcome(self) -> bool:
@@ -81,6 +87,12 @@ class WorkerSession:
         if kind == pb.CTRL_GET_STATUS:
             return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid))
         if kind == pb.CTRL_SET_TASK:
+            if self.phase is not Phase.IDLE and self._holds_next(msg):
+                self.waiting = (msg, extra)
+                return Answer(
+                    pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=msg.task_id),
+                    effect=Effect.HELD,
+                )
             if self.phase is not Phase.IDLE or self.draining:
                 return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_BUSY, task_id=tid))
             if not msg.HasField("task_id") or msg.task_id == 0:
@@ -110,7 +122,34 @@ class WorkerSession:
             return Answer(
                 pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.RESTART
             )
+        if kind == pb.CTRL_DROP and self.takes_next:
+            waiting = self.waiting
+            if waiting is not None and waiting[0].task_id == msg.task_id:
+                self.waiting = None
+                return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=msg.task_id))
+            return Answer(
+                pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.QUIET
+            )
         return _failed(tid, f"unknown control type {kind}")
+
+    def _holds_next(self, msg: pb.ControlMsg) -> bool:
+        """A SET_TASK while a task runs is held as the next one: granted, none held yet, not
+        draining, and a task id."""
+        return (
+            self.takes_next
+            and self.waiting is None
+            and not self.draining
+            and msg.HasField("task_id")
+            and msg.task_id != 0
+        )
+
+    def take_waiting(self) -> tuple[pb.ControlMsg, bytes] | None:
+        """The next task to start now that the worker is idle (None: none, or draining: the
+        controller places a held task again when the worker leaves)."""
+        waiting, self.waiting = self.waiting, None
+        if waiting is None or self.draining or self.phase is not Phase.IDLE:
+            return None
+        return waiting
 
     def finished(
         self,

@@ -172,6 +172,12 @@ def build_parser(
         "own) instead of asking for a channel on main.sock (local workers)",
     )
     parser.add_argument(
+        "--one-task",
+        action="store_true",
+        help="on the channel, hold no next task while one runs (by default a local worker "
+        "takes one, so that it never waits for the controller between jobs)",
+    )
+    parser.add_argument(
         "--exit-with-parent",
         metavar="PID",
         nargs="?",
@@ -365,5 +371,6 @@ def main(argv: list[str] | None = None) -> int:
         parent_pid=parent,
         declared=declared,
         channel=not args.seed_protocol,
+        next_task=not args.one_task,
     )
     return trio.run(worker.run)

@@ -81,6 +81,9 @@ class Calculators:
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
         """Nothing to send: a later report for the job is acknowledged and dropped."""
 
+    def drop_next(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        """Never asked: a remote worker holds one task at a time."""
+
     # ------------------------------------------------------------ the UDP door's side
 
     def heartbeat(

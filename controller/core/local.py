@@ -30,6 +30,7 @@ from controller.core.model import (
     PulseReceived,
     Reply,
     Task,
+    TaskState,
     WatchPid,
     Worker,
     WorkerEvent,
@@ -80,6 +81,9 @@ class LocalWorkers:
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
         actions.append(Dial(worker.worker_id, worker.uid, pb.CTRL_RESTART))
 
+    def drop_next(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        actions.append(Dial(worker.worker_id, worker.uid, pb.CTRL_DROP, task.task_id))
+
     # ------------------------------------------------------------ pulses
 
     def pulse(self, ev: PulseReceived, now: float) -> list[Action]:
@@ -110,6 +114,8 @@ class LocalWorkers:
             return actions
         worker.deadline = now + promised(pulse)
         worker.last_pulse = now
+        if pulse.channel and worker.channel:  # the pulse that opens its channel
+            worker.takes_next = worker.next_granted
         task_id = pulse.task_id
         state = worker.state
         if task_id and worker.task is None and self.recovery.claim(worker, task_id, now, actions):
@@ -183,6 +189,8 @@ class LocalWorkers:
             channel=pulse.channel,
         )
         worker.last_pulse = now
+        # A next task goes on the channel only (usable once it is open: see `pulse`).
+        worker.next_granted = grants_next = pulse.channel and pulse.takes_next
         self.scheduler.add_worker(worker)
         self._arm(worker)
         log.info(
@@ -201,6 +209,7 @@ class LocalWorkers:
                     takes_output=True,
                     takes_progress=True,
                     channel=pulse.channel,
+                    takes_next=grants_next,
                 )
             )
         ]
@@ -246,6 +255,10 @@ class LocalWorkers:
         self, worker: Worker, ev: DialDone, now: float, actions: list[Action]
     ) -> None:
         task = worker.task
+        nxt = worker.next
+        if nxt is not None and nxt.state is TaskState.ASSIGNING:  # taken on its channel
+            self.scheduler.accepted_next(worker, now, actions)
+            return
         if worker.state is not WorkerState.ASSIGNING or task is None:
             return
         sched = self.scheduler
@@ -327,6 +340,8 @@ class LocalWorkers:
             return
         if resp.task_id in worker.expected_task_ids():
             return
+        if resp.task_id and resp.task_id == worker.last_done and worker.unread:
+            return  # asked before the outcome came: its next task was not read yet
         if resp.task_id == 0 and worker.unread and worker.state is WorkerState.BUSY:
             return  # answered on its channel before it read the task written after the question
         expected = worker.task.task_id if worker.task is not None else 0
@@ -355,6 +370,27 @@ class LocalWorkers:
         self._fetch_done(worker, DialDone(worker_id, pb.CTRL_FETCH, resp, extra), now, actions)
         self.scheduler.dispatch(actions, now)
         return actions
+
+    def next_answered(self, worker_id: int, kind: int, task_id: int, now: float) -> list[Action]:
+        """The worker answered about its next task on its channel: it forgot the canceled one
+        (CTRL_DROP), or would not hold one (a refused SET_TASK: it drains)."""
+        worker = self.scheduler.workers.get(worker_id)
+        actions: list[Action] = []
+        if worker is None:
+            return actions
+        if kind == pb.CTRL_DROP:
+            if worker.dropping and task_id == worker.dropping:
+                self.scheduler.dropped_next(worker)
+        elif worker.next is not None and task_id == worker.next.task_id:
+            self.scheduler.refused_next(worker, now, actions)
+        self.scheduler.dispatch(actions, now)
+        return actions
+
+    def holds_next(self, worker_id: int, task_id: int) -> bool:
+        """`task_id` is the next task of the worker (a refused SET_TASK about it is not the
+        refusal of a task it should have been free for)."""
+        worker = self.scheduler.workers.get(worker_id)
+        return worker is not None and worker.next is not None and worker.next.task_id == task_id
 
     def channel_ended(self, worker_id: int, why: str, now: float) -> list[Action]:
         """The worker's channel ended: the worker is gone, its job placed again at once

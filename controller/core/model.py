@@ -111,6 +111,7 @@ class WorkerEvent(IdentityEnum):
     FETCHED = enum.auto()
     NOTHING_TO_FETCH = enum.auto()
     ADOPT = enum.auto()
+    NEXT = enum.auto()  # its outcome came and its next task (already there) runs now
 
 
 _WS, _WE = WorkerState, WorkerEvent  # short names for the table only
@@ -123,6 +124,7 @@ WORKER_TRANSITIONS: dict[tuple[WorkerState, WorkerEvent], WorkerState] = {
     (_WS.BUSY, _WE.FETCH): _WS.FETCHING,
     (_WS.FETCHING, _WE.FETCHED): _WS.IDLE,
     (_WS.FETCHING, _WE.NOTHING_TO_FETCH): _WS.BUSY,
+    (_WS.FETCHING, _WE.NEXT): _WS.BUSY,
     (_WS.STARTING, _WE.ADOPT): _WS.BUSY,
     (_WS.IDLE, _WE.ADOPT): _WS.BUSY,
     (_WS.UNSURE, _WE.ADOPT): _WS.BUSY,
@@ -199,6 +201,10 @@ class WorkerKind(Protocol):
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
         """Stop the task `worker` holds by force (a local worker gets RESTART)."""
 
+    def drop_next(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        """Ask `worker` to forget its next task `task`, canceled before it started (only a
+        kind whose workers take a next task is asked)."""
+
 
 @dataclass(eq=False, slots=True)
 class Worker:
@@ -221,6 +227,13 @@ class Worker:
     # Its task was written on its channel and no pulse has come since: the next pulse may
     # have left before the worker read the task, and may still say task 0.
     unread: bool = False
+    # A next task (docs/protocol.md, "A next task"): the worker takes one on its channel
+    # while its task runs (granted at REGISTER, usable once the channel is open).
+    takes_next: bool = False
+    next_granted: bool = False  # granted at REGISTER (takes_next once its channel opens)
+    next: Task | None = None  # written on its channel, started when `task` ends
+    dropping: int = 0  # the task id of a canceled next task, CTRL_DROP in flight
+    last_done: int = 0  # the task id of the last outcome it sent (a stale GET_STATUS answer)
 
     def advance(self, event: WorkerEvent) -> None:
         self.state = next_worker_state(self.state, event)

@@ -67,6 +67,9 @@ class Pollers:
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
         """Nothing to send: the poller learns it at its next PUT (409)."""
 
+    def drop_next(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        """Never asked: a remote worker holds one task at a time."""
+
     # ------------------------------------------------------------ the HTTP door's side
 
     def ping(

@@ -35,6 +35,7 @@ from controller.core.model import (
     TaskState,
     Worker,
     WorkerEvent,
+    WorkerState,
     progress,
 )
 from controller.core.pending import Pending
@@ -85,6 +86,9 @@ class Scheduler:
         # per queue looks at the workers again then).
         self.serving_version = 0
         self._idle: dict[int, Worker] = {}
+        # Busy workers that take a next task and hold none (handed one only while no idle
+        # worker can take what is pending).
+        self._ahead: dict[int, Worker] = {}
         self._rng = rng if rng is not None else random.Random()
 
     # ------------------------------------------------------------ queries
@@ -198,6 +202,33 @@ class Scheduler:
         actions.append(progress(task, waited=now - task.queued_at))
         if task.opts.timeout > 0:
             self.start_clock(task, now)
+        if worker.takes_next and worker.next is None and not worker.dropping:
+            self._ahead[worker.worker_id] = worker
+
+    def accepted_next(self, worker: Worker, now: float, actions: list[Action]) -> None:
+        """The worker took its next task: it counts as an attempt and as running there (its
+        timeout starts when it does, once the task before it ends)."""
+        task = worker.next
+        assert task is not None
+        task.attempts += 1
+        task.advance(TaskEvent.ACCEPTED)
+        actions.append(progress(task, waited=now - task.queued_at))
+
+    def refused_next(self, worker: Worker, now: float, actions: list[Action]) -> None:
+        """The worker would not hold a next task (it drains): the task goes back to the head
+        of the queue, no attempt used, and the worker is handed no more early."""
+        task = worker.next
+        assert task is not None
+        worker.next = None
+        worker.takes_next = False
+        self._ahead.pop(worker.worker_id, None)
+        self._requeue(task, now, actions)
+
+    def dropped_next(self, worker: Worker) -> None:
+        """The worker forgot its canceled next task before starting it."""
+        worker.dropping = 0
+        if worker.takes_next and worker.task is not None and worker.state is WorkerState.BUSY:
+            self._ahead[worker.worker_id] = worker
 
     def refused(self, worker: Worker, now: float, actions: list[Action]) -> None:
         """The worker was busy: the task goes back to the head of the queue, no attempt used."""
@@ -208,7 +239,7 @@ class Scheduler:
         self._requeue(task, now, actions)
 
     def finished(self, worker: Worker, result: bytes, now: float, actions: list[Action]) -> None:
-        task = self._release(worker)
+        task = self._release(worker, now, actions)
         worker.done += 1
         task.advance(TaskEvent.SUCCEED)
         self.counters.succeeded += 1
@@ -220,7 +251,7 @@ class Scheduler:
         """The task failed on the worker (which stays usable): retry it elsewhere, after its
         retry_delay; one that hit a limit of its own (`limit`) ends now, since it would hit
         it again."""
-        task = self._release(worker)
+        task = self._release(worker, now, actions)
         task.failed_on_worker(worker.worker_id)
         task.last_error = error
         log.info("task %d failed on worker %d: %s", task.task_id, worker.worker_id, error[-200:])
@@ -248,6 +279,12 @@ class Scheduler:
         self.live_by_kind[worker.kind.label] -= 1
         self.serving_version += 1
         self._idle.pop(worker.worker_id, None)
+        self._ahead.pop(worker.worker_id, None)
+        nxt = worker.next
+        if nxt is not None:  # never started: back to the head of the queue, no attempt used
+            worker.next = None
+            nxt.attempts -= 1
+            self._requeue(nxt, now, actions)
         if cause != "shutdown":
             losses = self.counters.worker_losses
             losses[cause] = losses.get(cause, 0) + 1
@@ -290,6 +327,13 @@ class Scheduler:
             self.counters.restarts_sent += 1
             worker.kind.take_back(worker, actions)
             self.lost(worker, now, actions, cause="its job was canceled")
+        elif worker is not None and worker.next is task:
+            # Not started yet: the worker is asked to forget it (if it started meanwhile,
+            # the outcome of the task before it says so, and the worker is restarted then).
+            worker.next = None
+            worker.dropping = task.task_id
+            self._ahead.pop(worker.worker_id, None)
+            worker.kind.drop_next(worker, task, actions)
         self.counters.canceled += 1
         self._finish(task, actions, now, error="canceled")
         return True
@@ -346,7 +390,7 @@ class Scheduler:
                     worker = candidate
                     break
             if worker is None:
-                return  # nothing pending fits any idle worker
+                break  # nothing pending fits any idle worker
             task = pending.pick(worker)
             if task is None:
                 worker.starved = version
@@ -359,6 +403,34 @@ class Scheduler:
             worker.advance(WorkerEvent.ASSIGN)
             task.advance(TaskEvent.PLACE)
             worker.task = task
+            task.worker_id = worker.worker_id
+            if limited and task.opts.queue in limited:
+                self.limits.started(task, now)
+            worker.kind.place(worker, task, actions)
+        if pending.count and self._ahead:
+            self._hand_ahead(actions, now)
+
+    def _hand_ahead(self, actions: list[Action], now: float) -> None:
+        """Give busy workers that take a next task one each, while tasks are pending that
+        no idle worker can take (`dispatch` gave the idle ones all they could take)."""
+        pending = self.pending
+        ahead = self._ahead
+        limited = self.limits.queues
+        version = pending.version
+        for worker in list(ahead.values()):
+            if not pending.count:
+                return
+            if worker.starved == version:
+                continue
+            task = pending.pick(worker)
+            if task is None:
+                worker.starved = version
+                continue
+            if self.on_settled is not None:
+                self.on_settled(task)
+            del ahead[worker.worker_id]
+            task.advance(TaskEvent.PLACE)
+            worker.next = task
             task.worker_id = worker.worker_id
             if limited and task.opts.queue in limited:
                 self.limits.started(task, now)
@@ -425,11 +497,32 @@ class Scheduler:
         if was_running:
             actions.append(progress(task))
 
-    def _release(self, worker: Worker) -> Task:
+    def _release(self, worker: Worker, now: float, actions: list[Action]) -> Task:
+        """The worker's task ended there: its next task runs now, else it is idle."""
         task = worker.task
         assert task is not None
+        worker.last_done = task.task_id
+        nxt = worker.next
+        if nxt is not None:
+            assert nxt.state is TaskState.RUNNING, "a next task is taken once written"
+            worker.advance(WorkerEvent.NEXT)
+            worker.next = None
+            worker.task = nxt
+            worker.unread = True  # a pulse may still say task 0 before it reads it
+            if nxt.opts.timeout > 0:
+                self.start_clock(nxt, now)
+            if not worker.dropping:
+                self._ahead[worker.worker_id] = worker
+            return task
         worker.advance(WorkerEvent.FETCHED)
         worker.task = None
+        self._ahead.pop(worker.worker_id, None)
+        if worker.dropping:  # it started its canceled next task: stop it
+            worker.dropping = 0
+            self.counters.restarts_sent += 1
+            worker.kind.take_back(worker, actions)
+            self.lost(worker, now, actions, cause="its job was canceled")
+            return task
         self._idle[worker.worker_id] = worker
         return task
 

@@ -177,6 +177,10 @@ class WorkerLinks:
                 if resp.HasField("usage"):
                     self._usage(wid, resp)
                 self.execute(self.core.local.outcome(wid, resp, extra, now))
+            elif kind == pb.CTRL_DROP or (
+                kind == pb.CTRL_SET_TASK and self.core.local.holds_next(wid, resp.task_id)
+            ):  # its next task forgotten, or refused: the worker stays
+                self.execute(self.core.local.next_answered(wid, kind, resp.task_id, now))
             elif kind == pb.CTRL_SET_TASK:  # refused: the task goes back, nothing counted
                 self.execute(self.core.local.channel_ended(wid, "refused", now))
                 channel.close_after_send()
@@ -229,14 +233,18 @@ class WorkerLinks:
         if action.kind == pb.CTRL_SET_TASK:
             msg.task_id = action.task_id
             worker = self.core.workers.get(wid)
-            if worker is not None and worker.task is not None:
-                limits = self._limits(worker.task.opts.limits)
-                if limits is not None:
-                    msg.limits.CopyFrom(limits)
-                msg.batch_id = worker.task.opts.batch  # a batch's then job: BATCH_ID
+            if worker is not None:
+                task = worker.next if worker.next is not None else worker.task
+                if task is not None:
+                    limits = self._limits(task.opts.limits)
+                    if limits is not None:
+                        msg.limits.CopyFrom(limits)
+                    msg.batch_id = task.opts.batch  # a batch's then job: BATCH_ID
             channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
             self.taken.append(wid)
             return
+        if action.kind == pb.CTRL_DROP:
+            msg.task_id = action.task_id
         channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
         if action.kind == pb.CTRL_RESTART:  # the worker was dropped: it leaves
             del self.channels[wid]
@@ -250,6 +258,8 @@ class WorkerLinks:
         channel = self.channels.get(wid)
         if channel is not None:
             self._send_on_channel(channel, action)
+            return
+        if action.kind == pb.CTRL_DROP:  # its channel is gone, and with it the next task
             return
         path = f"{self._socket_prefix}{wid}.sock"  # str: a Path per dial is measurable
         if action.uid is not None:

@@ -51,6 +51,7 @@ class Settings:
     parent_pid: int | None
     declared: Declared
     channel: bool
+    next_task: bool = True  # on a channel, take a next task while one runs
 
 
 class LoopBase(abc.ABC):
@@ -61,6 +62,7 @@ class LoopBase(abc.ABC):
         socket_dir = settings.socket_dir
         self.socket_dir = socket_dir
         self.ask_channel = settings.channel
+        self.ask_next = settings.next_task
         self.runner = settings.runner
         self.pulse_period = settings.pulse_period
         self.next_pulse = promised_next_pulse(settings.pulse_period)

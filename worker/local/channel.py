@@ -176,13 +176,15 @@ class ChannelLink(JobSlot):
                 log.warning("controller sent RESTART: stopping and exiting %d", EXIT_RESTART)
                 self._abandon_job()
                 self._stop(EXIT_RESTART)
+            elif effect is Effect.HELD or effect is Effect.QUIET:
+                pass  # a next task held (its outcome answers it), or nothing to say
             else:
                 task_id = answer.response.task_id
                 data = wire.encode_channel(
                     wire.CHANNEL_RESPONSE, answer.response, answer.extra, msg.type
                 )
                 if effect is Effect.FETCHED:
-                    self._chan_send(data, lambda: self.session.fetched(task_id))
+                    self._chan_send(data, lambda: self._outcome_out(task_id))
                 else:
                     self._chan_send(data)
         elif which == "pulse_response":
@@ -201,8 +203,19 @@ class ChannelLink(JobSlot):
             wire.encode_channel(
                 wire.CHANNEL_RESPONSE, answer.response, answer.extra, pb.CTRL_FETCH
             ),
-            lambda: self.session.fetched(task_id),
+            lambda: self._outcome_out(task_id),
         )
+
+    def _outcome_out(self, task_id: int) -> None:
+        """The outcome of `task_id` is written: the worker is idle, and starts its next task
+        if it holds one."""
+        session = self.session
+        session.fetched(task_id)
+        waiting = session.take_waiting()
+        if waiting is not None:
+            msg, extra = waiting
+            if session.on_control(msg, extra).effect is Effect.START:
+                self._start_job(msg.task_id, extra)
 
     def _chan_lost(self, why: str) -> None:
         """The channel ended: register again, keeping the job and an outcome not sent whole."""
@@ -215,6 +228,7 @@ class ChannelLink(JobSlot):
         self._chan_out = b""
         self._chan_flushed = []
         session = self.session
+        session.waiting = None  # the controller places a held next task again
         log.warning(
             "channel of worker %d ended (%s); registering again (keeping task %d)",
             session.worker_id,

@@ -104,8 +104,10 @@ class LocalWorker(ChannelLink, SeedExchange):
         parent_pid: int | None = None,
         declared: Declared = DECLARED_DEFAULT,
         channel: bool = True,
+        next_task: bool = True,
     ) -> None:
-        """`channel`: ask for a channel at REGISTER (False: the seed's exchange)."""
+        """`channel`: ask for a channel at REGISTER (False: the seed's exchange);
+        `next_task`: on it, take a next task while one runs."""
         super().__init__(
             Settings(
                 socket_dir,
@@ -117,6 +119,7 @@ class LocalWorker(ChannelLink, SeedExchange):
                 parent_pid,
                 declared,
                 channel,
+                next_task,
             )
         )
         # Registration: the backoff, and whether an attempt is on its way; pulses: whether
@@ -242,6 +245,7 @@ class LocalWorker(ChannelLink, SeedExchange):
         self._registering = True
         msg = self.session.register(self.next_pulse)
         msg.channel = self.ask_channel
+        msg.takes_next = self.ask_channel and self.ask_next
         self._dial(msg, self._registered)
 
     def _registered(self, resp: pb.PulseResponse | None, why: str) -> None:
@@ -251,6 +255,7 @@ class LocalWorker(ChannelLink, SeedExchange):
             self._takes_output = resp.takes_output
             self._takes_progress = resp.takes_progress
             if self.ask_channel and resp.channel:
+                self.session.takes_next = resp.takes_next
                 if self._open_channel(resp.worker_id):
                     self._backoff = REGISTER_BACKOFF_START
                     return
