@@ -94,7 +94,10 @@ class WorkerSession:
                     effect=Effect.HELD,
                 )
             if self.phase is not Phase.IDLE or self.draining:
-                return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_BUSY, task_id=tid))
+                # With next tasks granted, the refusal names the task refused (it may be a
+                # next one, which the controller puts back while the running one goes on).
+                refused = msg.task_id if self.takes_next else tid
+                return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_BUSY, task_id=refused))
             if not msg.HasField("task_id") or msg.task_id == 0:
                 return _failed(tid, "SET_TASK without a task_id (task ids start at 1)")
             self.phase = Phase.RUNNING

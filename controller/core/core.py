@@ -217,7 +217,8 @@ class Core:
         """End live task `ref` now, never to be placed again (a worker holding it has it
         taken back: a local worker gets RESTART); nothing when it is not live."""
         actions: list[Action] = []
-        self.scheduler.cancel(ref, now, actions)
+        if self.scheduler.cancel(ref, now, actions):
+            self.scheduler.dispatch(actions, now)  # a worker it freed, a queue limit's room
         return actions
 
     def pause(self, queue: str) -> None:

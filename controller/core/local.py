@@ -378,19 +378,22 @@ class LocalWorkers:
         actions: list[Action] = []
         if worker is None:
             return actions
-        if kind == pb.CTRL_DROP:
-            if worker.dropping and task_id == worker.dropping:
-                self.scheduler.dropped_next(worker)
-        elif worker.next is not None and task_id == worker.next.task_id:
-            self.scheduler.refused_next(worker, now, actions)
+        if worker.dropping and task_id == worker.dropping:
+            self.scheduler.dropped_next(worker, refused=kind == pb.CTRL_SET_TASK)
+        elif kind == pb.CTRL_SET_TASK and worker.next is not None:
+            if task_id == worker.next.task_id:
+                self.scheduler.refused_next(worker, now, actions)
         self.scheduler.dispatch(actions, now)
         return actions
 
     def holds_next(self, worker_id: int, task_id: int) -> bool:
-        """`task_id` is the next task of the worker (a refused SET_TASK about it is not the
-        refusal of a task it should have been free for)."""
+        """`task_id` is the next task of the worker, or its canceled one (a refused SET_TASK
+        about it is not the refusal of a task it should have been free for)."""
         worker = self.scheduler.workers.get(worker_id)
-        return worker is not None and worker.next is not None and worker.next.task_id == task_id
+        if worker is None or task_id == 0:
+            return False
+        nxt = worker.next
+        return (nxt is not None and nxt.task_id == task_id) or worker.dropping == task_id
 
     def channel_ended(self, worker_id: int, why: str, now: float) -> list[Action]:
         """The worker's channel ended: the worker is gone, its job placed again at once
@@ -400,6 +403,9 @@ class LocalWorkers:
             return []
         actions: list[Action] = []
         if why == "refused":
+            task = worker.task
+            if task is not None and task.state is TaskState.RUNNING:
+                task.attempts -= 1  # counted when written; it never started
             self.scheduler.lost(worker, now, actions, cause="refused a task", blame=False)
         else:
             log.warning("worker %d: its channel ended (%s); dropping it", worker_id, why)

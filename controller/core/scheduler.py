@@ -222,11 +222,16 @@ class Scheduler:
         worker.next = None
         worker.takes_next = False
         self._ahead.pop(worker.worker_id, None)
+        if task.state is TaskState.RUNNING:
+            task.attempts -= 1
         self._requeue(task, now, actions)
 
-    def dropped_next(self, worker: Worker) -> None:
-        """The worker forgot its canceled next task before starting it."""
+    def dropped_next(self, worker: Worker, *, refused: bool = False) -> None:
+        """The worker forgot its canceled next task before starting it (`refused`: it
+        answered that task BUSY, and is handed no more)."""
         worker.dropping = 0
+        if refused:
+            worker.takes_next = False
         if worker.takes_next and worker.task is not None and worker.state is WorkerState.BUSY:
             self._ahead[worker.worker_id] = worker
 
@@ -283,7 +288,8 @@ class Scheduler:
         nxt = worker.next
         if nxt is not None:  # never started: back to the head of the queue, no attempt used
             worker.next = None
-            nxt.attempts -= 1
+            if nxt.state is TaskState.RUNNING:
+                nxt.attempts -= 1
             self._requeue(nxt, now, actions)
         if cause != "shutdown":
             losses = self.counters.worker_losses

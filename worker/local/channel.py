@@ -217,6 +217,18 @@ class ChannelLink(JobSlot):
             if session.on_control(msg, extra).effect is Effect.START:
                 self._start_job(msg.task_id, extra)
 
+    def drain(self) -> None:
+        """Drain; a next task held is refused at once (the controller places it again now,
+        not when the running one ends)."""
+        super().drain()
+        session = self.session
+        waiting, session.waiting = session.waiting, None
+        if waiting is not None and self._chan is not None:
+            refused = pb.WorkerResponse(error=pb.WORKER_ERR_BUSY, task_id=waiting[0].task_id)
+            self._chan_send(
+                wire.encode_channel(wire.CHANNEL_RESPONSE, refused, b"", pb.CTRL_SET_TASK)
+            )
+
     def _chan_lost(self, why: str) -> None:
         """The channel ended: register again, keeping the job and an outcome not sent whole."""
         sock = self._chan
