@@ -43,6 +43,9 @@ class _Instant:
     def take_back(self, worker: Worker, actions: list[Action]) -> None:
         pass
 
+    def drop_next(self, worker: Worker, task: Task, actions: list[Action]) -> None:
+        pass
+
 
 def _options(layout: str, n: int, rng: random.Random) -> JobOptions:
     if layout == ONE:

@@ -8,11 +8,12 @@ in the same run; journal off and on. One table per journal setting, in Markdown,
 figures as JSON (`--json FILE`).
 
     python -m bench.scale                       # the full run (a minute or two on 2 CPUs)
-    python -m bench.scale --workers 2 --lengths-ms 0 --journal off --protocol both
-    python -m bench.scale --targets             # section 16's 2-CPU targets, seed vs channel
+    python -m bench.scale --workers 2 --lengths-ms 0 --journal off --protocol channel,one-task
+    python -m bench.scale --targets             # section 16's 2-CPU targets, each protocol
 
-`--protocol seed` runs the workers with `--seed-protocol`; `both` runs each point with the
-channel and with the seed's exchange, alternately. The machine may be shared: each point is
+`--protocol` names the workers' ways of talking, comma-separated: `channel` (the default: the
+channel, holding a next task), `one-task` (the channel, `worker --one-task`: one task at a
+time) and `seed` (`worker --seed-protocol`). The machine may be shared: each point is
 measured `--rounds` times (ours and the pool alternately) and the median shown, with the
 spread (lowest-highest) of ours.
 """
@@ -37,6 +38,12 @@ from bench.e2e_bench import drive, start_controller
 from tests.helpers import free_udp_port
 
 HANDLER = ("--handler", "bench.work:run")
+# The workers' flags for each way of talking to the controller.
+PROTOCOLS: dict[str, tuple[str, ...]] = {
+    "channel": (),
+    "one-task": ("--one-task",),
+    "seed": ("--seed-protocol",),
+}
 EXEC_TRUE = ("--exec", "/usr/bin/true")
 
 
@@ -68,14 +75,19 @@ def ppe_rate(workers: int, length: float, jobs: int) -> float:
 
 
 class Ours:
-    """A controller with `workers` local workers (`seed`: speaking the seed's exchange)."""
+    """A controller with `workers` local workers speaking `protocol` (a key of PROTOCOLS)."""
 
     def __init__(
-        self, sockdir: Path, workers: int, journal: bool, seed: bool, worker_args: tuple[str, ...]
+        self,
+        sockdir: Path,
+        workers: int,
+        journal: bool,
+        protocol: str,
+        worker_args: tuple[str, ...],
     ) -> None:
         self.port = free_udp_port()
         extra: dict[str, Any] = {"journal": str(sockdir / "journal.sqlite3") if journal else None}
-        args = (*(("--seed-protocol",) if seed else ()), *worker_args)
+        args = (*PROTOCOLS[protocol], *worker_args)
         self.proc = start_controller(sockdir, self.port, workers, extra, worker_args=args)
         self.next_id = 1
         # warm up; waits for the workers
@@ -98,7 +110,7 @@ def point(
     workers: int,
     length: float,
     journal: bool,
-    seed: bool,
+    protocol: str,
     rounds: int,
     seconds: float,
 ) -> dict[str, Any]:
@@ -106,7 +118,7 @@ def point(
     window = max(64, 8 * workers)
     rates, cpus, ppe = [], [], []
     with socket_dir() as sockdir:
-        ours = Ours(sockdir, workers, journal, seed, HANDLER)
+        ours = Ours(sockdir, workers, journal, protocol, HANDLER)
         try:
             for _ in range(rounds):
                 rate, cpu = ours.measure(jobs, window, f"sleep {length}")
@@ -119,7 +131,7 @@ def point(
         "workers": workers,
         "length_ms": round(length * 1000, 3),
         "journal": journal,
-        "protocol": "seed" if seed else "channel",
+        "protocol": protocol,
         "jobs": jobs,
         "jobs_per_s": round(median(rates)),
         "jobs_per_s_spread": [round(min(rates)), round(max(rates))],
@@ -162,7 +174,7 @@ def bare_true(count: int) -> float:
 
 
 def targets(rounds: int) -> dict[str, Any]:
-    """Seed and channel in one run, alternately: the controller's CPU per no-op job (UDP,
+    """Each protocol in one run, in turns: the controller's CPU per no-op job (UDP,
     journal off, 2 workers), 1 ms jobs' efficiency on 2 workers, and `--exec true` with 4 in
     flight on one worker beside a bare subprocess.run loop."""
     out: dict[str, Any] = {}
@@ -173,15 +185,16 @@ def targets(rounds: int) -> dict[str, Any]:
     ]
     for name, workers, args, payload, jobs, window in cases:
         figures: dict[str, dict[str, list[float]]] = {}
-        with socket_dir() as a, socket_dir() as b:
+        with socket_dir() as a, socket_dir() as b, socket_dir() as c:
             both = {
-                "channel": Ours(a, workers, False, False, args),
-                "seed": Ours(b, workers, False, True, args),
+                protocol: Ours(sockdir, workers, False, protocol, args)
+                for protocol, sockdir in zip(PROTOCOLS, (a, b, c), strict=True)
             }
             try:
                 bare: list[float] = []
                 for r in range(rounds):
-                    order = ["channel", "seed"] if r % 2 == 0 else ["seed", "channel"]
+                    order = list(PROTOCOLS)
+                    order = order[r % 3 :] + order[: r % 3]  # each goes first in turn
                     for protocol in order:
                         rate, cpu = both[protocol].measure(jobs, window, payload)
                         got = figures.setdefault(protocol, {"rate": [], "cpu": []})
@@ -228,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--lengths-ms", default="0,1,10", help="job lengths in ms")
     parser.add_argument("--journal", default="off,on", help="off, on, or both: off,on")
-    parser.add_argument("--protocol", choices=("channel", "seed", "both"), default="channel")
+    parser.add_argument(
+        "--protocol",
+        default="channel",
+        help=f"comma-separated, of {', '.join(PROTOCOLS)} (default: channel)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=1.0, help="about how long a round")
     parser.add_argument("--json", type=Path, help="write the figures there too")
@@ -241,15 +258,20 @@ def main(argv: list[str] | None = None) -> int:
             counts = [int(x) for x in args.workers.split(",")]
             lengths = [float(x) / 1000 for x in args.lengths_ms.split(",")]
             journals = [j == "on" for j in args.journal.split(",")]
-            protocols = {"both": [False, True], "seed": [True], "channel": [False]}[args.protocol]
+            protocols = args.protocol.split(",")
+            unknown = [p for p in protocols if p not in PROTOCOLS]
+            if unknown:
+                parser.error(f"--protocol: unknown {', '.join(unknown)}")
             print(f"host: {cpus} CPUs; python {sys.version.split()[0]}", flush=True)
             result = []
             for journal in journals:
                 rows = []
                 for n in counts:
                     for length in lengths:
-                        for seed in protocols:
-                            rows.append(point(n, length, journal, seed, args.rounds, args.seconds))
+                        for protocol in protocols:
+                            rows.append(
+                                point(n, length, journal, protocol, args.rounds, args.seconds)
+                            )
                             print(table(rows[-1:]).splitlines()[-1], flush=True)
                 print(f"\njournal {'on' if journal else 'off'}:\n{table(rows)}\n", flush=True)
                 result += rows
