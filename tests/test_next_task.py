@@ -2,6 +2,10 @@
 task on their channel"): real workers on an in-process controller, and hostile channel peers
 that ask for `takes_next` and then misbehave.
 
+A held next task is ASSIGNING (its job "requested") and counts no attempt until the task before
+it ends there (controller/core/next_tasks.py); it is taken back with CTRL_DROP when canceled,
+when an idle worker could take it (a reclaim), or when its placement timeout passes.
+
 The real workers run `--exec sh -c SCRIPT`: each run appends "TASK_ID WORKER_PID" to a log in
 the test's temp dir (so a test counts runs and sees where each ran), and a gated job waits
 for `go-TASK_ID` or `go-all` there (bounded), so the test decides when it ends."""
@@ -23,6 +27,8 @@ import trio
 from controller import wire
 from controller.core import Action, TaskFinished, TaskState
 from controller.core.model import Task, Worker
+from controller.job_states import JobState
+from controller.jobs import live_state
 from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from gen import worker_protocol_pb2 as pb
@@ -137,9 +143,12 @@ async def test_channel_workers_hold_a_next_task_and_every_job_runs_once(sockdir,
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_next, shell, seen)
                 tasks = [shell.submit(i, b"") for i in jobs]
-                # Both were busy with a job and more were pending: each got a next one.
+                # Both were busy with a job and more were pending: each got a next one, held
+                # (requested, no attempt yet) until the one before it ends.
                 nexts = [w.next for w in shell.core.workers.values()]
-                assert all(t is not None and t.state is TaskState.RUNNING for t in nexts)
+                assert all(t is not None and t.state is TaskState.ASSIGNING for t in nexts)
+                assert all(live_state(t.state) is JobState.REQUESTED for t in nexts if t)
+                assert all(t is not None and t.attempts == 0 for t in nexts)
                 done = await outcomes.wait(len(jobs), timeout=30)
                 nursery.cancel_scope.cancel()
             results = finished_once(done, jobs)
@@ -192,11 +201,18 @@ async def test_no_next_task_while_a_worker_is_idle(sockdir, tmp_path):
             third = shell.submit(3, b"")
             holders = [w for w in shell.core.workers.values() if w.next is third]
             assert len(holders) == 1 and holders[0].task in (first, second)
+            assert third.state is TaskState.ASSIGNING and third.attempts == 0
+            holder = holders[0]
+            assert holder.task is not None
+            # Only the holder's job ends (the other worker stays busy: nothing reclaims it).
+            (tmp_path / f"go-{holder.task.task_id}").touch()
+            await wait_until(lambda: len(ran(tmp_path)) == 3)
+            assert dict(ran(tmp_path))[3] == holder.pid  # it ran where it was held
             (tmp_path / "go-all").touch()
             done = await outcomes.wait(3, timeout=20)
             finished_once(done, [1, 2, 3])
             assert runs(tmp_path) == collections.Counter([1, 2, 3])
-            assert dict(ran(tmp_path))[3] == holders[0].pid  # it ran where it was held
+            assert third.attempts == 1
 
 
 # ---------------------------------------------------------------- cancel, death, drain
@@ -211,6 +227,7 @@ async def test_a_canceled_next_task_is_dropped_and_never_runs(sockdir, tmp_path)
             first = shell.submit(1, b"")
             second = shell.submit(2, b"")
             assert worker.task is first and worker.next is second
+            assert live_state(second.state) is JobState.REQUESTED and second.attempts == 0
             await wait_until(lambda: ran(tmp_path) == [(1, proc.pid)])
             cancel(shell, second)
             assert second.state is TaskState.CANCELED and worker.dropping == 2
@@ -236,8 +253,8 @@ async def test_a_canceled_next_task_is_dropped_and_never_runs(sockdir, tmp_path)
 
 
 async def test_a_killed_worker_s_running_and_next_tasks_run_once_elsewhere(sockdir, tmp_path):
-    """SIGKILL while it runs one job and holds another: both run on the other worker, once
-    each; the held one counts one attempt (it never started on the dead one)."""
+    """SIGKILL while it runs one job and holds another: the held one goes back with no
+    attempt (none was counted while held); both run on a worker that comes later, once each."""
     script = _gated_script(tmp_path)
     with workers(sockdir) as group:
         doomed = group.spawn("--exec", "sh", "-c", script)
@@ -248,19 +265,22 @@ async def test_a_killed_worker_s_running_and_next_tasks_run_once_elsewhere(sockd
             second = shell.submit(2, b"")
             assert worker.task is first and worker.next is second
             await wait_until(lambda: ran(tmp_path) == [(1, doomed.pid)])
-            other = group.spawn("--exec", "sh", "-c", script)
-            await wait_until(lambda: shell.core.idle_workers == 1)
-            assert worker.next is second  # nothing taken back for the newcomer
             os.kill(doomed.pid, signal.SIGKILL)
+            await wait_until(lambda: worker.worker_id not in shell.core.workers)
+            assert second.state is TaskState.QUEUED and second.attempts == 0
+            assert first.attempts == 1
             (tmp_path / "go-all").touch()
+            other = group.spawn("--exec", "sh", "-c", script)
             done = await outcomes.wait(2, timeout=20)
             assert finished_once(done, [1, 2]) == {1: b"r1\n", 2: b"r2\n"}
             assert sorted(ran(tmp_path)) == [(1, doomed.pid), (1, other.pid), (2, other.pid)]
             assert (first.attempts, second.attempts) == (2, 1)
-            assert worker.worker_id not in shell.core.workers
 
 
-async def test_a_draining_worker_finishes_its_job_and_its_next_runs_elsewhere(sockdir, tmp_path):
+async def test_a_draining_worker_refuses_its_next_task_at_once(sockdir, tmp_path):
+    """SIGTERM while it runs a gated job and holds another: the held one goes back at once
+    (while the running job still runs), with no attempt used, so a job allowed no retry runs
+    (once) on another worker; the drained worker finishes its job and leaves."""
     script = _gated_script(tmp_path)
     log = tmp_path / "drained.log"
     with workers(sockdir) as group:
@@ -269,46 +289,116 @@ async def test_a_draining_worker_finishes_its_job_and_its_next_runs_elsewhere(so
             await wait_until(lambda: shell.core.idle_workers == 1)
             worker = worker_of(shell, drained)
             first = shell.submit(1, b"")
-            second = shell.submit(2, b"")
+            second = shell.submit(2, b"", options=JobOptions(max_retries=0))
             assert worker.task is first and worker.next is second
             await wait_until(lambda: ran(tmp_path) == [(1, drained.pid)])
-            other = group.spawn("--exec", "sh", "-c", script)
-            await wait_until(lambda: shell.core.idle_workers == 1)
             drained.send_signal(signal.SIGTERM)
-            await wait_until(lambda: "draining" in log.read_text(errors="replace"))
-            (tmp_path / "go-all").touch()
+            # Refused at once: no other worker exists to reclaim it, job 1 still runs.
+            await wait_until(lambda: second.state is TaskState.QUEUED)
+            assert second.attempts == 0 and worker.next is None and not worker.takes_next
+            assert worker.task is first and first.state is TaskState.RUNNING
+            other = group.spawn("--exec", "sh", "-c", script)
+            await wait_until(lambda: second.state is TaskState.RUNNING)
+            (tmp_path / "go-2").touch()
+            done = await outcomes.wait(1, timeout=20)
+            assert [(f.task_id, f.state) for f in done] == [(2, TaskState.SUCCESS)]
+            assert ran(tmp_path) == [(1, drained.pid), (2, other.pid)]
+            assert drained.poll() is None and first.state is TaskState.RUNNING
+            (tmp_path / "go-1").touch()  # only now does the drained worker's job end
             done = await outcomes.wait(2, timeout=20)
-            assert finished_once(done, [1, 2]) == {1: b"r1\n", 2: b"r2\n"}
-            assert sorted(ran(tmp_path)) == [(1, drained.pid), (2, other.pid)]
+            assert finished_once(done, [2, 1]) == {1: b"r1\n", 2: b"r2\n"}
             await wait_until(lambda: drained.poll() is not None, timeout=10)
             assert drained.returncode == 0
             assert worker.worker_id not in shell.core.workers
             assert shell.core.counters.worker_losses == {}
-            assert first.attempts == 1
+            assert (first.attempts, second.attempts) == (1, 1)
+            assert runs(tmp_path) == collections.Counter([1, 2])
 
 
-async def test_a_drained_worker_s_next_task_counts_no_attempt_there(sockdir, tmp_path):
-    """The held task never started on the draining worker: no attempt is used there, so a
-    job allowed no retry still runs (once) on the other worker."""
+# ---------------------------------------------------------------- reclaim, placement timeout
+
+
+async def test_a_held_task_is_reclaimed_for_a_worker_that_became_idle(sockdir, tmp_path):
+    """Worker A runs a long job and holds X; worker B's job ends and nothing is pending: X is
+    taken back from A (CTRL_DROP, answered) and runs on B, once; A is not restarted."""
     script = _gated_script(tmp_path)
-    log = tmp_path / "drained.log"
     with workers(sockdir) as group:
-        drained = group.spawn("--exec", "sh", "-c", script, log=log)
+        procs = [group.spawn("--exec", "sh", "-c", script) for _ in range(2)]
+        async with running_controller(sockdir) as (shell, outcomes):
+            await wait_until(lambda: shell.core.idle_workers == 2)
+            shell.submit(1, b"")
+            shell.submit(2, b"")
+            await wait_until(lambda: len(ran(tmp_path)) == 2)
+            x = shell.submit(3, b"")
+            [a] = [w for w in shell.core.workers.values() if w.next is x]
+            [b] = [w for w in shell.core.workers.values() if w is not a]
+            assert a.task is not None and b.task is not None
+            a_job, b_job = a.task, b.task
+            assert x.state is TaskState.ASSIGNING and x.attempts == 0
+            (tmp_path / f"go-{b_job.task_id}").touch()
+            # B idle, nothing pending: X is reclaimed from A and runs on B.
+            await wait_until(lambda: (3, b.pid) in ran(tmp_path))
+            assert a.next is None and not a.reclaiming and a.dropping == 0
+            assert a.task is a_job and a_job.state is TaskState.RUNNING
+            assert x.worker_id == b.worker_id and x.attempts == 1
+            assert a.takes_next  # still handed next tasks
+            (tmp_path / "go-all").touch()
+            done = await outcomes.wait(3, timeout=20)
+            finished_once(done, [1, 2, 3])
+            # Had A kept X, it would start it once its job ended, before anything else.
+            await wait_until(lambda: shell.core.idle_workers == 2)
+            shell.submit(4, b"")
+            shell.submit(5, b"")
+            done = await outcomes.wait(5, timeout=20)
+            finished_once(done, [1, 2, 3, 4, 5])
+            assert runs(tmp_path) == collections.Counter([1, 2, 3, 4, 5])
+            assert {pid for tid, pid in ran(tmp_path) if tid in (4, 5)} == {a.pid, b.pid}
+            assert shell.core.counters.restarts_sent == 0
+            assert shell.core.counters.worker_losses == {}
+            assert shell.core.workers.get(a.worker_id) is a
+            assert all(proc.poll() is None for proc in procs)
+
+
+async def test_a_held_task_past_its_placement_timeout_fails_and_never_runs(sockdir, tmp_path):
+    """A task held behind a long job fails with reason placement when its placement timeout
+    passes; the running job is unaffected and the worker is not restarted."""
+    with workers(sockdir) as group:
+        proc = group.spawn("--exec", "sh", "-c", _gated_script(tmp_path))
         async with running_controller(sockdir) as (shell, outcomes):
             await wait_until(lambda: shell.core.idle_workers == 1)
-            shell.submit(1, b"")
-            second = shell.submit(2, b"", options=JobOptions(max_retries=0))
-            await wait_until(lambda: ran(tmp_path) == [(1, drained.pid)])
-            other = group.spawn("--exec", "sh", "-c", script)
-            await wait_until(lambda: shell.core.idle_workers == 1)
-            drained.send_signal(signal.SIGTERM)
-            await wait_until(lambda: "draining" in log.read_text(errors="replace"))
-            (tmp_path / "go-all").touch()
-            done = await outcomes.wait(2, timeout=20)
-            assert [(f.task_id, f.state) for f in done if f.task_id == 2] == [
-                (2, TaskState.SUCCESS)
+            worker = worker_of(shell, proc)
+            first = shell.submit(1, b"")
+            x = shell.submit(2, b"", options=JobOptions(placement_timeout=0.5))
+            assert worker.task is first and worker.next is x
+            assert x.state is TaskState.ASSIGNING
+            await wait_until(lambda: ran(tmp_path) == [(1, proc.pid)])
+            done = await outcomes.wait(1, timeout=4)  # 0.5 s, and time to spare
+            [failed] = done
+            assert (failed.task_id, failed.state, failed.reason) == (
+                2,
+                TaskState.FAILED_POST,
+                "placement",
+            )
+            assert "no free worker within 0.5 s" in failed.error
+            assert x.attempts == 0 and worker.next is None and worker.dropping == 0
+            assert worker.task is first and first.state is TaskState.RUNNING
+            assert ran(tmp_path) == [(1, proc.pid)]
+            (tmp_path / "go-1").touch()
+            (tmp_path / "go-2").touch()  # had it started, it would end at once
+            # Had the worker kept task 2, it would run it before task 3.
+            shell.submit(3, b"")
+            (tmp_path / "go-3").touch()
+            done = await outcomes.wait(3, timeout=20)
+            assert [(f.task_id, f.state) for f in done] == [
+                (2, TaskState.FAILED_POST),
+                (1, TaskState.SUCCESS),
+                (3, TaskState.SUCCESS),
             ]
-            assert ran(tmp_path)[1:] == [(2, other.pid)] and second.attempts == 1
+            assert ran(tmp_path) == [(1, proc.pid), (3, proc.pid)]
+            assert shell.core.workers.get(worker.worker_id) is worker
+            assert shell.core.counters.restarts_sent == 0
+            assert shell.core.counters.worker_losses == {}
+            assert proc.poll() is None
 
 
 # ---------------------------------------------------------------- hostile channel peers
@@ -502,6 +592,67 @@ async def test_a_peer_that_ignores_drop_and_runs_the_canceled_task_is_restarted(
             await wait_until(lambda: peer.wid not in shell.core.workers)
             with contextlib.suppress(OSError):
                 peer.outcome(2, b"r2")
+            await recv_all(peer.sock)  # the controller closes the channel
+        assert first.state is TaskState.SUCCESS and second.state is TaskState.CANCELED
+        assert [(f.task_id, f.state) for f in outcomes.items] == [
+            (2, TaskState.CANCELED),
+            (1, TaskState.SUCCESS),
+        ]
+        assert shell.core.counters.restarts_sent == 1
+        assert shell.core.counters.worker_losses == {"its job was canceled": 1}
+
+
+async def test_a_peer_that_answers_a_reclaim_after_the_outcome_runs_the_held_task(sockdir):
+    """A reclaim's CTRL_DROP crosses the outcome of the running task: the peer writes that
+    outcome, then its OK to the DROP. The held task started there and runs there (no RESTART);
+    the late OK is ignored, and the idle worker gets nothing."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        peer = await Peer.open(sockdir)
+        with peer.sock:
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            worker = shell.core.workers[peer.wid]
+            first = shell.submit(1, b"one")
+            second = shell.submit(2, b"two")
+            assert await peer.controls(2) == [(SET, 1), (SET, 2)]
+            idle = await Peer.open(sockdir)  # idle, nothing pending: task 2 is reclaimed
+            with idle.sock:
+                assert await peer.controls(1) == [(DROP, 2)]
+                assert worker.reclaiming
+                peer.outcome(1, b"r1")
+                peer.answer(pb.WORKER_ERR_OK, 2, DROP)
+                await wait_until(lambda: first.state is TaskState.SUCCESS)
+                assert worker.task is second and second.state is TaskState.RUNNING
+                assert second.attempts == 1 and not worker.reclaiming
+                third = shell.submit(3, b"three")  # read after the late OK: it was read
+                assert await idle.controls(1) == [(SET, 3)]
+                assert worker.task is second and second.worker_id == peer.wid
+                idle.outcome(3, b"r3")
+                peer.outcome(2, b"r2")
+                done = await outcomes.wait(3)
+                assert finished_once(done, [1, 3, 2]) == {1: b"r1", 2: b"r2", 3: b"r3"}
+                assert peer.quiet() and idle.quiet()  # no RESTART, no second SET_TASK 2
+                assert shell.core.counters.restarts_sent == 0
+                assert shell.core.counters.worker_losses == {}
+                assert shell.core.workers.get(peer.wid) is worker
+                assert third.attempts == 1
+
+
+async def test_a_peer_that_answers_a_cancel_drop_after_the_outcome_is_restarted(sockdir):
+    """A cancel's CTRL_DROP crosses the outcome of the running task: the peer writes that
+    outcome, then its OK to the DROP. The canceled task counts as started: RESTART."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        peer = await Peer.open(sockdir)
+        with peer.sock:
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            first = shell.submit(1, b"one")
+            second = shell.submit(2, b"two")
+            assert await peer.controls(2) == [(SET, 1), (SET, 2)]
+            cancel(shell, second)
+            assert await peer.controls(1) == [(DROP, 2)]
+            peer.outcome(1, b"r1")
+            peer.answer(pb.WORKER_ERR_OK, 2, DROP)
+            assert await peer.controls(1) == [(pb.CTRL_RESTART, 0)]
+            await wait_until(lambda: peer.wid not in shell.core.workers)
             await recv_all(peer.sock)  # the controller closes the channel
         assert first.state is TaskState.SUCCESS and second.state is TaskState.CANCELED
         assert [(f.task_id, f.state) for f in outcomes.items] == [

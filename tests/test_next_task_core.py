@@ -28,6 +28,7 @@ from controller.core import (
     Reply,
     Task,
     TaskFinished,
+    TaskProgress,
     TaskState,
     Worker,
     WorkerExited,
@@ -146,6 +147,12 @@ def busy_with_next(core: Core) -> tuple[int, Task, Task]:
     return wid, one, two
 
 
+def idle_arrives(core: Core, now: float = 1.0) -> tuple[int, list[Action]]:
+    """A worker (one task at a time) whose channel opens with nothing pending."""
+    other, _ = register(core, now, takes_next=False)
+    return other, open_channel(core, other, now)
+
+
 # ---------------------------------------------------------------- asking
 
 
@@ -213,13 +220,23 @@ def test_a_next_task_only_when_no_idle_worker_can_take_it() -> None:
     assert core.workers[other].state is WorkerState.IDLE and core.workers[other].task is None
 
 
-def test_a_taken_next_task_is_running_with_one_attempt() -> None:
+def test_a_held_next_task_is_assigning_with_no_attempt_until_promoted() -> None:
+    """Held: ASSIGNING, no attempt, no TaskProgress; the outcome before it promotes it (one
+    attempt, RUNNING, its TaskProgress then)."""
     core = Core()
-    wid, one, two = busy_with_next(core)
-    assert two.state is TaskState.RUNNING and two.attempts == 1 and two.worker_id == wid
+    wid = channel_worker(core)
+    one, _ = submit(core, 1)
+    two, actions = submit(core, 2)
+    assert core.workers[wid].next is two
+    assert [a for a in actions if isinstance(a, TaskProgress) and a.ref == two.ref] == []
+    assert two.state is TaskState.ASSIGNING and two.attempts == 0 and two.worker_id == wid
     assert one.state is TaskState.RUNNING and one.attempts == 1
     assert core.workers[wid].state is WorkerState.BUSY
     assert core.queued == 0
+    actions = outcome(core, wid, 1, 1.0)
+    [started] = [a for a in actions if isinstance(a, TaskProgress) and a.ref == two.ref]
+    assert started.state is TaskState.RUNNING and started.attempts == 1
+    assert state(two) is TaskState.RUNNING and two.attempts == 1
 
 
 def test_a_worker_holds_one_next_task_at_most() -> None:
@@ -238,7 +255,7 @@ def test_the_next_tasks_timeout_starts_when_the_task_before_it_ends() -> None:
     assert core.workers[wid].next is two
     actions = core.expire(100.0)  # long past 5 s since it was taken
     assert dials(actions) == [] and finished(actions) == []
-    assert core.workers[wid].next is two and two.state is TaskState.RUNNING
+    assert core.workers[wid].next is two and two.state is TaskState.ASSIGNING
     actions = outcome(core, wid, 1, 100.0)
     assert core.workers[wid].task is two
     assert core.expire(104.999) == [] and wid in core.workers
@@ -260,13 +277,14 @@ def test_the_outcome_promotes_the_next_task_and_the_worker_takes_another(ok: boo
     assert done.state is (TaskState.SUCCESS if ok else TaskState.ERROR)
     worker = core.workers[wid]
     assert worker.state is WorkerState.BUSY and worker.task is two
-    assert two.state is TaskState.RUNNING and two.attempts == 1  # not counted twice
+    assert two.state is TaskState.RUNNING and two.attempts == 1  # counted at promotion
     assert [d.task_id for d in dials(actions, pb.CTRL_SET_TASK)] == [3]
-    assert worker.next is three and state(three) is TaskState.RUNNING
+    assert worker.next is three and state(three) is TaskState.ASSIGNING
+    assert three.attempts == 0
     # And on: the next outcome promotes the third.
     actions = outcome(core, wid, 2, 2.0)
     assert [f.ref for f in finished(actions)] == [two.ref]
-    assert worker.task is three and worker.next is None
+    assert worker.task is three and worker.next is None and three.attempts == 1
     actions = outcome(core, wid, 3, 3.0)
     assert worker.task is None and worker.state is WorkerState.IDLE
 
@@ -311,15 +329,182 @@ def test_an_outcome_while_the_drop_is_unanswered_restarts_the_worker() -> None:
 def test_canceling_the_running_task_places_its_held_next_task_at_once() -> None:
     core = Core(timeout_task_placement=0.0)
     wid, one, two = busy_with_next(core)
-    other = channel_worker(core, takes_next=False)
+    # Idle with nothing pending: task 2 is reclaimed; the cancel comes before the answer.
+    other, actions = idle_arrives(core)
+    assert [(d.worker_id, d.task_id) for d in dials(actions, pb.CTRL_DROP)] == [(wid, 2)]
     three, _ = submit(core, 3)
     assert core.workers[other].task is three
-    outcome(core, other, 3, 1.0)  # idle again, nothing pending
+    actions = outcome(core, other, 3, 1.0)  # idle again: no second DROP
+    assert dials(actions) == [] and core.workers[wid].reclaiming
     actions = settle(core, core.cancel(one.ref, 2.0), 2.0)
     assert [d.worker_id for d in dials(actions, pb.CTRL_RESTART)] == [wid]
     assert wid not in core.workers
     assert core.workers[other].task is two, "task 2 waits while a worker is idle"
     assert two.attempts == 1  # taken there: its first attempt
+
+
+# ---------------------------------------------------------------- reclaimed
+
+
+def reclaimed(core: Core, cause: str) -> tuple[int, Task, Task]:
+    """Worker `wid` runs task 1 and holds task 2 (placement timeout 10 s), which the
+    controller takes back with a CTRL_DROP: an idle worker could take it, or its placement
+    timeout passed."""
+    wid = channel_worker(core)
+    one, _ = submit(core, 1)
+    two, _ = submit(core, 2, 0.0, JobOptions(placement_timeout=10))
+    assert core.workers[wid].next is two
+    if cause == "idle worker":
+        _, actions = idle_arrives(core)
+    else:
+        assert cause == "placement"
+        assert core.expire(9.999) == []
+        actions = settle(core, core.expire(10.0), 10.0)
+    assert [(d.worker_id, d.kind, d.task_id) for d in dials(actions)] == [(wid, pb.CTRL_DROP, 2)]
+    assert finished(actions) == []
+    worker = core.workers[wid]
+    assert worker.reclaiming and worker.dropping == 0
+    assert worker.task is one and worker.next is two
+    assert state(two) is TaskState.ASSIGNING and two.attempts == 0
+    return wid, one, two
+
+
+def test_a_worker_becoming_idle_reclaims_a_held_task_it_could_take() -> None:
+    """The DROP goes out when the worker is idle with nothing pending; its answer puts the
+    task back, and the idle worker takes it (its first attempt)."""
+    core = Core()
+    wid, one, two = reclaimed(core, "idle worker")
+    [other] = [w for w in core.workers if w != wid]
+    assert core.workers[other].state is WorkerState.IDLE
+    assert answered(core, wid, pb.CTRL_DROP, 99, 2.0) == []  # not its answer
+    assert core.workers[wid].next is two
+    actions = answered(core, wid, pb.CTRL_DROP, 2, 2.0)
+    assert [(d.worker_id, d.task_id) for d in dials(actions)] == [(other, 2)]
+    worker = core.workers[wid]
+    assert worker.next is None and not worker.reclaiming and worker.task is one
+    assert core.workers[other].task is two
+    assert two.state is TaskState.RUNNING and two.attempts == 1 and two.worker_id == other
+    # The worker's own outcome promotes nothing now; nobody is restarted.
+    actions = outcome(core, wid, 1, 3.0)
+    assert [f.ref for f in finished(actions)] == [one.ref] and dials(actions) == []
+    assert worker.task is None and worker.state is WorkerState.IDLE
+    assert core.workers[other].task is two
+    assert core.counters.restarts_sent == 0
+
+
+def test_an_idle_worker_whose_reclaim_came_to_nothing_reclaims_another() -> None:
+    core = Core()
+    submit(core, 1)
+    a = channel_worker(core)
+    b = channel_worker(core)
+    for n in (2, 3, 4):
+        submit(core, n)
+    assert (held_next(core, a), held_next(core, b)) == (3, 4)
+    idle, actions = idle_arrives(core)
+    assert [(d.worker_id, d.task_id) for d in dials(actions)] == [(a, 3)]  # one per idle
+    actions = outcome(core, a, 1, 2.0)  # task 3 started first: it runs on a
+    assert core.workers[a].task is not None and core.workers[a].task.task_id == 3
+    actions += settle(core, core.expire(2.5), 2.5)
+    assert core.workers[idle].state is WorkerState.IDLE
+    assert [(d.worker_id, d.kind, d.task_id) for d in dials(actions)] == [(b, pb.CTRL_DROP, 4)], (
+        "idle while task 4, which it could take, waits behind task 2"
+    )
+
+
+def test_an_idle_worker_that_cannot_take_the_held_task_reclaims_nothing() -> None:
+    core = Core()
+    wid, _, two = busy_with_next(core)
+    other, _ = register(core, 1.0, queues=["other"])
+    actions = open_channel(core, other, 1.0)
+    assert dials(actions) == []
+    assert core.workers[wid].next is two and not core.workers[wid].reclaiming
+
+
+@pytest.mark.parametrize("cause", ["idle worker", "placement"])
+def test_a_reclaimed_task_whose_outcome_before_came_first_runs_there(cause: str) -> None:
+    """The worker started it (its outcome crossed the DROP): it is promoted and runs there,
+    no RESTART (it was not canceled), its placement timeout no longer applies."""
+    core = Core()
+    wid, one, two = reclaimed(core, cause)
+    actions = outcome(core, wid, 1, 10.5)
+    assert [f.ref for f in finished(actions)] == [one.ref]
+    assert dials(actions) == []
+    worker = core.workers[wid]
+    assert worker.task is two and worker.next is None and not worker.reclaiming
+    assert two.state is TaskState.RUNNING and two.attempts == 1 and two.worker_id == wid
+    assert core.counters.restarts_sent == 0
+    assert finished(core.expire(50.0)) == []
+    for w in core.workers.values():
+        if w is not worker:
+            assert w.state is WorkerState.IDLE and w.task is None
+    actions = outcome(core, wid, 2, 51.0)
+    [done] = finished(actions)
+    assert done.ref == two.ref and done.state is TaskState.SUCCESS
+
+
+def test_a_held_task_past_its_placement_timeout_fails_once_the_drop_is_answered() -> None:
+    """Back with no placement time left: it fails (failed_post, placement) by the next
+    expire, never handed again, with no attempt counted."""
+    core = Core()
+    wid, one, two = reclaimed(core, "placement")
+    actions = answered(core, wid, pb.CTRL_DROP, 2, 10.5)
+    actions += settle(core, core.expire(10.5), 10.5)
+    assert dials(actions) == [], "handed again with no placement time left"
+    [done] = finished(actions)
+    assert done.ref == two.ref and done.state is TaskState.FAILED_POST
+    assert done.reason == "placement" and "no free worker within 10 s" in done.error
+    assert two.attempts == 0 and two.ref not in core.tasks
+    worker = core.workers[wid]
+    assert worker.next is None and not worker.reclaiming and worker.task is one
+    assert core.counters.placement_timeouts == 1 and core.counters.restarts_sent == 0
+
+
+def test_a_held_task_past_its_placement_timeout_is_taken_back_not_failed() -> None:
+    """Its deadline passes while held: a CTRL_DROP, and it does not fail while held (the
+    answer decides), nor is a second DROP sent."""
+    core = Core()
+    wid, _, two = reclaimed(core, "placement")
+    actions = settle(core, core.expire(10.5), 10.5)
+    assert dials(actions) == [] and finished(actions) == []  # no second DROP
+    assert core.workers[wid].next is two and two.ref in core.tasks
+
+
+@pytest.mark.parametrize("cause", ["idle worker", "placement"])
+def test_cancel_while_a_reclaim_drop_is_in_flight_sends_no_second_drop(cause: str) -> None:
+    """The reclaim's DROP serves the cancel; its answer frees the worker and places
+    nothing."""
+    core = Core()
+    wid, one, two = reclaimed(core, cause)
+    actions = settle(core, core.cancel(two.ref, 10.2), 10.2)
+    assert dials(actions) == []
+    [done] = finished(actions)
+    assert done.ref == two.ref and done.state is TaskState.CANCELED
+    worker = core.workers[wid]
+    assert worker.dropping == 2 and not worker.reclaiming and worker.next is None
+    actions = answered(core, wid, pb.CTRL_DROP, 2, 10.5)
+    assert dials(actions) == [] and finished(actions) == []
+    assert worker.dropping == 0 and worker.task is one and two.ref not in core.tasks
+    assert all(w.task is None for w in core.workers.values() if w is not worker)
+    # Free to be handed a next task again, and no RESTART at its outcome.
+    three, actions = submit(core, 3, 11.0)
+    assert three.worker_id != 0
+    actions = outcome(core, wid, 1, 12.0)
+    assert dials(actions, pb.CTRL_RESTART) == [] and wid in core.workers
+    assert core.counters.restarts_sent == 0
+
+
+@pytest.mark.parametrize("cause", ["idle worker", "placement"])
+def test_cancel_while_a_reclaim_drop_is_in_flight_then_the_outcome_restarts(cause: str) -> None:
+    """The outcome before it comes first: the worker started the canceled task (RESTART)."""
+    core = Core()
+    wid, one, two = reclaimed(core, cause)
+    settle(core, core.cancel(two.ref, 10.2), 10.2)
+    actions = outcome(core, wid, 1, 10.5)
+    [done] = finished(actions)
+    assert done.ref == one.ref and done.state is TaskState.SUCCESS
+    assert [d.worker_id for d in dials(actions, pb.CTRL_RESTART)] == [wid]
+    assert wid not in core.workers and core.counters.restarts_sent == 1
+    assert answered(core, wid, pb.CTRL_DROP, 2, 11.0) == []  # too late: forgotten
 
 
 # ---------------------------------------------------------------- the worker lost
@@ -343,7 +528,7 @@ def test_a_lost_worker_puts_its_next_task_back_at_the_head_unchanged(how: str) -
     core = Core(timeout_task_placement=0.0)
     wid, one, two = busy_with_next(core)
     three, _ = submit(core, 3)
-    assert (one.attempts, two.attempts, three.attempts) == (1, 1, 0)
+    assert (one.attempts, two.attempts, three.attempts) == (1, 0, 0)
     _lose(core, wid, how, 1.0)
     assert wid not in core.workers
     assert two.state is TaskState.QUEUED and two.worker_id == 0
@@ -429,6 +614,28 @@ def test_a_draining_worker_refuses_its_next_task_by_that_task_id() -> None:
     assert answer.response.task_id == 2
 
 
+@pytest.mark.parametrize(
+    ("pulsed", "named", "refunded"),
+    [(False, 1, True), (False, 0, True), (False, 7, False), (True, 1, False)],
+)
+def test_a_refusal_that_ends_the_channel_refunds_only_an_unread_task_it_names(
+    pulsed: bool, named: int, refunded: bool
+) -> None:
+    """`channel_ended(..., "refused", task_id)`: the running task's attempt is given back
+    only when the worker has not pulsed since it was written and the refusal names it (or
+    names none)."""
+    core = Core()
+    wid = channel_worker(core)
+    one, _ = submit(core, 1)
+    assert core.workers[wid].task is one and one.attempts == 1
+    if pulsed:
+        msg = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, task_id=1, next_pulse=3600)
+        settle(core, core.handle(PulseReceived(msg, pid=None, uid=UID), 0.5), 0.5)
+    settle(core, core.local.channel_ended(wid, "refused", 1.0, named), 1.0)
+    assert wid not in core.workers and state(one) is TaskState.QUEUED
+    assert one.attempts == (0 if refunded else 1)
+
+
 # ---------------------------------------------------------------- queue limits
 
 
@@ -469,8 +676,9 @@ B_CONCURRENCY = 2
 
 
 class NextTaskMachine(RuleBasedStateMachine):
-    """Random submissions, workers, outcomes, cancels, losses, DROP answers and time, with
-    the next-task invariants checked after each core call and each step."""
+    """Random submissions, workers, outcomes, cancels, losses, DROP answers (to a cancel or
+    to a reclaim), placement timeouts of held tasks and time, with the next-task invariants
+    checked after each core call and each step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -480,6 +688,9 @@ class NextTaskMachine(RuleBasedStateMachine):
         self.submitted: set[int] = set()
         self.ended: Counter[int] = Counter()
         self.canceled: set[int] = set()
+        # Attempts are counted when a task starts (a TaskProgress RUNNING), never else.
+        self.started: Counter[int] = Counter()
+        self.idle_before: set[int] = set()  # idle workers before the core call checked
 
     @initialize()
     def limit_b(self) -> None:
@@ -489,6 +700,9 @@ class NextTaskMachine(RuleBasedStateMachine):
 
     def run(self, call: Callable[[], list[Action]]) -> list[Action]:
         """One core call and what follows it (SET_TASKs taken), each call checked."""
+        self.idle_before = {
+            w.worker_id for w in self.core.workers.values() if w.state is WorkerState.IDLE
+        }
         actions = call()
         self.check_call(actions)
         out = list(actions)
@@ -507,11 +721,19 @@ class NextTaskMachine(RuleBasedStateMachine):
             if isinstance(action, TaskFinished):
                 self.ended[action.ref] += 1
                 assert self.ended[action.ref] == 1, f"task {action.ref} ended twice"
+            elif isinstance(action, TaskProgress) and action.state is TaskState.RUNNING:
+                self.started[action.ref] += 1
+                assert action.attempts == self.started[action.ref]
             elif isinstance(action, Dial) and action.kind == pb.CTRL_RESTART:
                 assert action.worker_id not in workers, "restarted but kept"
             elif isinstance(action, Dial) and action.kind == pb.CTRL_DROP:
+                # To forget a canceled next task, or to take back one still held.
                 worker = workers.get(action.worker_id)
-                assert worker is not None and worker.dropping == action.task_id
+                assert worker is not None
+                nxt = worker.next
+                assert worker.dropping == action.task_id or (
+                    worker.reclaiming and nxt is not None and nxt.task_id == action.task_id
+                )
             elif isinstance(action, Dial) and action.kind == pb.CTRL_SET_TASK:
                 worker = workers.get(action.worker_id)
                 if worker is None or worker.next is None:
@@ -560,7 +782,12 @@ class NextTaskMachine(RuleBasedStateMachine):
                 assert worker.state is WorkerState.BUSY
                 assert nxt.worker_id == worker.worker_id
                 assert not worker.dropping
+                # Held: handed, not started; no attempt counted for it.
+                assert nxt.state is TaskState.ASSIGNING
+                assert nxt.attempts == self.started[nxt.ref]
                 b_held += nxt.opts.queue == "b"
+            else:
+                assert not worker.reclaiming, "reclaiming with nothing held"
             if worker.state is WorkerState.IDLE:
                 assert task is None and nxt is None
                 for ref in pending:  # dispatch left it nothing it could take
@@ -568,13 +795,31 @@ class NextTaskMachine(RuleBasedStateMachine):
                     assert other.opts.queue in sched.pending.held or not (
                         sched.pending.fits(worker, other)
                     )
+                if worker.worker_id not in self.idle_before:
+                    self.check_reclaimed_for(worker)
         assert b_held <= B_CONCURRENCY
         assert set(places) == set(tasks), "a live task is nowhere"
         assert all(n == 1 for n in places.values()), f"a task in two places: {places}"
         assert not set(tasks) & set(self.ended)
         assert set(tasks) | set(self.ended) == self.submitted
         for task in tasks.values():
-            assert task.attempts >= 0
+            assert task.attempts == self.started[task.ref]
+
+    def check_reclaimed_for(self, idle: Worker) -> None:
+        """A worker that became idle and could take a held task has a CTRL_DROP out for one
+        it could take (at most one per idle worker: next_tasks.py `reclaim_for`), checked in
+        the call that made it idle; test_an_idle_worker_whose_reclaim_came_to_nothing_
+        reclaims_another checks the take-backs that came to nothing."""
+        fits = self.core.scheduler.pending.fits
+        could = [
+            w
+            for w in self.core.workers.values()
+            if w.next is not None and fits(idle, w.next) and idle.worker_id not in w.next.failed_on
+        ]
+        if any(not w.reclaiming for w in could):
+            assert any(w.reclaiming for w in could), (
+                f"worker {idle.worker_id} idle while a task it could take is held, no DROP out"
+            )
 
     def live_workers(self) -> list[Worker]:
         return sorted(self.core.workers.values(), key=lambda w: w.worker_id)
@@ -625,6 +870,7 @@ class NextTaskMachine(RuleBasedStateMachine):
         task = worker.task
         assert task is not None
         nxt, dropping = worker.next, worker.dropping
+        before = nxt.attempts if nxt is not None else 0
         wid = worker.worker_id
         actions = self.run(lambda: outcome_actions(self.core, wid, task.task_id, self.now, ok))
         if ok:
@@ -633,10 +879,12 @@ class NextTaskMachine(RuleBasedStateMachine):
             assert nxt is None
             assert [d.worker_id for d in dials(actions, pb.CTRL_RESTART)] == [wid]
             assert wid not in self.core.workers
-        elif nxt is not None:  # promoted: still busy, running it
+        elif nxt is not None:  # promoted (reclaimed or not): still busy, running it
+            assert dials(actions, pb.CTRL_RESTART) == []
             assert self.core.workers.get(wid) is worker
             assert worker.state is WorkerState.BUSY and worker.task is nxt
-            assert nxt.attempts >= 1
+            assert not worker.reclaiming
+            assert nxt.state is TaskState.RUNNING and nxt.attempts == before + 1
 
     @precondition(lambda self: bool(self.core.scheduler.tasks))
     @rule(data=st.data())
@@ -654,31 +902,38 @@ class NextTaskMachine(RuleBasedStateMachine):
         task = self.core.scheduler.tasks[ref]
         holder = self.core.workers.get(task.worker_id) if task.worker_id else None
         was_next = holder is not None and holder.next is task
+        reclaiming = was_next and holder is not None and holder.reclaiming
         self.canceled.add(ref)
         # Core.cancel places nothing (test_canceling_the_running_task_places_its_held_next_
         # task_at_once): the expire that follows does, as the shell's next one would.
         actions = self.run(lambda: self.core.cancel(ref, self.now) + self.core.expire(self.now))
-        assert [f.ref for f in finished(actions)] == [ref]
+        [done] = [f for f in finished(actions) if f.ref == ref]
+        assert done.state is TaskState.CANCELED
+        # Others end only if their placement time ran out (a lost worker's held task).
+        assert all(f.reason == "placement" for f in finished(actions) if f.ref != ref)
         if was_next:
             assert holder is not None
-            assert [(d.worker_id, d.task_id) for d in dials(actions, pb.CTRL_DROP)] == [
-                (holder.worker_id, task.task_id)
-            ]
+            sent = [(d.worker_id, d.task_id) for d in dials(actions, pb.CTRL_DROP)]
+            if reclaiming:  # the reclaim's DROP serves: no second one
+                assert (holder.worker_id, task.task_id) not in sent
+            else:
+                assert (holder.worker_id, task.task_id) in sent
             assert dials(actions, pb.CTRL_RESTART) == []
             assert self.core.workers.get(holder.worker_id) is holder
+            assert holder.dropping == task.task_id and not holder.reclaiming
 
     @precondition(lambda self: bool(self.core.workers))
     @rule(data=st.data(), how=st.sampled_from(["channel ended", "process exited", "shutdown"]))
     def lose(self, data: st.DataObject, how: str) -> None:
         worker = data.draw(st.sampled_from(self.live_workers()))
         nxt = worker.next
-        before = nxt.attempts - 1 if nxt is not None else 0  # as before it was handed
+        before = nxt.attempts if nxt is not None else 0  # held: as before it was handed
         wid = worker.worker_id
         self.run(lambda: _lose(self.core, wid, how, self.now))
         assert wid not in self.core.workers
-        if nxt is not None:  # back, and maybe handed again at once (one more attempt)
+        if nxt is not None:  # back, and maybe placed again at once (started: one attempt)
             assert nxt.worker_id != wid
-            assert nxt.attempts == before + (1 if nxt.worker_id else 0)
+            assert nxt.attempts == before + (nxt.state is TaskState.RUNNING)
 
     @precondition(lambda self: any(w.dropping for w in self.core.workers.values()))
     @rule(data=st.data())
@@ -687,6 +942,62 @@ class NextTaskMachine(RuleBasedStateMachine):
         wid, dropped = worker.worker_id, worker.dropping
         self.run(lambda: self.core.local.next_answered(wid, pb.CTRL_DROP, dropped, self.now))
         assert worker.dropping == 0
+
+    @precondition(lambda self: any(w.reclaiming for w in self.core.workers.values()))
+    @rule(data=st.data())
+    def answer_reclaim(self, data: st.DataObject) -> None:
+        """The worker forgot the held task the controller takes back: pending again, or
+        placed at once (on an idle worker, where it starts), never the worker's next."""
+        worker = data.draw(st.sampled_from([w for w in self.live_workers() if w.reclaiming]))
+        task = worker.next
+        assert task is not None
+        wid, before = worker.worker_id, task.attempts
+        actions = self.run(
+            lambda: self.core.local.next_answered(wid, pb.CTRL_DROP, task.task_id, self.now)
+        )
+        assert dials(actions, pb.CTRL_RESTART) == []
+        assert not worker.reclaiming
+        past = task.opts.placement_timeout > 0 and task.deadline <= self.now
+        # Forgotten there: the worker holds it again only if handed it anew (no idle worker
+        # could take it by now), never with no placement time left.
+        again = (wid, task.task_id) in {(d.worker_id, d.task_id) for d in dials(actions)}
+        assert worker.next is not task or (again and not past), "not taken back"
+        for done in finished(actions):  # none left: it fails (before any other)
+            assert done.ref == task.ref and past
+            assert done.state is TaskState.FAILED_POST and done.reason == "placement"
+        if past:  # it fails by the next expire, never handed again
+            actions = self.run(lambda: self.core.expire(self.now))
+            assert task.ref not in self.core.scheduler.tasks
+            assert task.ref in self.ended
+        assert task.attempts == before + (task.state is TaskState.RUNNING)
+
+    def held_deadlines(self) -> list[float]:
+        return [
+            w.next.deadline
+            for w in self.core.workers.values()
+            if w.next is not None and not w.reclaiming and w.next.deadline > self.now
+        ]
+
+    @precondition(lambda self: bool(self.held_deadlines()))
+    @rule()
+    def placement_passes(self) -> None:
+        """Time runs to the first placement deadline of a held task: it is taken back."""
+        self.now = min(self.held_deadlines())
+        due = [
+            w
+            for w in self.live_workers()
+            if w.next is not None and not w.reclaiming and w.next.deadline == self.now
+        ]
+        tasks = [(w, w.next) for w in due]
+        actions = self.run(lambda: self.core.expire(self.now))
+        sent = {(d.worker_id, d.task_id) for d in dials(actions, pb.CTRL_DROP)}
+        for worker, task in tasks:
+            assert task is not None
+            if self.core.workers.get(worker.worker_id) is not worker:
+                continue  # lost first (its pulse deadline, a timeout of its task)
+            assert (worker.worker_id, task.task_id) in sent
+            assert task.ref in self.core.scheduler.tasks, "failed while held"
+            assert worker.next is task and worker.reclaiming
 
     @precondition(lambda self: any(w.next is not None for w in self.core.workers.values()))
     @rule(data=st.data())

@@ -126,8 +126,14 @@ class WorkerSession:
                 pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=tid), effect=Effect.RESTART
             )
         if kind == pb.CTRL_DROP and self.takes_next:
+            # Forgotten only while the running task's outcome is not on its way: once it is,
+            # the next task is as good as started (the controller reads that outcome first).
             waiting = self.waiting
-            if waiting is not None and waiting[0].task_id == msg.task_id:
+            if (
+                waiting is not None
+                and waiting[0].task_id == msg.task_id
+                and self.phase is Phase.RUNNING
+            ):
                 self.waiting = None
                 return Answer(pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=msg.task_id))
             return Answer(

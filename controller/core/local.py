@@ -255,9 +255,7 @@ class LocalWorkers:
         self, worker: Worker, ev: DialDone, now: float, actions: list[Action]
     ) -> None:
         task = worker.task
-        nxt = worker.next
-        if nxt is not None and nxt.state is TaskState.ASSIGNING:  # taken on its channel
-            self.scheduler.accepted_next(worker, now, actions)
+        if worker.next is not None:  # its next task, taken on its channel: held there
             return
         if worker.state is not WorkerState.ASSIGNING or task is None:
             return
@@ -378,11 +376,8 @@ class LocalWorkers:
         actions: list[Action] = []
         if worker is None:
             return actions
-        if worker.dropping and task_id == worker.dropping:
-            self.scheduler.dropped_next(worker, refused=kind == pb.CTRL_SET_TASK)
-        elif kind == pb.CTRL_SET_TASK and worker.next is not None:
-            if task_id == worker.next.task_id:
-                self.scheduler.refused_next(worker, now, actions)
+        refused = kind == pb.CTRL_SET_TASK
+        self.scheduler.next_tasks.answered(worker, refused, task_id, now, actions)
         self.scheduler.dispatch(actions, now)
         return actions
 
@@ -395,16 +390,22 @@ class LocalWorkers:
         nxt = worker.next
         return (nxt is not None and nxt.task_id == task_id) or worker.dropping == task_id
 
-    def channel_ended(self, worker_id: int, why: str, now: float) -> list[Action]:
+    def channel_ended(self, worker_id: int, why: str, now: float, task_id: int = 0) -> list[Action]:
         """The worker's channel ended: the worker is gone, its job placed again at once
-        (`why` "refused": it answered a task sent there BUSY, which no attempt counts)."""
+        (`why` "refused": it answered the task `task_id` sent there BUSY, which no attempt
+        counts when it had not pulsed since)."""
         worker = self.scheduler.workers.get(worker_id)
         if worker is None:
             return []
         actions: list[Action] = []
         if why == "refused":
             task = worker.task
-            if task is not None and task.state is TaskState.RUNNING:
+            if (
+                task is not None
+                and task.state is TaskState.RUNNING
+                and worker.unread
+                and task_id in (0, task.task_id)
+            ):
                 task.attempts -= 1  # counted when written; it never started
             self.scheduler.lost(worker, now, actions, cause="refused a task", blame=False)
         else:

@@ -233,6 +233,7 @@ class Worker:
     next_granted: bool = False  # granted at REGISTER (takes_next once its channel opens)
     next: Task | None = None  # written on its channel, started when `task` ends
     dropping: int = 0  # the task id of a canceled next task, CTRL_DROP in flight
+    reclaiming: bool = False  # CTRL_DROP in flight to take `next` back (see next_tasks.py)
     last_done: int = 0  # the task id of the last outcome it sent (a stale GET_STATUS answer)
 
     def advance(self, event: WorkerEvent) -> None:

@@ -169,6 +169,20 @@ class Pending:
         opts = task.opts
         return opts.queue in worker.queues and opts.requires <= worker.labels
 
+    def other(self, task: Task, worker: Worker, idle: dict[int, Worker]) -> Worker:
+        """An idle worker that may take `task` and that it has not failed on, else `worker`.
+        (At most len(failed_on) idle workers can be excluded, so this looks at few.)"""
+        looked = 0
+        for other in reversed(idle.values()):
+            if other.worker_id in task.failed_on:
+                looked += 1
+                if looked > len(task.failed_on):
+                    break
+                continue
+            if self.fits(other, task):
+                return other
+        return worker
+
     def pause(self, queue: str) -> None:
         self.paused.add(queue)
         self.held.add(queue)

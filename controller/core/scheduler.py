@@ -12,11 +12,11 @@ for every kind. A task waiting for its time (a delay, run_at, or a retry's delay
 SCHEDULED: a deadline puts it back among the pending. Queue limits (limits.py) count the
 tasks placed per queue and hold a queue at its concurrency or out of tokens.
 
-Deadlines of every part of the core wait in one heap (`controller.deadlines`),
-except placement deadlines, which have their own (placements.py: two deques and a
-heap). Both delete lazily: each entry names its record (and in the heap its
-handler), which is checked when it comes due. Lookups are dicts; nothing scans
-all workers or all tasks.
+A busy channel worker may also hold the task after its running one (next_tasks.py).
+Deadlines of every part of the core wait in one heap (`controller.deadlines`), except
+placement deadlines, which have their own (placements.py: two deques and a heap). Both
+delete lazily: each entry names its record (and in the heap its handler), which is checked
+when it comes due. Lookups are dicts; nothing scans all workers or all tasks.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from controller.core.model import (
     TaskState,
     Worker,
     WorkerEvent,
-    WorkerState,
     progress,
 )
+from controller.core.next_tasks import NextTasks
 from controller.core.pending import Pending
 from controller.core.placements import PlacementDeadlines
 from controller.deadlines import Deadlines
@@ -72,8 +72,7 @@ class Scheduler:
         self.tasks: dict[int, Task] = {}  # live (unfinished) tasks by ref
         self.counters = Counters()
         self.deadlines: Deadlines[tuple[Handler, object]] = Deadlines()
-        # Placement deadlines, one per pending task with a placement timeout, the task found
-        # by its ref when due.
+        # Placement deadlines of the pending tasks that have one, by the task's ref.
         self.placements = PlacementDeadlines()
         self.next_ref = 1
         # Called for every task that is placed on a worker or ends: it can no longer be
@@ -82,13 +81,11 @@ class Scheduler:
         self.pending = Pending()
         self.limits = Limits(self.pending, self.at)
         self.scheduled = 0  # tasks waiting for their time
-        # Grows whenever a worker arrives, leaves or changes what it serves (a door that reads
-        # per queue looks at the workers again then).
+        # Grows whenever a worker arrives, leaves or changes what it serves.
         self.serving_version = 0
         self._idle: dict[int, Worker] = {}
-        # Busy workers that take a next task and hold none (handed one only while no idle
-        # worker can take what is pending).
-        self._ahead: dict[int, Worker] = {}
+        self._new_idle: list[Worker] = []  # idle since the last dispatch
+        self.next_tasks = NextTasks(self)
         self._rng = rng if rng is not None else random.Random()
 
     # ------------------------------------------------------------ queries
@@ -164,7 +161,7 @@ class Scheduler:
             when, ref = placement
             task = self.tasks.get(ref)
             if task is not None:
-                self._placement_due(when, task, now, actions)
+                self.placement_due(when, task, now, actions)
         self.dispatch(actions, now)
 
     def at(self, when: float, handler: Handler, obj: object) -> None:
@@ -184,6 +181,7 @@ class Scheduler:
         """The worker can take a task (the caller dispatches)."""
         worker.advance(WorkerEvent.READY)
         self._idle[worker.worker_id] = worker
+        self._new_idle.append(worker)
 
     def serves(self, worker: Worker, queues: frozenset[str], labels: frozenset[str]) -> None:
         """What `worker` takes changed (a calculator's heartbeat said so)."""
@@ -202,38 +200,7 @@ class Scheduler:
         actions.append(progress(task, waited=now - task.queued_at))
         if task.opts.timeout > 0:
             self.start_clock(task, now)
-        if worker.takes_next and worker.next is None and not worker.dropping:
-            self._ahead[worker.worker_id] = worker
-
-    def accepted_next(self, worker: Worker, now: float, actions: list[Action]) -> None:
-        """The worker took its next task: it counts as an attempt and as running there (its
-        timeout starts when it does, once the task before it ends)."""
-        task = worker.next
-        assert task is not None
-        task.attempts += 1
-        task.advance(TaskEvent.ACCEPTED)
-        actions.append(progress(task, waited=now - task.queued_at))
-
-    def refused_next(self, worker: Worker, now: float, actions: list[Action]) -> None:
-        """The worker would not hold a next task (it drains): the task goes back to the head
-        of the queue, no attempt used, and the worker is handed no more early."""
-        task = worker.next
-        assert task is not None
-        worker.next = None
-        worker.takes_next = False
-        self._ahead.pop(worker.worker_id, None)
-        if task.state is TaskState.RUNNING:
-            task.attempts -= 1
-        self._requeue(task, now, actions)
-
-    def dropped_next(self, worker: Worker, *, refused: bool = False) -> None:
-        """The worker forgot its canceled next task before starting it (`refused`: it
-        answered that task BUSY, and is handed no more)."""
-        worker.dropping = 0
-        if refused:
-            worker.takes_next = False
-        if worker.takes_next and worker.task is not None and worker.state is WorkerState.BUSY:
-            self._ahead[worker.worker_id] = worker
+        self.next_tasks.offer(worker)
 
     def refused(self, worker: Worker, now: float, actions: list[Action]) -> None:
         """The worker was busy: the task goes back to the head of the queue, no attempt used."""
@@ -284,13 +251,7 @@ class Scheduler:
         self.live_by_kind[worker.kind.label] -= 1
         self.serving_version += 1
         self._idle.pop(worker.worker_id, None)
-        self._ahead.pop(worker.worker_id, None)
-        nxt = worker.next
-        if nxt is not None:  # never started: back to the head of the queue, no attempt used
-            worker.next = None
-            if nxt.state is TaskState.RUNNING:
-                nxt.attempts -= 1
-            self._requeue(nxt, now, actions)
+        self.next_tasks.lost(worker, now)
         if cause != "shutdown":
             losses = self.counters.worker_losses
             losses[cause] = losses.get(cause, 0) + 1
@@ -330,16 +291,11 @@ class Scheduler:
         task.worker_id = 0
         if worker is not None and worker.task is task:
             worker.task = None
-            self.counters.restarts_sent += 1
-            worker.kind.take_back(worker, actions)
-            self.lost(worker, now, actions, cause="its job was canceled")
+            self.take_back(worker, now, actions, cause="its job was canceled")
         elif worker is not None and worker.next is task:
             # Not started yet: the worker is asked to forget it (if it started meanwhile,
             # the outcome of the task before it says so, and the worker is restarted then).
-            worker.next = None
-            worker.dropping = task.task_id
-            self._ahead.pop(worker.worker_id, None)
-            worker.kind.drop_next(worker, task, actions)
+            self.next_tasks.cancel(worker, task, actions)
         self.counters.canceled += 1
         self._finish(task, actions, now, error="canceled")
         return True
@@ -402,7 +358,7 @@ class Scheduler:
                 worker.starved = version
                 continue
             if task.failed_on and worker.worker_id in task.failed_on:
-                worker = self._other(task, worker)
+                worker = pending.other(task, worker, idle)
             if self.on_settled is not None:
                 self.on_settled(task)
             del idle[worker.worker_id]
@@ -413,49 +369,8 @@ class Scheduler:
             if limited and task.opts.queue in limited:
                 self.limits.started(task, now)
             worker.kind.place(worker, task, actions)
-        if pending.count and self._ahead:
-            self._hand_ahead(actions, now)
-
-    def _hand_ahead(self, actions: list[Action], now: float) -> None:
-        """Give busy workers that take a next task one each, while tasks are pending that
-        no idle worker can take (`dispatch` gave the idle ones all they could take)."""
-        pending = self.pending
-        ahead = self._ahead
-        limited = self.limits.queues
-        version = pending.version
-        for worker in list(ahead.values()):
-            if not pending.count:
-                return
-            if worker.starved == version:
-                continue
-            task = pending.pick(worker)
-            if task is None:
-                worker.starved = version
-                continue
-            if self.on_settled is not None:
-                self.on_settled(task)
-            del ahead[worker.worker_id]
-            task.advance(TaskEvent.PLACE)
-            worker.next = task
-            task.worker_id = worker.worker_id
-            if limited and task.opts.queue in limited:
-                self.limits.started(task, now)
-            worker.kind.place(worker, task, actions)
-
-    def _other(self, task: Task, worker: Worker) -> Worker:
-        """An idle worker that may take `task` and that it has not failed on, else `worker`.
-        (At most len(failed_on) idle workers can be excluded, so this looks at few.)"""
-        fits = self.pending.fits
-        looked = 0
-        for other in reversed(self._idle.values()):
-            if other.worker_id in task.failed_on:
-                looked += 1
-                if looked > len(task.failed_on):
-                    break
-                continue
-            if fits(other, task):
-                return other
-        return worker
+        new_idle, self._new_idle = self._new_idle, []
+        self.next_tasks.after_dispatch(new_idle, idle, actions, now)
 
     # ------------------------------------------------------------ endings and retries
 
@@ -476,13 +391,8 @@ class Scheduler:
             task.worker_id = 0
             task.advance(TaskEvent.FAIL)
             self.counters.errors += 1
-            self._finish(
-                task,
-                actions,
-                now,
-                error=f"failed {task.attempts} times; last error: {task.last_error}",
-                reason=reason,
-            )
+            error = f"failed {task.attempts} times; last error: {task.last_error}"
+            self._finish(task, actions, now, error=error, reason=reason)
             return
         self.counters.retries += 1
         wait = task.opts.retry_wait(tries, self._rng.uniform(0.8, 1.2)) if failed else 0.0
@@ -508,28 +418,17 @@ class Scheduler:
         task = worker.task
         assert task is not None
         worker.last_done = task.task_id
-        nxt = worker.next
-        if nxt is not None:
-            assert nxt.state is TaskState.RUNNING, "a next task is taken once written"
-            worker.advance(WorkerEvent.NEXT)
-            worker.next = None
-            worker.task = nxt
-            worker.unread = True  # a pulse may still say task 0 before it reads it
-            if nxt.opts.timeout > 0:
-                self.start_clock(nxt, now)
-            if not worker.dropping:
-                self._ahead[worker.worker_id] = worker
+        if self.next_tasks.promote(worker, now, actions):
             return task
         worker.advance(WorkerEvent.FETCHED)
         worker.task = None
-        self._ahead.pop(worker.worker_id, None)
+        self.next_tasks.ahead.pop(worker.worker_id, None)
         if worker.dropping:  # it started its canceled next task: stop it
             worker.dropping = 0
-            self.counters.restarts_sent += 1
-            worker.kind.take_back(worker, actions)
-            self.lost(worker, now, actions, cause="its job was canceled")
+            self.take_back(worker, now, actions, cause="its job was canceled")
             return task
         self._idle[worker.worker_id] = worker
+        self._new_idle.append(worker)
         return task
 
     def _finish(
@@ -568,15 +467,16 @@ class Scheduler:
 
     # ------------------------------------------------------------ deadlines
 
-    def _placement_due(self, when: float, task: Task, now: float, actions: list[Action]) -> None:
-        if task.state is TaskState.QUEUED and task.deadline == when:
+    def placement_due(self, when: float, task: Task, now: float, actions: list[Action]) -> None:
+        """The placement deadline `when` of `task` came: it fails if it still waits."""
+        if task.deadline == when and task.state is TaskState.ASSIGNING:
+            self.next_tasks.placement_due(task, actions)  # a worker's next task, if held
+        elif task.deadline == when and task.state is TaskState.QUEUED:
             self.pending.remove(task)
             task.advance(TaskEvent.PLACEMENT_TIMEOUT)
             self.counters.placement_timeouts += 1
-            limit = f"{task.opts.placement_timeout:g}"
-            self._finish(
-                task, actions, now, error=f"no free worker within {limit} s", reason="placement"
-            )
+            why = f"no free worker within {task.opts.placement_timeout:g} s"
+            self._finish(task, actions, now, error=why, reason="placement")
 
     def _scheduled_due(self, when: float, obj: object, now: float, actions: list[Action]) -> None:
         assert isinstance(obj, Task)

@@ -182,7 +182,7 @@ class WorkerLinks:
             ):  # its next task forgotten, or refused: the worker stays
                 self.execute(self.core.local.next_answered(wid, kind, resp.task_id, now))
             elif kind == pb.CTRL_SET_TASK:  # refused: the task goes back, nothing counted
-                self.execute(self.core.local.channel_ended(wid, "refused", now))
+                self.execute(self.core.local.channel_ended(wid, "refused", now, resp.task_id))
                 channel.close_after_send()
             else:
                 self.execute(self.core.dial_done(DialDone(wid, kind, resp, extra), now))
