@@ -154,13 +154,22 @@ class Core:
         now: float,
         options: JobOptions | None = None,
         wait: float = 0.0,
+        dispatch: bool = True,
     ) -> tuple[Task, list[Action]]:
         """Queue a new task (after `wait` seconds when > 0: scheduled); returns it and the
-        actions (a SET_TASK when a worker is free)."""
+        actions (a SET_TASK when a worker is free; none without `dispatch`: the caller
+        calls `dispatch` when it may go)."""
         task = self.scheduler.submit(task_id, payload, job, now, options, wait)
         actions: list[Action] = []
-        self.scheduler.dispatch(actions, now)
+        if dispatch:
+            self.scheduler.dispatch(actions, now)
         return task, actions
+
+    def dispatch(self, now: float) -> list[Action]:
+        """Hand pending tasks to the workers free to take them."""
+        actions: list[Action] = []
+        self.scheduler.dispatch(actions, now)
+        return actions
 
     def reserve_ref(self) -> int:
         """A ref for a job that is not queued yet (it waits for others: `release` queues it)."""

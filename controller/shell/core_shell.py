@@ -238,13 +238,19 @@ class CoreShell:
         options: JobOptions | None = None,
         wait: float = 0.0,
         now: float | None = None,
+        dispatch: bool = True,
     ) -> tuple[Task, list[Action]]:
         """Queue a task (scheduled `wait` seconds ahead when > 0); the caller records it, then
         carries out the actions (`execute`). `now`: the trio clock the caller read (its job's
-        times and the task's are then one float, not one each: 100,000 queued jobs, 3 MB)."""
+        times and the task's are then one float, not one each: 100,000 queued jobs, 3 MB).
+        Without `dispatch` it waits for the caller's `dispatch`, or any other event's."""
         if now is None:
             now = trio.current_time()
-        return self.core.submit(task_id, payload, job, now, options, wait)
+        return self.core.submit(task_id, payload, job, now, options, wait, dispatch)
+
+    def dispatch(self, _: object = None) -> None:
+        """Hand pending tasks to the workers free to take them, now."""
+        self.execute(self.core.dispatch(trio.current_time()))
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out what the core asked for."""

@@ -244,7 +244,12 @@ class JobDesk:
             return waits.submit(self, job, options, now)
         run_at = options.run_at if options is not None else None
         wait = 0.0 if run_at is None else run_at - time.time()
-        task, actions = self.scheduling.queue(task_id, payload, job_id, options, wait, now)
+        # With `journal_first` the task is handed out once the job is on disk (or earlier, by
+        # another event: a SET_TASK is written when the scheduler decides it, so that what a
+        # worker reads is in the order the scheduler decided it).
+        task, actions = self.scheduling.queue(
+            task_id, payload, job_id, options, wait, now, dispatch=not journal_first
+        )
         notes = notes_of(name, info_url, download_url)
         job = Job(
             job_id, task.ref, task_id, door, key, payload, notes, added_at=now, updated_at=now
@@ -261,7 +266,7 @@ class JobDesk:
         if self.on_change is not None:
             self.on_change(job)
         if journal_first:
-            self.write_ahead.after_commit(self.scheduling.execute, actions)
+            self.write_ahead.after_commit(self.scheduling.dispatch, None)
         else:
             self.scheduling.execute(actions)
         return job
