@@ -58,6 +58,7 @@ bench-peers: $(STAMP)
 # Jobs/s and the controller's CPU per job for 1, 2, 4, ... workers up to the host's CPUs, jobs of
 # 0, 1 and 10 ms, beside ProcessPoolExecutor(n); journal off and on (bench/scale.py).
 bench-scale: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.scale
 
 # Every fault at once for 4 minutes (seeded); exit status 1 if an acknowledged task was lost.

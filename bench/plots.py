@@ -77,3 +77,36 @@ def efficiency_by_length(
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def scale(rows: list[dict[str, Any]], path: Path, cpus: int) -> None:
+    """`make bench-scale`: jobs/s against workers, a panel per job length; a line per protocol
+    and journal setting, ProcessPoolExecutor(n) dashed."""
+    lengths = sorted({r["length_ms"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, length in zip(axes[0], lengths, strict=True):
+        mine = [r for r in rows if r["length_ms"] == length]
+        counts = sorted({r["workers"] for r in mine})
+        for protocol in sorted({r["protocol"] for r in mine}):
+            for journal in (False, True):
+                line = [r for r in mine if r["protocol"] == protocol and r["journal"] == journal]
+                if line:
+                    label = f"ours, {protocol}, journal {'on' if journal else 'off'}"
+                    ax.plot(
+                        [r["workers"] for r in line], [r["jobs_per_s"] for r in line], "o-",
+                        label=label,
+                    )  # fmt: skip
+        ppe = {r["workers"]: r["ppe_jobs_per_s"] for r in mine}
+        ax.plot(
+            counts, [ppe[c] for c in counts], "s--", color="gray", label="ProcessPoolExecutor(n)"
+        )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.set_xlabel(f"workers ({cpus}-CPU host)")
+        ax.set_ylabel("jobs per second")
+        ax.set_title("no-op jobs" if length == 0 else f"jobs of {length:g} ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

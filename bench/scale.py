@@ -5,7 +5,8 @@ CPU count itself when it is no power of two), jobs of 0, 1 and 10 ms (`--handler
 bench.work:run` sleeping that long), through the UDP door with a windowed client: jobs/s,
 the controller's CPU per job, and ProcessPoolExecutor(n) running the same sleeps right after
 in the same run; journal off and on. One table per journal setting, in Markdown, and the
-figures as JSON (`--json FILE`).
+figures as JSON (`--json FILE`), and a plot of jobs/s against workers (bench/scale.png,
+`--plot FILE`).
 
     python -m bench.scale                       # the full run (a minute or two on 2 CPUs)
     python -m bench.scale --workers 2 --lengths-ms 0 --journal off --protocol channel,one-task
@@ -249,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=1.0, help="about how long a round")
     parser.add_argument("--json", type=Path, help="write the figures there too")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=Path(__file__).with_name("scale.png"),
+        help="the plot of jobs/s against workers (default: bench/scale.png)",
+    )
     parser.add_argument("--targets", action="store_true", help="section 16's 2-CPU targets")
     args = parser.parse_args(argv)
     with importable_bench():
@@ -275,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                             print(table(rows[-1:]).splitlines()[-1], flush=True)
                 print(f"\njournal {'on' if journal else 'off'}:\n{table(rows)}\n", flush=True)
                 result += rows
+            from bench import plots  # matplotlib: only for the full table
+
+            plots.scale(result, args.plot, cpus)
+            print(f"plot: {args.plot}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
