@@ -157,8 +157,14 @@ def main() -> dict[str, Any]:
         flush=True,
     )
     # No worker: the jobs wait. Room for the 1,000 long polls beside the pool's other
-    # connections (max_connections would close the ones past 1,000).
-    with socket_dir() as tmp, live_controller(tmp, journal=None, max_connections=1100) as ctl:
+    # connections, all from this one address (max_connections and max_connections_per_client
+    # would close the ones past their limits).
+    with (
+        socket_dir() as tmp,
+        live_controller(
+            tmp, journal=None, max_connections=1100, max_connections_per_client=1100
+        ) as ctl,
+    ):
         idle = trio.run(_pulse_latency, tmp)
         held = trio.run(_with_open_waits, ctl.url, tmp, 1000)
     results["pulse_latency"] = {
