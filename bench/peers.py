@@ -123,7 +123,11 @@ def measure_ours(
     for kind in kinds:
         stream = f"bench-{kind}"
         url = f"{redis_url}?stream={stream}"
-        with controller_with(kind, redis={"url": redis_url, "stream": stream}) as ctl:
+        # The HTTP client's 64 connections, opened again as the controller closes idle ones,
+        # would pass max_connections_per_client (64) and be refused.
+        with controller_with(
+            kind, redis={"url": redis_url, "stream": stream}, max_connections_per_client=1024
+        ) as ctl:
             trio.run(drive, ctl.udp_port, 300, 8, 50_000_000)  # warm up
             redis_rate(url, 300)
             udp_rate, _ = trio.run(drive, ctl.udp_port, jobs, 64, 1)
