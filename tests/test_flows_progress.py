@@ -96,6 +96,9 @@ def test_a_handler_reports_progress_on_either_exchange(
             # A job that reports nothing shows none; the next attempt does not show the last.
             other = _call(f"{ctl.url}/job/", "POST", {"id": "n", "payload": str(tmp_path / "g2")})
             assert other["progress"] is None and other["status"] is None
+            # It ends, so that the worker leaves at once when it is stopped.
+            (tmp_path / "g2").touch()
+            assert _call(f"{ctl.url}/job/n/?wait=20")["state"] == "finished"
 
 
 def test_an_exec_command_writes_progress_lines_to_job_progress_fd(tmp_path: Path) -> None:
