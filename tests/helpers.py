@@ -32,6 +32,7 @@ from controller.config import Config
 from controller.core import TaskFinished
 from controller.shell.core_shell import CoreShell
 from controller.transport import CONNECT_RETRY
+from gen import worker_protocol_pb2 as pb
 
 # ---------------------------------------------------------------- ports and processes
 
@@ -168,6 +169,52 @@ async def connect_unix(path: str | Path, timeout: float) -> socket.socket:
     except BaseException:
         sock.close()
         raise
+
+
+async def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes from a non-blocking socket, waiting for them (at most 5 s)."""
+    out = b""
+    with trio.fail_after(5):
+        while len(out) < n:
+            try:
+                chunk = sock.recv(n - len(out))
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if not chunk:
+                raise EOFError
+            out += chunk
+    return out
+
+
+async def fake_channel(
+    sockdir: Path, pulse_task: int = 0, next_pulse: int = 30, takes_next: bool = False
+) -> tuple[int, socket.socket]:
+    """Register asking for a channel (and with `takes_next`, a next task) and open it, as a
+    worker would: (worker id, the channel's socket)."""
+    main = sockdir / "main.sock"
+    sock = await connect_unix(main, 5)
+    with sock:
+        register = pb.WorkerPulse(
+            type=pb.PULSE_REGISTER, next_pulse=next_pulse, channel=True, takes_next=takes_next
+        )
+        await wire.send_frame(sock, register, timeout=5)
+        answer, _ = await wire.recv_frame(sock, pb.PulseResponse, timeout=5)
+    assert answer.error == pb.CTRL_ERR_OK and answer.channel
+    assert answer.takes_next == takes_next
+    wid = answer.worker_id
+    chan = await connect_unix(main, 5)
+    opening = pb.WorkerPulse(
+        type=pb.PULSE_OK, worker_id=wid, task_id=pulse_task, next_pulse=next_pulse, channel=True
+    )
+    await wire.send_frame(chan, opening, timeout=5)
+    # The answer is read byte by byte: what follows it is the channel's.
+    header = b""
+    while not header or header[-1] & 0x80:
+        header += await recv_exactly(chan, 1)
+    opened = pb.PulseResponse.FromString(await recv_exactly(chan, header[0]))
+    assert opened.error == pb.CTRL_ERR_OK and opened.channel
+    return wid, chan
 
 
 async def exchange(

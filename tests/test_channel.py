@@ -23,6 +23,7 @@ from controller.usage import Usage
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import (
     connect_unix,
+    fake_channel,
     reap,
     recv_all,
     running_controller,
@@ -195,47 +196,6 @@ async def test_a_job_running_across_a_controller_restart_is_taken_over(sockdir):
 
 async def _read_frame(sock, msg_type, timeout: float = 5.0):
     return await wire.recv_frame(sock, msg_type, timeout=timeout)
-
-
-async def fake_channel(sockdir, pulse_task: int = 0, next_pulse: int = 30):
-    """Register asking for a channel and open it, as a worker would: (worker id, the channel's
-    socket)."""
-    main = sockdir / "main.sock"
-    sock = await connect_unix(main, 5)
-    with sock:
-        register = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=next_pulse, channel=True)
-        await wire.send_frame(sock, register, timeout=5)
-        answer, _ = await _read_frame(sock, pb.PulseResponse)
-    assert answer.error == pb.CTRL_ERR_OK and answer.channel
-    wid = answer.worker_id
-    chan = await connect_unix(main, 5)
-    opening = pb.WorkerPulse(
-        type=pb.PULSE_OK, worker_id=wid, task_id=pulse_task, next_pulse=next_pulse, channel=True
-    )
-    await wire.send_frame(chan, opening, timeout=5)
-    # The answer is read byte by byte: what follows it is the channel's.
-    header = b""
-    while not header or header[-1] & 0x80:
-        header += await _recv_exactly(chan, 1)
-    body = await _recv_exactly(chan, header[0])
-    opened = pb.PulseResponse.FromString(body)
-    assert opened.error == pb.CTRL_ERR_OK and opened.channel
-    return wid, chan
-
-
-async def _recv_exactly(sock, n: int) -> bytes:
-    out = b""
-    with trio.fail_after(5):
-        while len(out) < n:
-            try:
-                chunk = sock.recv(n - len(out))
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            if not chunk:
-                raise EOFError
-            out += chunk
-    return out
 
 
 async def _frames(sock, decoder, count: int) -> list[tuple[pb.ChannelFrame, bytes]]:

@@ -35,7 +35,7 @@ from controller.job_states import JobState
 from controller.jobs import Job
 from controller.journal import Journal, Op, Rejected
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import connect_unix, reap, wait_until, worker_argv
+from tests.helpers import fake_channel, reap, wait_until, worker_argv
 
 pytestmark = pytest.mark.filterwarnings("ignore::trio.TrioDeprecationWarning")
 
@@ -142,26 +142,8 @@ class Peer:
 
     @classmethod
     async def open(cls, sockdir: Path) -> Peer:
-        main = sockdir / "main.sock"
-        sock = await connect_unix(main, 5)
-        with sock:
-            register = pb.WorkerPulse(
-                type=pb.PULSE_REGISTER, next_pulse=30, channel=True, takes_next=True
-            )
-            await wire.send_frame(sock, register, timeout=5)
-            answer, _ = await wire.recv_frame(sock, pb.PulseResponse, timeout=5)
-        assert answer.error == pb.CTRL_ERR_OK and answer.channel and answer.takes_next
-        chan = await connect_unix(main, 5)
-        opening = pb.WorkerPulse(
-            type=pb.PULSE_OK, worker_id=answer.worker_id, next_pulse=30, channel=True
-        )
-        await wire.send_frame(chan, opening, timeout=5)
-        # The answer is read byte by byte: what follows it is the channel's.
-        header = await _recv_exactly(chan, 1)
-        assert header[0] < 0x80
-        opened = pb.PulseResponse.FromString(await _recv_exactly(chan, header[0]))
-        assert opened.error == pb.CTRL_ERR_OK and opened.channel
-        return cls(answer.worker_id, chan)
+        wid, chan = await fake_channel(sockdir, takes_next=True)
+        return cls(wid, chan)
 
     def available(self) -> list[tuple[int, int]]:
         """The controls written to it that it has not read yet (all of them: none is on its
@@ -195,21 +177,6 @@ class Peer:
         self.sock.sendall(
             wire.encode_channel(wire.CHANNEL_RESPONSE, response, result, pb.CTRL_FETCH)
         )
-
-
-async def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    with trio.fail_after(5):
-        while len(out) < n:
-            try:
-                chunk = sock.recv(n - len(out))
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            if not chunk:
-                raise EOFError
-            out += chunk
-    return out
 
 
 def out_of_order(read: list[tuple[int, int]]) -> list[str]:

@@ -32,7 +32,7 @@ from controller.jobs import live_state
 from controller.options import JobOptions
 from controller.shell.core_shell import CoreShell
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import connect_unix, reap, recv_all, running_controller, wait_until, worker_argv
+from tests.helpers import fake_channel, reap, recv_all, running_controller, wait_until, worker_argv
 
 pytestmark = pytest.mark.filterwarnings("ignore::trio.TrioDeprecationWarning")
 
@@ -415,25 +415,7 @@ class Peer:
 
     @classmethod
     async def open(cls, sockdir: Path) -> Peer:
-        main = sockdir / "main.sock"
-        sock = await connect_unix(main, 5)
-        with sock:
-            register = pb.WorkerPulse(
-                type=pb.PULSE_REGISTER, next_pulse=30, channel=True, takes_next=True
-            )
-            await wire.send_frame(sock, register, timeout=5)
-            answer, _ = await wire.recv_frame(sock, pb.PulseResponse, timeout=5)
-        assert answer.error == pb.CTRL_ERR_OK and answer.channel and answer.takes_next
-        wid = answer.worker_id
-        chan = await connect_unix(main, 5)
-        opening = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, next_pulse=30, channel=True)
-        await wire.send_frame(chan, opening, timeout=5)
-        # The answer is read byte by byte: what follows it is the channel's.
-        header = b""
-        while not header or header[-1] & 0x80:
-            header += await _recv_exactly(chan, 1)
-        opened = pb.PulseResponse.FromString(await _recv_exactly(chan, header[0]))
-        assert opened.error == pb.CTRL_ERR_OK and opened.channel
+        wid, chan = await fake_channel(sockdir, takes_next=True)
         return cls(wid, chan)
 
     async def frames(self, count: int) -> list[pb.ChannelFrame]:
@@ -471,21 +453,6 @@ class Peer:
             return not self.sock.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
             return True
-
-
-async def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    with trio.fail_after(5):
-        while len(out) < n:
-            try:
-                chunk = sock.recv(n - len(out))
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            if not chunk:
-                raise EOFError
-            out += chunk
-    return out
 
 
 SET, DROP = pb.CTRL_SET_TASK, pb.CTRL_DROP
