@@ -369,8 +369,9 @@ class Scheduler:
             if limited and task.opts.queue in limited:
                 self.limits.started(task, now)
             worker.kind.place(worker, task, actions)
-        new_idle, self._new_idle = self._new_idle, []
-        self.next_tasks.after_dispatch(new_idle, idle, actions, now)
+        if self._new_idle or self.next_tasks.ahead:  # most calls: neither
+            new_idle, self._new_idle = self._new_idle, []
+            self.next_tasks.after_dispatch(new_idle, idle, actions, now)
 
     # ------------------------------------------------------------ endings and retries
 

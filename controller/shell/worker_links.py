@@ -23,7 +23,7 @@ from controller import wire
 from controller.channel import ChannelConn
 from controller.config import Config
 from controller.containment import contained
-from controller.core import Action, Core, Dial, DialDone, PulseReceived, Reply
+from controller.core import Action, Core, Dial, DialDone, PulseReceived, Reply, Worker
 from controller.joblimits import JobLimits
 from controller.reactor import Reactor
 from controller.shell.descriptors import Throttled
@@ -229,24 +229,11 @@ class WorkerLinks:
 
     def _send_on_channel(self, channel: ChannelConn[pb.ChannelFrame], action: Dial) -> None:
         wid = action.worker_id
-        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
-        if action.kind == pb.CTRL_SET_TASK:
-            msg.task_id = action.task_id
-            worker = self.core.workers.get(wid)
-            if worker is not None:
-                task = worker.next if worker.next is not None else worker.task
-                if task is not None:
-                    limits = self._limits(task.opts.limits)
-                    if limits is not None:
-                        msg.limits.CopyFrom(limits)
-                    msg.batch_id = task.opts.batch  # a batch's then job: BATCH_ID
-            channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
-            self.taken.append(wid)
-            return
-        if action.kind == pb.CTRL_DROP:
-            msg.task_id = action.task_id
+        msg = self._control(action, self.core.workers.get(wid))
         channel.send(wire.encode_channel(wire.CHANNEL_CONTROL, msg, action.extra))
-        if action.kind == pb.CTRL_RESTART:  # the worker was dropped: it leaves
+        if action.kind == pb.CTRL_SET_TASK:
+            self.taken.append(wid)
+        elif action.kind == pb.CTRL_RESTART:  # the worker was dropped: it leaves
             del self.channels[wid]
             channel.close_after_send()
 
@@ -271,15 +258,8 @@ class WorkerLinks:
             if owner != action.uid:
                 self._report(DialDone(wid, action.kind, None, not_owned=True, error="not owned"))
                 return
-        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
         worker = self.core.workers.get(wid)
-        if action.kind == pb.CTRL_SET_TASK:
-            msg.task_id = action.task_id
-            if worker is not None and worker.task is not None:
-                limits = self._limits(worker.task.opts.limits)
-                if limits is not None:
-                    msg.limits.CopyFrom(limits)
-                msg.batch_id = worker.task.opts.batch  # a batch's then job: BATCH_ID
+        msg = self._control(action, worker)
         expect = None
         if action.uid is not None:
             # Whoever listens there now must be the worker that registered (its socket file
@@ -299,6 +279,22 @@ class WorkerLinks:
         except OSError as exc:  # no descriptor for the socket: the worker did not answer
             self._dial_failed(exc.strerror or exc, trio.current_time())
             self._report(DialDone(wid, action.kind, None, error=f"{path}: {exc.strerror}"))
+
+    def _control(self, action: Dial, worker: Worker | None) -> pb.ControlMsg:
+        """The ControlMsg of `action`: a SET_TASK carries its task's limits and batch (the
+        task it places: the worker's next one when it holds one, else its task)."""
+        msg = pb.ControlMsg(type=action.kind)  # type: ignore[arg-type]
+        if action.kind == pb.CTRL_DROP:
+            msg.task_id = action.task_id
+        elif action.kind == pb.CTRL_SET_TASK:
+            msg.task_id = action.task_id
+            task = None if worker is None else worker.next or worker.task
+            if task is not None:
+                limits = self._limits(task.opts.limits)
+                if limits is not None:
+                    msg.limits.CopyFrom(limits)
+                msg.batch_id = task.opts.batch  # a batch's then job: BATCH_ID
+        return msg
 
     def _limits(self, asked: JobLimits) -> pb.JobLimits | None:
         """What a job's SET_TASK carries: the configuration's job_limits lowered by the job's
