@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The tests run in this many processes (pytest-xdist): most of them wait on real processes,
+# so two halve the suite's time on 2 CPUs; `make test TEST_PROCESSES=0` runs them in one.
+TEST_PROCESSES ?= 2
 
 .PHONY: venv proto run test lint bench bench-peers bench-scale chaos clean
 
@@ -37,7 +40,7 @@ test: $(STAMP)
 	            || echo "could not install$$need: their tests will be skipped"; \
 	    fi; \
 	fi
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
