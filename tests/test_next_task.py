@@ -315,6 +315,37 @@ async def test_a_draining_worker_refuses_its_next_task_at_once(sockdir, tmp_path
             assert runs(tmp_path) == collections.Counter([1, 2])
 
 
+async def test_a_task_written_to_a_worker_that_is_leaving_goes_back_with_no_attempt(
+    sockdir, tmp_path
+):
+    """A draining worker's last outcome and its SHUTDOWN leave together; the controller, reading
+    the outcome first, writes the worker a pending task that it never reads. That task goes
+    back with no attempt used, so a job allowed no retry still runs (once) elsewhere."""
+    script = _gated_script(tmp_path)
+    with workers(sockdir) as group:
+        leaving = group.spawn("--exec", "sh", "-c", script)
+        async with running_controller(sockdir) as (shell, outcomes):
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            worker = worker_of(shell, leaving)
+            staying = group.spawn("--exec", "sh", "-c", script)
+            await wait_until(lambda: shell.core.idle_workers == 2)
+            tasks = [shell.submit(i, b"", options=JobOptions(max_retries=0)) for i in range(1, 6)]
+            await wait_until(lambda: len(ran(tmp_path)) == 2)
+            mine = worker.task
+            assert mine is not None and worker.next is not None
+            leaving.send_signal(signal.SIGTERM)
+            await wait_until(lambda: worker.next is None and not worker.takes_next)
+            (tmp_path / f"go-{mine.task_id}").touch()  # its outcome, then its SHUTDOWN
+            await wait_until(lambda: leaving.poll() is not None, timeout=10)
+            await wait_until(lambda: worker.worker_id not in shell.core.workers)
+            (tmp_path / "go-all").touch()
+            done = await outcomes.wait(5, timeout=30)
+            assert finished_once(done, range(1, 6))
+            assert [t.attempts for t in tasks] == [1] * 5
+            assert runs(tmp_path) == collections.Counter(range(1, 6))
+            assert {pid for _, pid in ran(tmp_path)} == {leaving.pid, staying.pid}
+
+
 # ---------------------------------------------------------------- reclaim, placement timeout
 
 

@@ -515,7 +515,12 @@ def _lose(core: Core, wid: int, how: str, now: float) -> list[Action]:
         return settle(core, core.local.channel_ended(wid, "EOF", now), now)
     if how == "process exited":
         return settle(core, core.handle(WorkerExited(wid), now), now)
-    if how == "shutdown":
+    if how.startswith("shutdown"):
+        if how == "shutdown after a pulse":  # it read its task: the pulse names it
+            task = core.workers[wid].task
+            assert task is not None
+            ok = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, task_id=task.task_id)
+            settle(core, core.handle(PulseReceived(ok, pid=None, uid=UID), now), now)
         msg = pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=wid)
         return settle(core, core.handle(PulseReceived(msg, pid=None, uid=UID), now), now)
     assert how == "pulse deadline"  # its last pulse at 0 promised 3600 s
@@ -523,7 +528,10 @@ def _lose(core: Core, wid: int, how: str, now: float) -> list[Action]:
     return settle(core, core.expire(3600.0), 3600.0)
 
 
-@pytest.mark.parametrize("how", ["channel ended", "pulse deadline", "process exited", "shutdown"])
+@pytest.mark.parametrize(
+    "how",
+    ["channel ended", "pulse deadline", "process exited", "shutdown", "shutdown after a pulse"],
+)
 def test_a_lost_worker_puts_its_next_task_back_at_the_head_unchanged(how: str) -> None:
     core = Core(timeout_task_placement=0.0)
     wid, one, two = busy_with_next(core)
@@ -533,7 +541,10 @@ def test_a_lost_worker_puts_its_next_task_back_at_the_head_unchanged(how: str) -
     assert wid not in core.workers
     assert two.state is TaskState.QUEUED and two.worker_id == 0
     assert two.attempts == 0  # as before it was handed: it never ran
-    assert one.attempts == 1  # it ran: that attempt counts
+    if how == "shutdown":  # said before it read its task (nothing came since it was written)
+        assert one.attempts == 0
+    else:
+        assert one.attempts == 1  # it ran: that attempt counts
     # Another worker (one task at a time) takes them in order: what was handed out first.
     other = channel_worker(core, 3700.0, takes_next=False)
     order = []
@@ -929,6 +940,12 @@ class NextTaskMachine(RuleBasedStateMachine):
         nxt = worker.next
         before = nxt.attempts if nxt is not None else 0  # held: as before it was handed
         wid = worker.worker_id
+        task = worker.task
+        if how == "shutdown" and worker.unread and task is not None:
+            # SHUTDOWN before the worker read its task (nothing came since it was written):
+            # it never started, and its attempt is taken back.
+            assert task.state is TaskState.RUNNING
+            self.started[task.ref] -= 1
         self.run(lambda: _lose(self.core, wid, how, self.now))
         assert wid not in self.core.workers
         if nxt is not None:  # back, and maybe placed again at once (started: one attempt)

@@ -109,7 +109,10 @@ class LocalWorkers:
         actions: list[Action] = [_REPLY_OK]
         if ptype == pb.PULSE_SHUTDOWN:
             log.info("worker %d shut down", worker.worker_id)
-            sched.lost(worker, now, actions, cause="shutdown")
+            # A task written on its channel after the worker decided to leave (it said nothing
+            # since) never started: it goes back with no attempt counted.
+            unread = self._unread(worker)
+            sched.lost(worker, now, actions, cause="shutdown", blame=not unread)
             sched.dispatch(actions, now)
             return actions
         worker.deadline = now + promised(pulse)
@@ -399,14 +402,7 @@ class LocalWorkers:
             return []
         actions: list[Action] = []
         if why == "refused":
-            task = worker.task
-            if (
-                task is not None
-                and task.state is TaskState.RUNNING
-                and worker.unread
-                and task_id in (0, task.task_id)
-            ):
-                task.attempts -= 1  # counted when written; it never started
+            self._unread(worker, task_id)
             self.scheduler.lost(worker, now, actions, cause="refused a task", blame=False)
         else:
             log.warning("worker %d: its channel ended (%s); dropping it", worker_id, why)
@@ -427,6 +423,22 @@ class LocalWorkers:
         return actions
 
     # ------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _unread(worker: Worker, task_id: int = 0) -> bool:
+        """Whether the worker's task (`task_id`, or 0: whichever) was written on its channel
+        and the worker has said nothing since: it never started it, and the attempt counted
+        when it was written is taken back."""
+        task = worker.task
+        if (
+            task is None
+            or task.state is not TaskState.RUNNING
+            or not worker.unread
+            or task_id not in (0, task.task_id)
+        ):
+            return False
+        task.attempts -= 1
+        return True
 
     def _check(self, worker: Worker, actions: list[Action]) -> None:
         if not worker.checking:
