@@ -192,6 +192,8 @@ def _size(value: Any) -> int:
 def _path(value: Any) -> Path:
     if not isinstance(value, str) or not value:
         raise ValueError(f"must be a non-empty path string, got {value!r}")
+    if "\0" in value:  # no file name holds one: the system calls would refuse it later
+        raise ValueError(f"must not hold a NUL character, got {value!r}")
     return Path(value)
 
 
@@ -264,8 +266,10 @@ def _http_tls(value: Any) -> HttpTls | None:
     if not isinstance(value, dict) or set(value) != {"cert", "key"}:
         raise ValueError(f'must be null or {{"cert": FILE, "key": FILE}}, got {value!r}')
     for name in ("cert", "key"):
-        if not isinstance(value[name], str) or not value[name]:
-            raise ValueError(f"{name} must be a file name, got {value[name]!r}")
+        try:
+            _path(value[name])
+        except ValueError:
+            raise ValueError(f"{name} must be a file name, got {value[name]!r}") from None
     return HttpTls(Path(value["cert"]), Path(value["key"]))
 
 

@@ -89,6 +89,32 @@ def test_controller_world_writable_socket_dir_exit_2(tmp_path):
     assert proc.returncode == 2 and "world-writable" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        (  # main.sock's path is longer than a Unix socket address holds
+            {"socket_dir": "s/" + "d" * 120},
+            "controller: socket_dir: cannot listen on {tmp}/s/{long}/main.sock: "
+            "AF_UNIX path too long",
+        ),
+        (
+            {"client_address": {"host": "192.0.2.1", "port": 0}},
+            "controller: client_address: cannot listen for clients on 192.0.2.1:0: "
+            "Cannot assign requested address",
+        ),
+    ],
+)
+def test_a_start_error_from_the_system_names_the_key(tmp_path, settings, line):
+    if "socket_dir" in settings:
+        settings = {"socket_dir": str(tmp_path / settings["socket_dir"])}
+    config = tmp_path / "c.json"
+    socket_dir = str(tmp_path / "sock")
+    config.write_text(json.dumps({"journal": None, "socket_dir": socket_dir, **settings}))
+    proc = run("-m", "controller", "--config", str(config))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [line.format(tmp=tmp_path, long="d" * 120)]
+
+
 def test_controller_warns_once_when_a_secret_file_is_readable_by_others(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")

@@ -33,12 +33,12 @@ def prepare_socket_dir(path: Path) -> os.stat_result:
         path.mkdir(mode=0o750, parents=True, exist_ok=True)
         st = path.stat()
     except OSError as exc:
-        raise StartupError(f"socket directory {path}: {exc.strerror}") from None
+        raise StartupError(f"socket_dir {path}: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise StartupError(f"socket directory {path} is not a directory")
+        raise StartupError(f"socket_dir {path} is not a directory")
     if st.st_mode & stat.S_IWOTH:
         raise StartupError(
-            f"socket directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"socket_dir {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
             "anyone could replace the sockets in it: chmod o-w it"
         )
     return st
@@ -77,7 +77,8 @@ def bind_main_socket(path: Path, timeout: float = 2.0) -> socket.socket:
         # Workers in the socket directory's group must be able to connect.
         return listen_unix(path, LISTEN_BACKLOG, 0o660)
     except OSError as exc:
-        raise StartupError(f"cannot listen on {path}: {exc.strerror}") from None
+        # strerror is None for a path longer than a Unix socket's address (107 bytes).
+        raise StartupError(f"socket_dir: cannot listen on {path}: {exc.strerror or exc}") from None
 
 
 def file_identity(path: Path) -> tuple[int, int] | None:

@@ -68,7 +68,9 @@ def open_udp_socket(host: str, port: int) -> stdsocket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise StartupError(f"cannot listen for clients on {host}:{port}: {exc.strerror}") from None
+        raise StartupError(
+            f"client_address: cannot listen for clients on {host}:{port}: {exc.strerror or exc}"
+        ) from None
     return sock
 
 
