@@ -118,6 +118,30 @@ async def test_a_bad_batch_is_refused_and_makes_nothing(sockdir, body, status):
         assert ctl.desk.waits.batches == {}
 
 
+async def test_a_then_job_whose_unique_key_is_held_refuses_the_batch(sockdir):
+    """A batch is recorded by its `then` job: one another job would answer for cannot be made,
+    so the batch is refused and nothing made; once the holder has ended the key is free."""
+    async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
+        held = await http.post("/job/", json={"id": "holder", "unique_key": "T:1"})
+        assert held.status_code == 201
+        body = {"jobs": [{"id": "a"}], "then": {"id": "t", "unique_key": "T:1"}}
+        refused = await http.post("/batch/", json=body)
+        assert refused.status_code == 409, refused.text
+        assert "'T:1' is held by the live job holder" in refused.json()["message"]
+        same = {"jobs": [{"id": "a", "unique_key": "T:2"}], "then": {"unique_key": "T:2"}}
+        refused = await http.post("/batch/", json=same)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["message"] == "then: its unique_key 'T:2' is a job's of the batch"
+        assert list((await http.get("/job/")).json()) == ["holder"]
+        assert ctl.desk.waits.batches == {}
+        await http.delete("/job/holder/")
+        made = await http.post("/batch/", json=body)
+        assert made.status_code == 201, made.text
+        assert made.json()["then"]["unique_key"] == "T:1"
+        again = await http.post("/job/", json={"unique_key": "T:1"})
+        assert again.status_code == 200 and again.json()["id"] == "t"
+
+
 async def test_a_batch_is_kept_across_a_restart(sockdir, tmp_path):
     journal = tmp_path / "journal.sqlite3"
     async with http_controller(sockdir, workers=0, journal=journal) as ctl, client(ctl.url) as h:

@@ -108,6 +108,23 @@ def parse_batch(body: bytes, max_payload: int, door: HttpDoor) -> tuple[list[New
     return news, last
 
 
+def _check_then_key(then: NewJob, news: list[NewJob], desk: JobDesk) -> None:
+    """ApiError unless the `then` job's unique_key (if any) is free: a batch is recorded by its
+    `then` job, so one that another job would answer for cannot be made."""
+    key = then.options.unique_key
+    if not key:
+        return
+    if any(new.options.unique_key == key for new in news):
+        raise ApiError(400, f"then: its unique_key {key!r} is a job's of the batch")
+    holder = desk.holder(key)
+    if holder is not None:
+        raise ApiError(
+            409,
+            f"then: its unique_key {key!r} is held by the live job {holder.id}: "
+            "a batch's then job must be made",
+        )
+
+
 class BatchDoor:
     """`POST /batch/` and `GET /batch/{batch_id}/`, served with the HTTP door's parts."""
 
@@ -128,6 +145,7 @@ class BatchDoor:
                 raise ApiError(400, f"then: its id {then.id[:200]!r} is a job's of the batch")
             if then.id is not None and book.get(then.id) is not None:
                 raise ApiError(409, f"then: a job {then.id[:200]!r} exists already")
+            _check_then_key(then, news, desk)
             door._admit([*news, dataclasses.replace(then, options=door.options)])
             now = trio.current_time()
             jobs = [door._existing(new) or door._make(new, now) for new in news]
