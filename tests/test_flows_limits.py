@@ -136,6 +136,24 @@ def test_a_rate_per_minute_refills_evenly_and_null_removes_it():
     assert held(core, "a") == 4 and core.limits("a") == (None, None)
 
 
+def test_a_changed_rate_starts_a_full_bucket_and_the_same_rate_keeps_its_tokens():
+    core = Core()
+    core.limit("a", None, Rate(1, "m"), 0.0)
+    for n in range(1, 6):
+        submit(core, n, "a", 0.0)
+    for name in ("p1", "p2", "p3", "p4"):
+        core.pollers.ping(name, 0.0, BOTH)
+    assert held(core, "a") == 1  # its one token spent
+    core.limit("a", None, Rate(1, "m"), 1.0)  # the same rate: no new token
+    core.pollers.ping("p2", 1.0, BOTH)
+    assert held(core, "a") == 1
+    core.limit("a", None, Rate(2, "m"), 2.0)  # a new rate: a full bucket of 2
+    core.pollers.ping("p2", 2.0, BOTH)
+    core.pollers.ping("p3", 2.0, BOTH)
+    assert held(core, "a") == 3
+    assert core.next_deadline() == pytest.approx(32.0)  # then one each 30 s
+
+
 def test_a_limit_set_while_jobs_run_counts_them():
     core = Core()
     for n in (1, 2, 3):

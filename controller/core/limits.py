@@ -8,8 +8,8 @@ order (pending.py), like a paused one: its tasks stay pending and other queues' 
 unblocked when a task of it stops counting, or when its next token is due (a deadline in the
 scheduler's heap, so the shell's timer wakes for it without any new event).
 
-The bucket holds up to `rate` tokens, full when the limit is set, and gains rate/per tokens a
-second. Queues with no limit cost the hot path one attribute test per placement and per end
+The bucket holds up to `rate` tokens, full when a rate is set or changed, and gains rate/per
+tokens a second. Queues with no limit cost the hot path one attribute test per placement and per end
 (`Task.limited`).
 """
 
@@ -113,11 +113,8 @@ class Limits:
         if rate != limit.rate:
             if rate is None:
                 limit.due = 0.0
-            elif limit.rate is None:
+            else:  # a new rate: a full bucket of its own
                 limit.tokens, limit.stamp = float(rate.count), now
-            else:
-                limit.refill(now)
-                limit.tokens = min(limit.tokens, float(rate.count))
             limit.rate = rate
         self._check(queue, limit, now)
 
