@@ -240,6 +240,28 @@ async def test_a_fake_worker_speaks_the_channel_and_its_end_re_places_the_job(so
         assert shell.core.counters.worker_losses == {"channel ended": 1}
 
 
+async def test_a_pulse_of_an_unknown_type_is_answered_and_the_channel_stays(sockdir):
+    """A newer worker's pulse type costs an older controller nothing: CTRL_ERR_UNKNOWN_TYPE,
+    and the channel (and the job on it) goes on."""
+    async with running_controller(sockdir) as (shell, outcomes):
+        wid, chan = await fake_channel(sockdir)
+        decoder = wire.StreamDecoder(pb.ChannelFrame)
+        with chan:
+            await wait_until(lambda: shell.core.idle_workers == 1)
+            shell.submit(7, b"payload")
+            [(frame, _)] = await _frames(chan, decoder, 1)
+            assert frame.control.task_id == 7
+            odd = pb.WorkerPulse(type=9, worker_id=wid, task_id=7, next_pulse=30)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_PULSE, odd))
+            [(frame, _)] = await _frames(chan, decoder, 1)
+            assert frame.pulse_response.error == pb.CTRL_ERR_UNKNOWN_TYPE
+            response = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=7)
+            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, response, b"done", 1))
+            [done] = await outcomes.wait(1)
+            assert (done.task_id, done.result) == (7, b"done")
+            assert wid in shell.links.channels
+
+
 async def test_a_pulse_written_before_the_worker_read_its_task_is_no_mismatch(sockdir):
     """On a channel a task counts as taken once written: a pulse the worker wrote before it
     read that task still says task 0 (or its last one). That is no mismatch: no GET_STATUS,
@@ -422,6 +444,37 @@ async def test_a_channel_for_another_process_or_a_second_channel_is_refused(sock
         reply = bytes.fromhex(result.stdout.decode().strip())
         assert pb.PulseResponse.FromString(reply[1:]).error == pb.CTRL_ERR_FAILED
         assert os.getpid() == shell.core.workers[answer.worker_id].pid
+
+
+@pytest.mark.parametrize("case", ["not asked at its REGISTER", "a SHUTDOWN", "a FETCH_ME"])
+async def test_a_channel_not_granted_or_opened_by_another_pulse_is_refused(sockdir, case):
+    """Only a worker whose REGISTER asked for a channel opens one, with PULSE_OK or
+    PULSE_FETCH_ME; anything else is refused (FAILED, the close) and the worker stays as it is."""
+    async with running_controller(sockdir) as (shell, _outcomes):
+        main = sockdir / "main.sock"
+        sock = await connect_unix(main, 5)
+        with sock:
+            asked = case != "not asked at its REGISTER"
+            register = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=30, channel=asked)
+            await wire.send_frame(sock, register, timeout=5)
+            answer, _ = await _read_frame(sock, pb.PulseResponse)
+        assert answer.error == pb.CTRL_ERR_OK and answer.channel is asked
+        wid = answer.worker_id
+        kind = pb.PULSE_SHUTDOWN if case == "a SHUTDOWN" else pb.PULSE_OK
+        if case == "a FETCH_ME":  # allowed: a worker holding an outcome from before opens so
+            kind = pb.PULSE_FETCH_ME
+        sock = await connect_unix(main, 5)
+        with sock:
+            opening = pb.WorkerPulse(type=kind, worker_id=wid, channel=True)
+            await wire.send_frame(sock, opening, timeout=5)
+            answer, _ = await _read_frame(sock, pb.PulseResponse)
+            if case == "a FETCH_ME":
+                assert answer.error == pb.CTRL_ERR_OK and answer.channel
+                await wait_until(lambda: wid in shell.links.channels)
+                return
+            assert answer.error == pb.CTRL_ERR_FAILED and not answer.channel
+            assert await recv_all(sock) == b""  # closed
+        assert wid in shell.core.workers and wid not in shell.links.channels
 
 
 async def test_killing_a_channel_worker_mid_job_places_its_job_on_another_at_once(sockdir):

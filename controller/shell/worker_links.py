@@ -127,6 +127,8 @@ class WorkerLinks:
             return
         if (
             wid in self.channels
+            or not worker.channel  # not granted at its REGISTER
+            or pulse.type not in (pb.PULSE_OK, pb.PULSE_FETCH_ME)
             or (worker.uid is not None and worker.uid != uid)
             or (worker.pid is not None and worker.pid != pid)
         ):
