@@ -280,6 +280,24 @@ async def test_bad_requests_get_their_error_object(sockdir, method, path, body, 
         assert ctl.shell.core.counters.submitted == 0
 
 
+@pytest.mark.parametrize("text", ["\u00e9" * 50_000, "\x01" * 100_000, "\ud800" * 33_333 + "a"])
+async def test_a_payload_at_max_extra_size_is_taken_however_json_escapes_it(sockdir, text):
+    """100,000 bytes of payload (max_extra_size) written with every character escaped by the
+    standard encoder (6 bytes of body a byte for control characters) is a job; one more byte
+    is 413 for the payload, not for the body."""
+    async with (
+        http_controller(sockdir, workers=0, max_extra_size=100_000) as ctl,
+        client(ctl.url) as http,
+    ):
+        body = json.dumps({"payload": text}).encode()  # ensure_ascii: \uXXXX escapes
+        made = await http.post("/job/", content=body)
+        assert made.status_code == 201, made.text
+        assert made.json()["payload"] == text
+        over = json.dumps({"payload": text + "b"}).encode()
+        refused = await http.post("/job/", content=over)
+        assert refused.status_code == 413 and "max_extra_size" in refused.json()["message"]
+
+
 async def test_null_where_a_put_takes_text_is_refused(sockdir):
     async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
         assert (await http.post("/job/", json={"id": "n"})).status_code == 201

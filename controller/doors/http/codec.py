@@ -40,8 +40,11 @@ from controller.usage import Usage, usage_from_json
 MAX_WAIT = 60.0
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
-# Room for JSON and base64 around the largest payload (base64 grows it by 4/3).
+# Room for the other fields around the largest payload.
 BODY_OVERHEAD = 64 * 1024
+# The most bytes JSON may spell one byte of a payload with: a character escaped as \u00XX (6
+# bytes for 1; base64 needs 4 for 3).
+ESCAPED = 6
 # Jobs one `POST /job/` array may carry (more: 413).
 MAX_BULK = 10_000
 # Room an array's body has beyond a single job's body: 1 KiB a job, so that 10,000 small jobs
@@ -112,8 +115,9 @@ class Update:
 
 
 def max_body(max_payload: int) -> int:
-    """The largest request body worth reading for payloads up to `max_payload` bytes."""
-    return max_payload * 4 // 3 + BODY_OVERHEAD
+    """The largest request body worth reading for payloads up to `max_payload` bytes, however
+    a standard JSON encoder escapes their text."""
+    return max_payload * ESCAPED + BODY_OVERHEAD
 
 
 def max_bulk_body(max_payload: int) -> int:
