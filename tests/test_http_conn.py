@@ -176,6 +176,18 @@ async def test_a_head_slower_than_http_body_timeout_is_cut(sockdir, short_idle):
         await wait_until(lambda: ctl.web.connections.open == 0)
 
 
+async def test_a_head_is_cut_once_http_body_timeout_has_passed_since_its_first_byte(sockdir):
+    """A head that keeps coming (never silent for the idle time) is cut when its time is up:
+    one trickled over about 3 s with 1 s allowed is never answered."""
+    async with http_controller(sockdir, workers=1, http_body_timeout=1.0) as ctl:
+        stream = await _connect(ctl.url)
+        head = b"GET /health/ HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 80 + b"\r\n\r\n"
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await _trickle(stream, head, 0.1)  # 29 sends, about 3 s
+        assert await _read_until_closed(stream) == b""
+        await wait_until(lambda: ctl.web.connections.open == 0)
+
+
 async def test_a_connection_silent_mid_body_is_closed(sockdir, short_idle):
     async with http_controller(sockdir, workers=1) as ctl:
         stream = await _connect(ctl.url)
@@ -209,6 +221,30 @@ async def test_a_body_slower_than_http_body_timeout_is_cut(sockdir):
             nursery.cancel_scope.cancel()
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b"did not end in time" in answer
+
+
+async def test_a_request_s_time_runs_from_its_first_byte_to_its_last(sockdir):
+    """http_body_timeout is the head's time and the body's together: a head trickled over
+    about 1.5 s leaves its body about 0.5 s of 2, and a body that would take 1 s more is 408
+    (it would have been in time counted from the body's own first byte)."""
+    async with http_controller(sockdir, workers=1, http_body_timeout=2.0) as ctl:
+        stream = await _connect(ctl.url)
+        head = b"POST /job/ HTTP/1.1\r\nHost: x\r\nContent-Length: 22\r\nX-Pad: abc\r\n\r\n"
+        await _trickle(stream, head, 0.1)  # 16 sends, about 1.6 s
+        body = b'{"payload": "abcdefg"}'  # 22 bytes, 11 sends 0.1 s apart
+
+        async def trickle() -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                for start in range(0, len(body), 2):
+                    await stream.send_all(body[start : start + 2])
+                    await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            answer = await _read_until_closed(stream)
+            nursery.cancel_scope.cancel()
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert ctl.desk.book.latest(10, None) == []
 
 
 @pytest.mark.parametrize("path", ["/nosuch/", "/job/"])

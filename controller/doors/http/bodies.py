@@ -8,8 +8,6 @@ character that is not white space, so a single job's body keeps the smaller one.
 
 from __future__ import annotations
 
-import trio
-
 from controller.doors.http.asgi import BodyTimeout, ClientDisconnect, Request
 from controller.doors.http.codec import ApiError
 
@@ -18,11 +16,11 @@ DRAIN_LIMIT = 4 * 1024 * 1024
 
 
 async def read_body(
-    request: Request, limit: int, idle: float, timeout: float, array_limit: int = 0
+    request: Request, limit: int, idle: float, deadline: float, array_limit: int = 0
 ) -> bytes:
     """The request's body, at most `limit` bytes (else ApiError 413), or `array_limit` when it
     is a JSON array and that is larger; `idle`: the longest silence in the middle of it,
-    `timeout`: the longest it may take (else 408)."""
+    `deadline`: when its last byte must have come (trio clock; else 408)."""
     largest = max(limit, array_limit)
     declared = request.header(b"content-length")
     known = int(declared) if declared is not None and declared.isdigit() else None
@@ -30,7 +28,6 @@ async def read_body(
     undecided = largest > limit  # until the first character says which limit holds
     chunks = []
     size = 0
-    deadline = trio.current_time() + timeout
     try:
         async for chunk in request.stream(idle, deadline):
             size += len(chunk)

@@ -47,13 +47,24 @@ log = logging.getLogger("controller.http")
 # Idle this long before hypercorn's own keep-alive wait starts: the watcher wakes about
 # once per GRACE per connection, whatever the request rate.
 GRACE = 1.0
+# The key of the connection's state (each request's scope["state"]) that holds when the
+# request's first byte came (trio clock): its body must end `head_limit` after it.
+REQUEST_SINCE = "request_since"
 
 
 class IdleTimer:
     """hypercorn's `SingleTask` for the keep-alive timeout: one watching task per connection
     at a time."""
 
-    def __init__(self, head_limit: float = math.inf) -> None:
+    def __init__(
+        self,
+        head_limit: float = math.inf,
+        state: dict[str, Any] | None = None,
+        close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """`head_limit`: the seconds a request may take from its first byte to its last; a
+        head not whole by then has the connection closed (`close`). `state`: the connection's
+        state, where each request's first byte's time is written (REQUEST_SINCE)."""
         self._deadline = math.inf  # idle since GRACE before this; inf: a request runs
         self._watching = False
         self._restarts = 0
@@ -64,6 +75,8 @@ class IdleTimer:
         self._head_from: float | None = None
         self._ended = False  # the connection ended: no more watching
         self._watching_scope: trio.CancelScope | None = None
+        self._state = state
+        self._close = close
 
     async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
         """The connection is idle from now (opened, or a request ended)."""
@@ -76,9 +89,13 @@ class IdleTimer:
             task_group.spawn(self._watch, action)
 
     async def stop(self) -> None:
-        """A request came: the connection is not idle."""
+        """A request came: the connection is not idle (hypercorn calls this before it makes
+        the request's scope, which copies the state)."""
         self._interrupt()
         self._deadline = math.inf
+        if self._state is not None:
+            since = self._head_from
+            self._state[REQUEST_SINCE] = trio.current_time() if since is None else since
         self._head_from = None
 
     def heard(self) -> None:
@@ -90,9 +107,14 @@ class IdleTimer:
         now = trio.current_time()
         if self._head_from is None:
             self._head_from = now
-        if now - self._head_from < self.head_limit:
+        cut = self._head_from + self.head_limit
+        if now < cut:
             self._interrupt()
-            self._deadline = now + GRACE
+            self._deadline = min(now + GRACE, cut)
+
+    def _overdue(self, now: float) -> bool:
+        """A head has been coming for head_limit seconds and is not whole."""
+        return self._head_from is not None and now >= self._head_from + self.head_limit
 
     def end(self) -> None:
         """The connection ended (the client closed it, or the server did): the watcher, and
@@ -127,6 +149,9 @@ class IdleTimer:
                     return
             elif trio.current_time() < deadline:
                 await trio.sleep_until(deadline)  # then look again: it may have moved
+            elif self._close is not None and self._overdue(trio.current_time()):
+                await self._close()  # its head's time is up: no answer, the close
+                return
             else:
                 with trio.CancelScope() as self._acting:  # idle for GRACE: hypercorn's wait
                     await action()
@@ -153,13 +178,18 @@ def usable() -> bool:
     return True
 
 
-def fit(server: Any, head_limit: float = math.inf) -> IdleTimer | None:
+def fit(
+    server: Any,
+    head_limit: float = math.inf,
+    state: dict[str, Any] | None = None,
+    close: Callable[[], Awaitable[None]] | None = None,
+) -> IdleTimer | None:
     """Give one hypercorn TCPServer an IdleTimer in place of its own and return it; None
     (and its own timer kept) when it does not hold the timer this module replaces."""
     from hypercorn.trio.worker_context import TrioSingleTask
 
     if type(getattr(server, "idle_task", None)) is not TrioSingleTask:
         return None
-    timer = IdleTimer(head_limit)
+    timer = IdleTimer(head_limit, state, close)
     server.idle_task = timer
     return timer

@@ -182,7 +182,7 @@ class HttpDoor:
             state = {"stream": stream}  # scope["state"]: /events/ closes a stuck stream
             server = OneOneServer(app, hc, context, state, stream)  # type: ignore[arg-type]
             if idle_timer:
-                timer = keepalive.fit(server, head_limit=self.config.http_body_timeout)
+                timer = keepalive.fit(server, self.config.http_body_timeout, state, stream.aclose)
                 if timer is not None and isinstance(stream, OneOneStream):
                     stream.on_receive = timer.heard  # a head that keeps coming is not idle
             await server.run()
@@ -466,8 +466,11 @@ class HttpDoor:
         return await self._body_of(request, self.max_body, array_limit)
 
     async def _body_of(self, request: Request, limit: int, array_limit: int = 0) -> bytes:
-        timeout = self.config.http_body_timeout
-        return await read_body(request, limit, IDLE_TIMEOUT, timeout, array_limit)
+        # The request's whole time, from its first byte (its head's) to its last.
+        since = request.scope.get("state", {}).get(keepalive.REQUEST_SINCE)
+        start = trio.current_time() if since is None else since
+        deadline = start + self.config.http_body_timeout
+        return await read_body(request, limit, IDLE_TIMEOUT, deadline, array_limit)
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(
