@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from controller.app import assemble
 from controller.config import ClientAddress, Config
-from controller.core import Core, HandOut, WorkerExited
+from controller.core import Core, HandOut, PulseReceived, Reply, WorkerExited
 from controller.core.limits import Rate
 from controller.declared import Declared
 from controller.journal import Journal
@@ -30,7 +30,7 @@ from controller.options import JobOptions
 from gen import worker_protocol_pb2 as pb
 from tests.helpers import wait_until
 from tests.test_console import section
-from tests.test_core import answer, dials, ready_worker
+from tests.test_core import UID, answer, dials, pulse, ready_worker
 from tests.test_http import client, http_controller
 from tests.worker_handlers import GATES, start_workers
 
@@ -152,6 +152,39 @@ def test_a_changed_rate_starts_a_full_bucket_and_the_same_rate_keeps_its_tokens(
     core.pollers.ping("p3", 2.0, BOTH)
     assert held(core, "a") == 3
     assert core.next_deadline() == pytest.approx(32.0)  # then one each 30 s
+
+
+def serving_a(core: Core, now: float) -> int:
+    """A local worker of queue "a" registered at `now` (its pulses due every 30 s)."""
+    msg = pb.WorkerPulse(type=pb.PULSE_REGISTER, next_pulse=30, queues=["a"])
+    [reply, *_] = core.handle(PulseReceived(msg, pid=None, uid=UID), now)
+    assert isinstance(reply, Reply) and reply.response.error == pb.CTRL_ERR_OK
+    return reply.response.worker_id
+
+
+@pytest.mark.parametrize("end", ["claimed", "grace passed"])
+def test_a_job_running_before_a_restart_counts_until_its_worker_claims_it_or_not(end):
+    """After a restart a job that was running (journal: working) may still run on its worker:
+    at concurrency 1 a new worker that registers first gets nothing of that queue."""
+    core = Core()
+    core.limit("a", 1, Rate(5, "s"), 0.0)
+    a = JobOptions(queue="a")
+    core.recover(1, 11, b"", None, 0.0, running=True, grace=3.0, options=a)
+    core.recover(2, 12, b"", None, 0.0, running=False, options=a)
+    idle = serving_a(core, 0.1)
+    pulse(core, idle, 0.1, next_pulse=30)
+    assert held(core, "a") == 0 and core.queued == 1  # the new worker waits
+    if end == "claimed":  # its old worker comes back with it: it runs there, still alone
+        old = serving_a(core, 0.2)
+        pulse(core, old, 0.2, task_id=11, next_pulse=30)
+        assert core.tasks[1].worker_id == old and held(core, "a") == 1
+        assert core.tasks[2].worker_id == 0
+    else:
+        core.expire(3.0)  # never claimed: it is placed again, and the other still waits
+        assert held(core, "a") == 1
+        assert [t.ref for t in core.tasks.values() if t.worker_id == idle] == [1]
+        assert core.tasks[2].worker_id == 0
+    assert core.limits("a") == (1, Rate(5, "s"))
 
 
 def test_a_limit_set_while_jobs_run_counts_them():

@@ -118,13 +118,14 @@ class Limits:
             limit.rate = rate
         self._check(queue, limit, now)
 
-    def started(self, task: Task, now: float) -> None:
-        """`task`, of a limited queue, was placed on a worker: it counts, and takes a token."""
+    def started(self, task: Task, now: float, token: bool = True) -> None:
+        """`task`, of a limited queue, was placed on a worker: it counts, and takes a token
+        (not `token`: it was placed before a restart, and may still run on its worker)."""
         queue = task.opts.queue
         limit = self.queues[queue]
         task.limited = True
         limit.running += 1
-        if limit.rate is not None:
+        if token and limit.rate is not None:
             limit.refill(now)
             limit.tokens -= 1.0
         self._check(queue, limit, now)

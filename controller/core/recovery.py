@@ -64,6 +64,8 @@ class Recovery:
         sched.on_settled = self._settled  # until the last orphan is settled
         if running:
             task.state = TaskState.ORPHAN
+            if task.opts.queue in sched.limits.queues:  # it may still run: it counts
+                sched.limits.started(task, now, token=False)
             sched.at(now + grace, self._grace_due, task)
         else:
             sched.enqueue(task, now, placement_left=placement_left)
