@@ -147,10 +147,11 @@ def _fields(data: Any, allowed: frozenset[str]) -> dict[str, Any]:
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
     for name, value in data.items():
-        # Every field of a request body is text: null is refused like a number would be,
-        # never taken as "not given" (the document says text, and a job's text is text).
+        # null is never taken as "not given": a field is left out, or has a value of its
+        # type (text, a number, a list...). PUT /queue/{name}/, where null removes a limit,
+        # reads its own body (parse_queue_settings).
         if value is None:
-            raise ApiError(400, f"{name} must be text, got null")
+            raise ApiError(400, f"{name} must not be null (leave it out, or give a value)")
     return data
 
 
