@@ -9,6 +9,7 @@ import signal
 import socket as stdsocket
 import subprocess
 import sys
+import time
 
 import pytest
 import trio
@@ -29,7 +30,9 @@ from tests.helpers import (
     running_controller,
     wait_until,
     worker_argv,
+    write_config,
 )
+from worker.local.channel import read_one
 
 pytestmark = pytest.mark.filterwarnings("ignore::trio.TrioDeprecationWarning")
 
@@ -475,6 +478,48 @@ async def test_a_channel_not_granted_or_opened_by_another_pulse_is_refused(sockd
             assert answer.error == pb.CTRL_ERR_FAILED and not answer.channel
             assert await recv_all(sock) == b""  # closed
         assert wid in shell.core.workers and wid not in shell.links.channels
+
+
+@pytest.mark.parametrize("stall", ["mid-frame", "not reading"])
+def test_the_worker_gives_up_a_channel_its_controller_stalls_in_a_frame(sockdir, tmp_path, stall):
+    """Section 3's limits hold on the worker's side too: a controller that stops in the middle
+    of a frame, or stops reading the worker's (large) outcome, loses the channel after
+    dial_timeout; the worker registers again."""
+    config = write_config(tmp_path, socket_dir=str(sockdir), dial_timeout=0.5)
+    listener = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    listener.bind(str(sockdir / "main.sock"))
+    listener.listen(8)
+    listener.settimeout(10)
+
+    def opened(worker_id: int) -> stdsocket.socket:
+        """The worker's REGISTER answered with a channel, and its opening."""
+        conn, _ = listener.accept()
+        with conn:
+            pulse = read_one(conn, pb.WorkerPulse)
+            assert pulse.type == pb.PULSE_REGISTER and pulse.channel
+            conn.sendall(wire.encode_frame(pb.PulseResponse(worker_id=worker_id, channel=True)))
+        chan, _ = listener.accept()
+        assert read_one(chan, pb.WorkerPulse).channel
+        chan.sendall(wire.encode_frame(pb.PulseResponse(channel=True)))
+        return chan
+
+    proc = subprocess.Popen(
+        worker_argv(sockdir, "--config", str(config), "--pulse", "30")  # it echoes payloads
+    )
+    try:
+        with listener, opened(1) as chan:
+            if stall == "mid-frame":
+                chan.sendall(b"\x1e\x1a")  # a header of 30 bytes announced, one sent
+            else:  # an 8 MiB payload echoed back: the outcome waits for a reader
+                chan.setsockopt(stdsocket.SOL_SOCKET, stdsocket.SO_RCVBUF, 4096)
+                task = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1)
+                chan.sendall(wire.encode_channel(wire.CHANNEL_CONTROL, task, b"A" * (8 << 20)))
+            started = time.monotonic()
+            again = opened(2)  # registered again: it gave the first channel up
+            assert time.monotonic() - started < 8  # dial_timeout 0.5 s, not never
+            again.close()
+    finally:
+        reap(proc)
 
 
 async def test_killing_a_channel_worker_mid_job_places_its_job_on_another_at_once(sockdir):

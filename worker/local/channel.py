@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import _socket
 import logging
+import math
 import select
 import socket
 import time
@@ -25,7 +26,7 @@ _OUT = select.EPOLLOUT
 _FETCH = pb.ControlMsg(type=pb.CTRL_FETCH)
 
 
-def _read_one(sock: socket.socket, msg_type: type[wire.M]) -> wire.M:
+def read_one(sock: socket.socket, msg_type: type[wire.M]) -> wire.M:
     """One delimited message of `msg_type` from a blocking socket, read to its last byte and
     no further (what follows it belongs to the channel)."""
     length = shift = 0
@@ -62,6 +63,9 @@ class ChannelLink(JobSlot):
         self._chan_decoder = wire.StreamDecoder(pb.ChannelFrame, settings.max_extra_size)
         self._chan_out = b""  # written, not yet taken by the kernel
         self._chan_flushed: list[Callable[[], None]] = []  # told once _chan_out is empty
+        # When bytes last moved on the channel while a frame was unfinished either way: a
+        # controller stuck in the middle of one for dial_timeout loses the channel.
+        self._chan_moved = 0.0
 
     def _open_channel(self, worker_id: int) -> bool:
         """Open the channel granted at REGISTER: a new connection to main.sock, a PULSE_OK
@@ -77,7 +81,7 @@ class ChannelLink(JobSlot):
             sock.settimeout(self.dial_timeout)
             sock.connect(self._main_socket)
             sock.sendall(wire.encode_frame(pulse))
-            answer = _read_one(sock, pb.PulseResponse)
+            answer = read_one(sock, pb.PulseResponse)
         except (OSError, wire.RemoteProtocolError) as exc:
             sock.close()
             session.worker_id = 0
@@ -117,9 +121,26 @@ class ChannelLink(JobSlot):
             return
         if sent < len(data):
             self._chan_out = data[sent:]
+            self._chan_moved = time.monotonic()
             self._watch(sock.fileno(), _IN | _OUT, self._chan_ready)
             return
         self._chan_done_writing()
+
+    def _chan_stall_deadline(self) -> float:
+        """When the channel, in the middle of a frame either way and with nothing moving since,
+        is given up (monotonic clock; inf: it is not in the middle of one)."""
+        if self._chan is None or not (self._chan_out or self._chan_decoder.pending):
+            return math.inf
+        return self._chan_moved + self.dial_timeout
+
+    def _chan_check_stall(self, now: float) -> float:
+        """Give the channel up when it stalled mid-frame (section 3's limits hold both ways);
+        the deadline to look again at (inf: none)."""
+        deadline = self._chan_stall_deadline()
+        if now >= deadline:
+            self._chan_lost(f"the controller stalled in a frame for {self.dial_timeout:g} s")
+            return math.inf
+        return deadline
 
     def _chan_done_writing(self) -> None:
         flushed, self._chan_flushed = self._chan_flushed, []
@@ -139,6 +160,8 @@ class ChannelLink(JobSlot):
                 self._chan_lost(f"sending: {exc}")
                 return
             self._chan_out = self._chan_out[sent:]
+            if sent:
+                self._chan_moved = time.monotonic()
             if not self._chan_out:
                 self._watch(sock.fileno(), _IN, self._chan_ready)
                 self._chan_done_writing()
@@ -154,6 +177,7 @@ class ChannelLink(JobSlot):
         if not data:
             self._chan_lost("the controller closed it")
             return
+        self._chan_moved = time.monotonic()
         try:
             frames = self._chan_decoder.feed(data)
         except wire.RemoteProtocolError as exc:

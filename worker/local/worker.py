@@ -214,6 +214,7 @@ class LocalWorker(ChannelLink, SeedExchange):
                 self._send_output()
         if self._progress_due and not self._sending_progress and now >= self._progress_next:
             self._send_progress(now)
+        stall = self._chan_check_stall(now)
         if self._dials or self._conns:
             for dial in list(self._dials.values()):
                 if dial.connect_at and now >= dial.connect_at:
@@ -223,12 +224,12 @@ class LocalWorker(ChannelLink, SeedExchange):
             for conn in list(self._conns.values()):
                 if now >= conn.deadline:
                     self._close_conn(conn)
-        wake = math.inf
+        wake = stall
         if session.worker_id == 0:
             if not self._registering:
-                wake = self._register_at
+                wake = min(wake, self._register_at)
         elif not self._pulsing:
-            wake = self._pulse_at
+            wake = min(wake, self._pulse_at)
         if session.draining:
             wake = min(wake, self._drain_deadline)
         if self._output_due and not self._sending_output:
