@@ -1,18 +1,21 @@
 """kill -9 the controller under a stream of tasks, 20 times (seeded), restarting it on its journal.
 
 Every acknowledged task must end `success` at its client, reported once; a task a
-re-registered worker took over must not run again; worker ids never repeat.
+re-registered worker took over must not run again while that controller lives (a later kill
+may lose the journal's record of it again: then it is placed again); worker ids never repeat.
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import json
 import random
 import re
 import signal
 import socket as stdsocket
 import subprocess
+import time
 
 import trio
 
@@ -20,7 +23,6 @@ from controller.client import UdpSession
 from tests.helpers import (
     controller_argv,
     free_udp_port,
-    recording_exec,
     worker_argv,
     write_config,
 )
@@ -43,7 +45,12 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
     )
     controller_cmd = controller_argv(config)
     # INFO: the "registered as worker N" lines are how worker ids are checked below
-    worker_cmd = worker_argv(sockdir, "--pulse", "0.2", *recording_exec(execlog), log_level="INFO")
+    # Each run notes its task and the wall-clock time it started.
+    record = f'echo "$TASK_ID $(date +%s.%N)" >> {execlog}; cat'
+    worker_cmd = worker_argv(
+        sockdir, "--pulse", "0.2", "--exec", "sh", "-c", record, log_level="INFO"
+    )
+    kills: list[float] = []  # wall-clock times of the kills
     logs = [tmp_path / f"controller-{i}.log" for i in range(ROUNDS + 1)]
     worker_logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
     outcomes = {}
@@ -83,6 +90,7 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
         for i in range(1, ROUNDS + 1):
             await trio.sleep(rng.uniform(0.3, 1.0))
             controller.send_signal(signal.SIGKILL)
+            kills.append(time.time())
             await controller.wait()
             controller = await spawn(controller_cmd, logs[i])
 
@@ -109,13 +117,23 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
     assert set(reported.values()) == {1}
 
     text = "\n".join(path.read_text() for path in logs if path.exists())
-    adopted = {int(m) for m in re.findall(r"took over task (\d+)", text)}
+    adopted = [  # (task, when it was taken over: the log's wall clock)
+        (int(task), _wall(stamp))
+        for stamp, task in re.findall(r"^(\S+ \S+) .*took over task (\d+)", text, re.M)
+    ]
     replaced = {int(m) for m in re.findall(r"task (\d+) was running before the restart", text)}
-    runs = collections.Counter(int(line) for line in execlog.read_text().split())
+    starts: dict[int, list[float]] = collections.defaultdict(list)
+    for line in execlog.read_text().splitlines():
+        task, at = line.split()
+        starts[int(task)].append(float(at))
+    runs = collections.Counter({task: len(times) for task, times in starts.items()})
     assert set(runs) == set(range(1, TASKS + 1))
     twice = {t: n for t, n in runs.items() if n > 1}
-    # Taken over means not run again, unless a later crash lost it again (then it is re-placed).
-    assert {t for t in adopted if runs[t] > 1} <= replaced
+    # Taken over means not run again while that controller lives: a run after the take-over
+    # comes after a later kill (which may have lost the journal's record of it again).
+    for task, taken in adopted:
+        later = [at for at in starts[task] if at > taken]
+        assert all(any(taken < kill < at for kill in kills) for at in later), (task, taken)
     # A crash can cost at most the results each worker handed over but the journal had not
     # yet written: two workers, ROUNDS crashes.
     assert sum(n - 1 for n in twice.values()) <= 2 * ROUNDS
@@ -131,6 +149,11 @@ async def test_kill_9_controller_twenty_times_loses_nothing(tmp_path, sockdir):
         f"re-placed {len(replaced)}, ran twice {len(twice)}, worker ids {len(ids)} all distinct, "
         f"client saw {client.duplicates} duplicate notifications"
     )
+
+
+def _wall(stamp: str) -> float:
+    """A log line's time ("2026-11-28 05:13:01,738", local time) as seconds since the epoch."""
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def test_full_disk_refuses_new_tasks_loudly(tmp_path, sockdir):
