@@ -5,6 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # The tests run in this many processes (pytest-xdist): most of them wait on real processes,
 # so two halve the suite's time on 2 CPUs; `make test TEST_PROCESSES=0` runs them in one.
+# Tests marked with one xdist_group run in one process (tests/helpers.py, SHARES_JOB_UIDS).
 TEST_PROCESSES ?= 2
 
 .PHONY: venv proto run test lint bench bench-peers bench-scale chaos clean
@@ -40,7 +41,7 @@ test: $(STAMP)
 	            || echo "could not install$$need: their tests will be skipped"; \
 	    fi; \
 	fi
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -116,7 +116,7 @@ async def test_http_a_hostile_key_is_a_400(sockdir, key):
     async with http_controller(sockdir, workers=0) as ctl, client(ctl.url) as http:
         resp = await http.post("/job/", json={"payload": "x", "unique_key": key})
         assert resp.status_code == 400, resp.text
-        assert resp.json()["message"].startswith("unique_key must be")
+        assert resp.json()["message"].startswith(("unique_key must be", "unique_key must not"))
         assert (await http.get("/job/")).json() == {}
 
 

@@ -23,7 +23,7 @@ from bench.worker_bench import MiniController
 from controller import wire
 from controller.joblimits import JobLimits
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import wait_for_condition, worker_argv
+from tests.helpers import SHARES_JOB_UIDS, wait_for_condition, worker_argv
 from worker.errors import SetupError
 from worker.limits.cgroups import Cgroup, cgroup_limit
 from worker.limits.rlimits import rlimit_hit, rlimit_plan
@@ -35,6 +35,8 @@ root_only = pytest.mark.skipif(
     os.geteuid() != 0, reason="job users need root (setresuid to numeric uids)"
 )
 JOB_UID, OTHER_UID, STRANGER_UID = 61001, 61002, 61003
+
+pytestmark = SHARES_JOB_UIDS
 
 
 class Driver:
