@@ -8,7 +8,6 @@ expired records are pruned first.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -99,10 +98,13 @@ def _run_script(db: sqlite3.Connection, script: str) -> None:
 def _owner_only(path: Path) -> None:
     """Job payloads and results are for the controller's user alone: a new journal is made
     0600 before SQLite opens it (SQLite gives its -wal and -shm files the same mode), and
-    an existing one of ours that others could read is made 0600, side files included."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    an existing one of ours that others could read is made 0600, side files included. Only
+    a regular file is a journal: anything else (/dev/null, a FIFO) is refused untouched."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise JournalError(f"journal {path}: not a regular file")
         if st.st_mode & 0o077 and st.st_uid == os.geteuid():
             log.warning(
                 "journal %s was readable by others (mode %o): making it 0600",
@@ -111,8 +113,22 @@ def _owner_only(path: Path) -> None:
             )
             os.fchmod(fd, 0o600)
             for side in ("-wal", "-shm", "-journal"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.chmod(f"{path}{side}", 0o600)
+                _side_owner_only(f"{path}{side}")
+    finally:
+        os.close(fd)
+
+
+def _side_owner_only(path: str) -> None:
+    """A journal's side file made 0600, when it is a regular file of ours (not through a
+    symbolic link: it is never one SQLite made)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # missing, or a link (ELOOP): left alone
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
 

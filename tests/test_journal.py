@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -568,6 +569,37 @@ def test_an_existing_journal_others_could_read_is_made_owner_only(tmp_path, capl
         assert "readable by others" in caplog.text
     finally:
         journal.close()
+
+
+def test_a_journal_path_that_is_no_regular_file_is_refused_and_left_as_it_was(tmp_path):
+    """A device or a FIFO given as the journal (say /dev/null) is refused, its mode untouched:
+    making it 0600 would break every other user of /dev/null."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o666)
+    fifo.chmod(0o666)
+    with pytest.raises(JournalError, match="not a regular file"):
+        Journal.open(fifo)
+    assert stat.S_IMODE(fifo.stat().st_mode) == 0o666
+
+
+def test_a_side_file_that_is_a_link_is_not_followed(tmp_path):
+    """When an old journal is made 0600, a -wal that is a symbolic link is left alone (and
+    what it points to keeps its mode)."""
+    path = tmp_path / "journal.sqlite3"
+    journal = Journal.open(path)
+    commit(journal)
+    journal.close()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("x")
+    elsewhere.chmod(0o644)
+    wal = tmp_path / "journal.sqlite3-wal"
+    wal.unlink(missing_ok=True)
+    wal.symlink_to(elsewhere)
+    path.chmod(0o644)
+    with contextlib.suppress(JournalError):  # SQLite may refuse the odd -wal: not the point
+        Journal.open(path).close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o644
 
 
 @pytest.mark.parametrize(("sync", "pragma"), [("full", 2), ("normal", 1)])
