@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-# The tests run in this many processes (pytest-xdist): most of them wait on real processes,
-# so two halve the suite's time on 2 CPUs; `make test TEST_PROCESSES=0` runs them in one.
-# Tests marked with one xdist_group run in one process (tests/helpers.py, SHARES_JOB_UIDS).
+# The test files run in this many processes (pytest-xdist), each file's tests in one: most
+# tests wait on real processes, so two halve the suite's time on 2 CPUs. A file's tests may
+# share what no two files do (a job uid, say). `make test TEST_PROCESSES=0` runs them in one.
 TEST_PROCESSES ?= 2
 
 .PHONY: venv proto run test lint bench bench-peers bench-scale chaos clean
@@ -41,7 +41,7 @@ test: $(STAMP)
 	            || echo "could not install$$need: their tests will be skipped"; \
 	    fi; \
 	fi
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

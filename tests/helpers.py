@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 from google.protobuf.message import Message
 
@@ -77,12 +76,6 @@ def wait_for_condition(condition: Callable[[], bool], timeout: float = 10.0) -> 
 
 
 # ---------------------------------------------------------------- command lines
-
-
-# Tests that run jobs as real numeric uids (--job-user) share those uids, and a worker's
-# clean-up before a slot's next job kills that uid's processes and removes its files: under
-# `pytest -n` they run in one process, one after the other (`--dist loadgroup`, the Makefile).
-SHARES_JOB_UIDS = pytest.mark.xdist_group("job_uids")
 
 
 def write_config(directory: Path, **settings: object) -> Path:

@@ -23,7 +23,7 @@ from bench.worker_bench import MiniController
 from controller import wire
 from controller.joblimits import JobLimits
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import SHARES_JOB_UIDS, wait_for_condition, worker_argv
+from tests.helpers import wait_for_condition, worker_argv
 from worker.errors import SetupError
 from worker.limits.cgroups import Cgroup, cgroup_limit
 from worker.limits.rlimits import rlimit_hit, rlimit_plan
@@ -34,9 +34,10 @@ MiB = 1024 * 1024
 root_only = pytest.mark.skipif(
     os.geteuid() != 0, reason="job users need root (setresuid to numeric uids)"
 )
+# Each test file that runs jobs as real uids has uids of its own: `make test` runs files side
+# by side (pytest -n --dist loadfile), and a worker's clean-up before a slot's next job kills
+# every process of its uid and removes its files.
 JOB_UID, OTHER_UID, STRANGER_UID = 61001, 61002, 61003
-
-pytestmark = SHARES_JOB_UIDS
 
 
 class Driver:

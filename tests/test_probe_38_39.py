@@ -16,7 +16,7 @@ import trio
 
 from controller.joblimits import JobLimits
 from gen import worker_protocol_pb2 as pb
-from tests.helpers import SHARES_JOB_UIDS, live_controller, wait_for_condition, wait_until
+from tests.helpers import live_controller, wait_for_condition, wait_until
 from tests.test_hostile_http import (  # noqa: F401 (the fixture closes what a test opened)
     _answer,
     _close_what_the_test_opened,
@@ -24,11 +24,11 @@ from tests.test_hostile_http import (  # noqa: F401 (the fixture closes what a t
     _get,
 )
 from tests.test_http import http_controller
-from tests.test_job_limits import JOB_UID, PYTHON, root_only, worker
+from tests.test_job_limits import PYTHON, root_only, worker
 
 SHM = Path("/dev/shm")
-
-pytestmark = SHARES_JOB_UIDS
+# A job uid of this file's own (see tests/test_job_limits.py, JOB_UID).
+JOB_UID = 61101
 
 
 def test_a_jobs_own_limits_hold_on_a_worker_without_job_users_or_ceilings(tmp_path):

@@ -43,7 +43,6 @@ from controller.usage import Usage
 from gen import worker_protocol_pb2 as pb
 from tests.fakes import FakeWorker
 from tests.helpers import (
-    SHARES_JOB_UIDS,
     controller_argv,
     free_udp_port,
     live_controller,
@@ -60,7 +59,6 @@ DEFAULT_OPTS = options.DEFAULT
 JOB_UID = 62001
 WORKERS_GID = 62100  # stands in for the packaged `controller` group
 
-pytestmark = SHARES_JOB_UIDS
 ROOT = os.getuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="needs root: runs processes as other uids")
 
