@@ -162,6 +162,40 @@ def serving_a(core: Core, now: float) -> int:
     return reply.response.worker_id
 
 
+def test_an_orphan_counts_again_when_its_queue_s_limit_is_removed_and_set_again():
+    core = Core()
+    core.limit("a", 1, None, 0.0)
+    a = JobOptions(queue="a")
+    core.recover(1, 11, b"", None, 0.0, running=True, grace=3.0, options=a)
+    core.recover(2, 12, b"", None, 0.0, running=False, options=a)
+    core.limit("a", None, None, 0.1)  # removed: nothing counts
+    idle = serving_a(core, 0.2)
+    pulse(core, idle, 0.2, next_pulse=30)
+    assert core.tasks[2].worker_id == idle  # no limit: it runs
+    core.limit("a", 1, None, 0.3)  # set again: the orphan and task 2 count (2 of 1)
+    old = serving_a(core, 0.4)
+    pulse(core, old, 0.4, task_id=11, next_pulse=30)  # its old worker takes it back
+    assert core.tasks[1].worker_id == old
+    core.submit(13, b"", None, 0.5, a)
+    three = core.tasks[max(core.tasks)]
+    finish(core, idle, 12, 0.6)  # task 2 ends: the orphan, running, still holds the one place
+    assert three.worker_id == 0
+    assert core.scheduler.limits.queues["a"].running == 1
+    finish(core, old, 11, 0.7)  # the orphan ends: the third starts, and it alone counts
+    assert three.worker_id in (idle, old)
+    assert core.scheduler.limits.queues["a"].running == 1
+
+
+def finish(core: Core, wid: int, task_id: int, now: float) -> None:
+    """The local worker `wid` ran `task_id`: its SET_TASK answered (if still to be), its
+    outcome announced and fetched."""
+    if core.workers[wid].state.name == "ASSIGNING":
+        answer(core, wid, pb.CTRL_SET_TASK, now, task_id=task_id)
+    pulse(core, wid, now, ptype=pb.PULSE_FETCH_ME, task_id=task_id, next_pulse=30)
+    answer(core, wid, pb.CTRL_FETCH, now, task_id=task_id, extra=b"done")
+    assert all(t.task_id != task_id for t in core.tasks.values())
+
+
 @pytest.mark.parametrize("end", ["claimed", "grace passed"])
 def test_a_job_running_before_a_restart_counts_until_its_worker_claims_it_or_not(end):
     """After a restart a job that was running (journal: working) may still run on its worker:

@@ -249,10 +249,12 @@ class Core:
         that follow (a limit raised or removed lets more start). An operator's action: it looks
         at every live task once, to count the queue's running ones."""
         sched = self.scheduler
-        held = [
+        held = [  # on workers, or running on one before a restart (an orphan: it counts)
             task
             for task in sched.tasks.values()
-            if task.opts.queue == queue and task.worker_id and task.state not in WAITING
+            if task.opts.queue == queue
+            and (task.worker_id or task.state is TaskState.ORPHAN)
+            and task.state not in WAITING
         ]
         sched.limits.set(queue, concurrency, rate, now, held)
         actions: list[Action] = []
