@@ -516,12 +516,16 @@ def _lose(core: Core, wid: int, how: str, now: float) -> list[Action]:
     if how == "process exited":
         return settle(core, core.handle(WorkerExited(wid), now), now)
     if how.startswith("shutdown"):
-        if how == "shutdown after a pulse":  # it read its task: the pulse names it
-            task = core.workers[wid].task
+        task = core.workers[wid].task
+        if how != "shutdown":  # the cases of a worker that read its task
             assert task is not None
+        if how == "shutdown after a pulse" and task is not None:  # the pulse names it
             ok = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, task_id=task.task_id)
             settle(core, core.handle(PulseReceived(ok, pid=None, uid=UID), now), now)
-        msg = pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=wid)
+        named = 0
+        if how == "shutdown naming its task" and task is not None:  # it ran it, then left
+            named = task.task_id
+        msg = pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=wid, task_id=named)
         return settle(core, core.handle(PulseReceived(msg, pid=None, uid=UID), now), now)
     assert how == "pulse deadline"  # its last pulse at 0 promised 3600 s
     assert core.expire(3599.999) == [] and wid in core.workers
@@ -530,7 +534,14 @@ def _lose(core: Core, wid: int, how: str, now: float) -> list[Action]:
 
 @pytest.mark.parametrize(
     "how",
-    ["channel ended", "pulse deadline", "process exited", "shutdown", "shutdown after a pulse"],
+    [
+        "channel ended",
+        "pulse deadline",
+        "process exited",
+        "shutdown",
+        "shutdown after a pulse",
+        "shutdown naming its task",
+    ],
 )
 def test_a_lost_worker_puts_its_next_task_back_at_the_head_unchanged(how: str) -> None:
     core = Core(timeout_task_placement=0.0)

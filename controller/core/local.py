@@ -110,8 +110,14 @@ class LocalWorkers:
         if ptype == pb.PULSE_SHUTDOWN:
             log.info("worker %d shut down", worker.worker_id)
             # A task written on its channel after the worker decided to leave (it said nothing
-            # since) never started: it goes back with no attempt counted.
-            unread = self._unread(worker)
+            # since, and its SHUTDOWN names another task) never started: it goes back with no
+            # attempt counted.
+            task = worker.task
+            unread = (
+                task is not None
+                and pulse.task_id != task.task_id
+                and self._refund_unread(worker)
+            )
             sched.lost(worker, now, actions, cause="shutdown", blame=not unread)
             sched.dispatch(actions, now)
             return actions
@@ -402,7 +408,7 @@ class LocalWorkers:
             return []
         actions: list[Action] = []
         if why == "refused":
-            self._unread(worker, task_id)
+            self._refund_unread(worker, task_id)
             self.scheduler.lost(worker, now, actions, cause="refused a task", blame=False)
         else:
             log.warning("worker %d: its channel ended (%s); dropping it", worker_id, why)
@@ -425,7 +431,7 @@ class LocalWorkers:
     # ------------------------------------------------------------ helpers
 
     @staticmethod
-    def _unread(worker: Worker, task_id: int = 0) -> bool:
+    def _refund_unread(worker: Worker, task_id: int = 0) -> bool:
         """Whether the worker's task (`task_id`, or 0: whichever) was written on its channel
         and the worker has said nothing since: it never started it, and the attempt counted
         when it was written is taken back."""

@@ -277,7 +277,10 @@ class ChannelLink(JobSlot):
         """SHUTDOWN on the channel after what waits there, then close it."""
         sock = self._chan
         assert sock is not None
-        pulse = pb.WorkerPulse(type=pb.PULSE_SHUTDOWN, worker_id=self.session.worker_id)
+        session = self.session  # its task_id: the job it ran last (the controller's check)
+        pulse = pb.WorkerPulse(
+            type=pb.PULSE_SHUTDOWN, worker_id=session.worker_id, task_id=session.task_id
+        )
         data = self._chan_out + wire.encode_channel(wire.CHANNEL_PULSE, pulse)
         self._unwatch(sock.fileno())
         self._chan = None
