@@ -188,6 +188,20 @@ async def test_a_head_is_cut_once_http_body_timeout_has_passed_since_its_first_b
         await wait_until(lambda: ctl.web.connections.open == 0)
 
 
+async def test_a_head_silent_for_a_while_is_still_cut_when_its_time_is_up(sockdir):
+    """A head that stops for more than a second (the keep-alive watch then waits for silence
+    to end the connection) is cut all the same when http_body_timeout has passed: its end,
+    sent after that, gets no answer."""
+    async with http_controller(sockdir, workers=1, http_body_timeout=2.0) as ctl:
+        stream = await _connect(ctl.url)
+        await stream.send_all(b"GET /health/ HTTP/1.1\r\n")
+        await trio.sleep(3.0)  # silent past the cut, short of the 5 s silence rule
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(b"Host: x\r\n\r\n")
+        assert await _read_until_closed(stream) == b""
+        await wait_until(lambda: ctl.web.connections.open == 0)
+
+
 async def test_a_connection_silent_mid_body_is_closed(sockdir, short_idle):
     async with http_controller(sockdir, workers=1) as ctl:
         stream = await _connect(ctl.url)

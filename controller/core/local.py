@@ -114,9 +114,7 @@ class LocalWorkers:
             # attempt counted.
             task = worker.task
             unread = (
-                task is not None
-                and pulse.task_id != task.task_id
-                and self._refund_unread(worker)
+                task is not None and pulse.task_id != task.task_id and self._refund_unread(worker)
             )
             sched.lost(worker, now, actions, cause="shutdown", blame=not unread)
             sched.dispatch(actions, now)

@@ -138,8 +138,12 @@ class ChannelLink(JobSlot):
         the deadline to look again at (inf: none)."""
         deadline = self._chan_stall_deadline()
         if now >= deadline:
-            self._chan_lost(f"the controller stalled in a frame for {self.dial_timeout:g} s")
-            return math.inf
+            # What came or left while this loop was busy (a handler holding it) counts first.
+            self._chan_ready(_IN | _OUT)
+            deadline = self._chan_stall_deadline()
+            if time.monotonic() >= deadline:
+                self._chan_lost(f"the controller stalled in a frame for {self.dial_timeout:g} s")
+                return math.inf
         return deadline
 
     def _chan_done_writing(self) -> None:

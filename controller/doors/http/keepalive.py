@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
@@ -50,6 +50,13 @@ GRACE = 1.0
 # The key of the connection's state (each request's scope["state"]) that holds when the
 # request's first byte came (trio clock): its body must end `head_limit` after it.
 REQUEST_SINCE = "request_since"
+
+
+def request_deadline(scope: Mapping[str, Any], seconds: float) -> float:
+    """When a request must have ended, `seconds` after its first byte (trio clock): the time
+    its IdleTimer noted, or now when none did (hypercorn's own timer kept, see `usable`)."""
+    since = scope.get("state", {}).get(REQUEST_SINCE)
+    return (trio.current_time() if since is None else since) + seconds
 
 
 class IdleTimer:
@@ -108,9 +115,8 @@ class IdleTimer:
         if self._head_from is None:
             self._head_from = now
         cut = self._head_from + self.head_limit
-        if now < cut:
-            self._interrupt()
-            self._deadline = min(now + GRACE, cut)
+        self._interrupt()  # past the cut too: the watcher then closes the connection at once
+        self._deadline = min(now + GRACE, cut)
 
     def _overdue(self, now: float) -> bool:
         """A head has been coming for head_limit seconds and is not whole."""
@@ -154,9 +160,11 @@ class IdleTimer:
                 return
             else:
                 with trio.CancelScope() as self._acting:  # idle for GRACE: hypercorn's wait
+                    if self._head_from is not None:  # no longer than the head may take
+                        self._acting.deadline = self._head_from + self.head_limit
                     await action()
                     return  # it closed the connection
-                # cancelled by a request: look again
+                # cancelled by a request, or the head's time is up: look again
 
 
 def usable() -> bool:

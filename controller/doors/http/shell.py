@@ -467,9 +467,7 @@ class HttpDoor:
 
     async def _body_of(self, request: Request, limit: int, array_limit: int = 0) -> bytes:
         # The request's whole time, from its first byte (its head's) to its last.
-        since = request.scope.get("state", {}).get(keepalive.REQUEST_SINCE)
-        start = trio.current_time() if since is None else since
-        deadline = start + self.config.http_body_timeout
+        deadline = keepalive.request_deadline(request.scope, self.config.http_body_timeout)
         return await read_body(request, limit, IDLE_TIMEOUT, deadline, array_limit)
 
     def _job_response(self, job: Job, status: int) -> Response:

@@ -8,15 +8,14 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import parse_qsl, quote
 
-import trio
-
 from controller.doors.http.asgi import BodyTimeout, ClientDisconnect, Request, Response
 from controller.doors.http.codec import ApiError
 from controller.doors.http.console.session import Sessions, parse_cookies
+from controller.doors.http.keepalive import request_deadline
 
 # A form's body (a filter, a token, a button) is small; one longer than this is refused.
 MAX_FORM = 16 * 1024
-# Seconds a form's body may take to arrive.
+# Seconds a form (its head and body) may take to arrive.
 FORM_SECONDS = 10.0
 HTML = "text/html; charset=utf-8"
 # The longest page address a login goes back to.
@@ -89,7 +88,7 @@ async def read_form(request: Request) -> dict[str, str]:
     """An application/x-www-form-urlencoded body (at most MAX_FORM bytes)."""
     chunks = []
     size = 0
-    deadline = trio.current_time() + FORM_SECONDS
+    deadline = request_deadline(request.scope, FORM_SECONDS)  # from the request's first byte
     try:
         async for chunk in request.stream(FORM_SECONDS, deadline):
             size += len(chunk)
