@@ -522,6 +522,56 @@ def test_the_worker_gives_up_a_channel_its_controller_stalls_in_a_frame(sockdir,
         reap(proc)
 
 
+def test_a_frame_that_came_while_the_worker_s_loop_was_held_is_no_stall(sockdir, tmp_path):
+    """A handler that holds the worker's loop past dial_timeout while the rest of a frame
+    arrives: the worker reads what came before it judges the channel stalled, and keeps it
+    (the next job, that frame, runs and its outcome comes back on it)."""
+    config = write_config(tmp_path, socket_dir=str(sockdir), dial_timeout=0.5)
+    listener = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+    listener.bind(str(sockdir / "main.sock"))
+    listener.listen(8)
+    listener.settimeout(10)
+    handler = "tests.worker_handlers:block_until_file"
+    proc = subprocess.Popen(
+        worker_argv(sockdir, "--config", str(config), "--pulse", "30", "--handler", handler)
+    )
+    gate = tmp_path / "go"
+    try:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                assert read_one(conn, pb.WorkerPulse).type == pb.PULSE_REGISTER
+                conn.sendall(wire.encode_frame(pb.PulseResponse(worker_id=1, channel=True)))
+            chan, _ = listener.accept()
+        with chan:
+            read_one(chan, pb.WorkerPulse)
+            chan.sendall(wire.encode_frame(pb.PulseResponse(channel=True)))
+            first = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=1)
+            second = pb.ControlMsg(type=pb.CTRL_SET_TASK, task_id=2)
+            # (small enough for the socket's buffers to hold while nobody reads)
+            big = wire.encode_channel(wire.CHANNEL_CONTROL, second, b"A" * 100_000)
+            # The job, and the start of a large frame read with it: then its loop is held.
+            job = wire.encode_channel(wire.CHANNEL_CONTROL, first, str(gate).encode())
+            chan.sendall(job + big[:500])  # one write: the worker reads both at once
+            time.sleep(1.0)  # the loop held past dial_timeout (the behaviour under test)
+            chan.sendall(big[500:])
+            gate.touch()  # the handler lets go
+            decoder = wire.StreamDecoder(pb.ChannelFrame, 4 << 20)
+            chan.settimeout(10)
+            outcomes: dict[int, tuple[int, int, bytes]] = {}
+            while len(outcomes) < 2:  # the first job's, then the large frame's (it fails)
+                data = chan.recv(65536)
+                assert data, f"the worker gave its channel up; outcomes {outcomes}"
+                for frame, extra in decoder.feed(data):
+                    if frame.WhichOneof("msg") == "response":
+                        response = frame.response
+                        outcomes[response.task_id] = (frame.answers, response.error, extra)
+            assert outcomes[1] == (pb.CTRL_FETCH, pb.WORKER_ERR_OK, b"held")
+            assert outcomes[2][:2] == (pb.CTRL_FETCH, pb.WORKER_ERR_TASK_FAILED)
+    finally:
+        reap(proc)
+
+
 async def test_killing_a_channel_worker_mid_job_places_its_job_on_another_at_once(sockdir):
     slow = spawn(sockdir, "--pulse", "5", "--exec", "sh", "-c", "sleep 30")
     fast: subprocess.Popen[bytes] | None = None

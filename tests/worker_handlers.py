@@ -102,6 +102,16 @@ async def await_file(payload: bytes) -> bytes:
     return b"async:" + path.read_bytes()
 
 
+async def block_until_file(payload: bytes) -> bytes:
+    """An async handler that holds the worker's whole loop (a blocking wait inside a
+    coroutine, as careless code does) until the file its payload names exists (bounded)."""
+    path = Path(payload.decode())
+    deadline = time.monotonic() + WAIT
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)  # noqa: ASYNC251 (holding the loop is the point)
+    return b"held"
+
+
 def chatty(payload: bytes) -> bytes:
     """Prints to stderr and logs (a plain handler: it runs in a thread), then echoes."""
     import logging
