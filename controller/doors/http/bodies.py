@@ -15,19 +15,39 @@ from controller.doors.http.codec import ApiError
 DRAIN_LIMIT = 4 * 1024 * 1024
 
 
+class BodyBudget:
+    """The bytes of request bodies held while they are read, all connections together. Each
+    body is bounded by its own limit; this bounds their sum, so that many slow uploads at once
+    cannot take the controller's memory: past `limit` a request is answered 503 (try again)."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+
 async def read_body(
-    request: Request, limit: int, idle: float, deadline: float, array_limit: int = 0
+    request: Request,
+    limit: int,
+    idle: float,
+    deadline: float,
+    array_limit: int = 0,
+    budget: BodyBudget | None = None,
 ) -> bytes:
     """The request's body, at most `limit` bytes (else ApiError 413), or `array_limit` when it
     is a JSON array and that is larger; `idle`: the longest silence in the middle of it,
-    `deadline`: when its last byte must have come (trio clock; else 408)."""
+    `deadline`: when its last byte must have come (trio clock; else 408); `budget`: what all
+    bodies being read may hold together (else 503)."""
     largest = max(limit, array_limit)
     declared = request.header(b"content-length")
     known = int(declared) if declared is not None and declared.isdigit() else None
     too_big = known is not None and known > largest
     undecided = largest > limit  # until the first character says which limit holds
-    chunks = []
+    chunks: list[bytes] = []
     size = 0
+    taken = 0  # of the budget
+    crowded = False
     try:
         async for chunk in request.stream(idle, deadline):
             size += len(chunk)
@@ -41,9 +61,18 @@ async def read_body(
                         too_big = True
             if size > (largest if undecided else limit):
                 too_big = True
-            if too_big:
+            if budget is not None and not (too_big or crowded):
+                if budget.held + len(chunk) > budget.limit:
+                    crowded = True
+                    budget.held -= taken
+                    taken = 0
+                    chunks.clear()
+                else:
+                    budget.held += len(chunk)
+                    taken += len(chunk)
+            if too_big or crowded:
                 # Read (and drop) a bounded amount more, so that the client, still sending,
-                # gets to read its 413; past that the connection is simply closed.
+                # gets to read its 413 or 503; past that the connection is simply closed.
                 if size > limit + DRAIN_LIMIT:
                     break
                 continue
@@ -52,6 +81,11 @@ async def read_body(
         raise ApiError(400, "the client closed the connection before the body ended") from None
     except BodyTimeout as exc:  # answered, and the connection closed: the body is unread
         raise ApiError(408, str(exc)) from None
+    finally:
+        if budget is not None:
+            budget.held -= taken
     if too_big:
         raise ApiError(413, f"the body is over {limit} bytes")
+    if crowded:
+        raise ApiError(503, "too many request bodies are being read at once: try again")
     return b"".join(chunks)

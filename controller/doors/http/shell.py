@@ -34,7 +34,7 @@ from controller.doors.http.asgi import (
     error_response,
     json_response,
 )
-from controller.doors.http.bodies import read_body
+from controller.doors.http.bodies import BodyBudget, read_body
 from controller.doors.http.codec import ApiError
 from controller.doors.http.connections import (
     Connections,
@@ -90,6 +90,8 @@ class HttpDoor:
         self.max_payload = config.max_extra_size
         self.max_body = codec.max_body(config.max_extra_size)
         self.max_bulk_body = codec.max_bulk_body(config.max_extra_size)  # a POST /job/ array's
+        # What the bodies being read may hold together: two of the largest.
+        self.bodies = BodyBudget(2 * self.max_bulk_body)
         self.started_at = 0.0
         self.counters = {"requests": 0, "jobs_added": 0, "errors": 0}
         self.redis_status = redis_status
@@ -468,7 +470,9 @@ class HttpDoor:
     async def _body_of(self, request: Request, limit: int, array_limit: int = 0) -> bytes:
         # The request's whole time, from its first byte (its head's) to its last.
         deadline = keepalive.request_deadline(request.scope, self.config.http_body_timeout)
-        return await read_body(request, limit, IDLE_TIMEOUT, deadline, array_limit)
+        return await read_body(
+            request, limit, IDLE_TIMEOUT, deadline, array_limit, budget=self.bodies
+        )
 
     def _job_response(self, job: Job, status: int) -> Response:
         return json_response(
