@@ -63,6 +63,11 @@ def _get(path: str = "/health/", extra: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode()
 
 
+def _post(body: bytes, path: str = "/job/") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
 def _body(answer: bytes) -> dict[str, object]:
     return json.loads(answer.split(b"\r\n\r\n", 1)[1])
 
@@ -235,3 +240,42 @@ def test_an_error_object_never_has_an_empty_message():
     assert json.loads(error_response(409, "").body)["message"] == "Conflict"
     assert json.loads(error_response(499, "").body)["message"]
     assert json.loads(error_response(404, "no job 'x'").body)["message"] == "no job 'x'"
+
+
+async def _hold_a_body(url: str, source: str, size: int) -> trio.SocketStream:
+    """A POST /job/ from `source` whose body (an unfinished job array) stops after `size`
+    bytes: the controller holds them while it waits for the rest."""
+    stream = await _connect(url, source)
+    head = f"POST /job/ HTTP/1.1\r\nHost: x\r\nContent-Length: {size + 10}\r\n\r\n"
+    await stream.send_all(head.encode() + b"[" + b" " * (size - 1))
+    return stream
+
+
+async def test_bodies_being_read_share_one_budget_one_client_half_of_it(sockdir):
+    """Slow uploads cannot take the controller's memory, and one address cannot take the
+    others' room: the bodies being read hold at most two of the largest body together, one
+    address at most half of that; past either a request is 503 (try again)."""
+    async with http_controller(sockdir, workers=0, max_extra_size=1000) as ctl:
+        budget = ctl.web.bodies
+        part = budget.limit // 2 - 100  # near the largest body, a job array's
+        job = _post(b'{"payload": "' + b"x" * 300 + b'"}')
+        first = await _hold_a_body(ctl.url, "127.0.0.2", part)
+        await wait_until(lambda: budget.held == part)
+        # The same address again: past its half, while another address is served.
+        assert (await _answer(await _connect(ctl.url, "127.0.0.2"), job)).startswith(
+            b"HTTP/1.1 503"
+        )
+        assert (await _answer(await _connect(ctl.url, "127.0.0.4"), job)).startswith(
+            b"HTTP/1.1 201"
+        )
+        second = await _hold_a_body(ctl.url, "127.0.0.3", part)
+        await wait_until(lambda: budget.held == 2 * part)
+        crowded = await _answer(await _connect(ctl.url, "127.0.0.4"), job)
+        assert crowded.startswith(b"HTTP/1.1 503") and b"bodies" in crowded
+        assert b"retry-after" in crowded.lower()
+        await first.aclose()
+        await second.aclose()
+        await wait_until(lambda: budget.held == 0 and not budget.by_client)
+        assert (await _answer(await _connect(ctl.url, "127.0.0.4"), job)).startswith(
+            b"HTTP/1.1 201"
+        )

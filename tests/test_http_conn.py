@@ -202,30 +202,6 @@ async def test_a_head_silent_for_a_while_is_still_cut_when_its_time_is_up(sockdi
         await wait_until(lambda: ctl.web.connections.open == 0)
 
 
-async def test_bodies_being_read_share_one_budget_and_past_it_a_request_is_503(sockdir):
-    """Slow uploads cannot take the controller's memory: the bodies being read hold at most
-    two of the largest body together; past that a request is answered 503 (try again), and
-    once they end the next is taken."""
-    async with http_controller(sockdir, workers=0, max_extra_size=1000) as ctl:
-        budget = ctl.web.bodies
-        part = budget.limit // 2 - 100  # an unfinished job array, near the largest body
-        head = f"POST /job/ HTTP/1.1\r\nHost: x\r\nContent-Length: {part + 10}\r\n\r\n"
-        holders = []
-        for _ in range(2):
-            stream = await _connect(ctl.url)
-            await stream.send_all(head.encode() + b"[" + b" " * (part - 1))
-            holders.append(stream)
-        await wait_until(lambda: budget.held == 2 * part)
-        async with client(ctl.url) as http:
-            crowded = await http.post("/job/", json={"payload": "x" * 300})
-            assert crowded.status_code == 503, crowded.text
-            assert "bodies" in crowded.json()["message"] and crowded.headers["retry-after"]
-            for stream in holders:
-                await stream.aclose()
-            await wait_until(lambda: budget.held == 0)
-            assert (await http.post("/job/", json={"payload": "x" * 300})).status_code == 201
-
-
 async def test_a_connection_silent_mid_body_is_closed(sockdir, short_idle):
     async with http_controller(sockdir, workers=1) as ctl:
         stream = await _connect(ctl.url)

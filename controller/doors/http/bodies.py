@@ -18,13 +18,35 @@ DRAIN_LIMIT = 4 * 1024 * 1024
 class BodyBudget:
     """The bytes of request bodies held while they are read, all connections together. Each
     body is bounded by its own limit; this bounds their sum, so that many slow uploads at once
-    cannot take the controller's memory: past `limit` a request is answered 503 (try again)."""
+    cannot take the controller's memory: past `limit` a request is answered 503 (try again).
+    One client address holds at most half of it, so that it cannot lock the others out."""
 
-    __slots__ = ("held", "limit")
+    __slots__ = ("by_client", "held", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
+        self.by_client: dict[str, int] = {}
+
+    def take(self, client: str, size: int) -> bool:
+        """Hold `size` more bytes for `client`'s body; False (nothing held) past a limit."""
+        mine = self.by_client.get(client, 0)
+        if self.held + size > self.limit or mine + size > self.limit // 2:
+            return False
+        self.held += size
+        self.by_client[client] = mine + size
+        return True
+
+    def give(self, client: str, size: int) -> None:
+        """`size` bytes `client` held are free again."""
+        if not size:
+            return
+        self.held -= size
+        left = self.by_client[client] - size
+        if left:
+            self.by_client[client] = left
+        else:
+            del self.by_client[client]
 
 
 async def read_body(
@@ -48,6 +70,8 @@ async def read_body(
     size = 0
     taken = 0  # of the budget
     crowded = False
+    peer = request.scope.get("client")
+    client = str(peer[0]) if peer else ""
     try:
         async for chunk in request.stream(idle, deadline):
             size += len(chunk)
@@ -62,14 +86,13 @@ async def read_body(
             if size > (largest if undecided else limit):
                 too_big = True
             if budget is not None and not (too_big or crowded):
-                if budget.held + len(chunk) > budget.limit:
+                if budget.take(client, len(chunk)):
+                    taken += len(chunk)
+                else:
                     crowded = True
-                    budget.held -= taken
+                    budget.give(client, taken)
                     taken = 0
                     chunks.clear()
-                else:
-                    budget.held += len(chunk)
-                    taken += len(chunk)
             if too_big or crowded:
                 # Read (and drop) a bounded amount more, so that the client, still sending,
                 # gets to read its 413 or 503; past that the connection is simply closed.
@@ -83,7 +106,7 @@ async def read_body(
         raise ApiError(408, str(exc)) from None
     finally:
         if budget is not None:
-            budget.held -= taken
+            budget.give(client, taken)
     if too_big:
         raise ApiError(413, f"the body is over {limit} bytes")
     if crowded:
