@@ -200,6 +200,23 @@ def out_of_order(read: list[tuple[int, int]]) -> list[str]:
     return problems
 
 
+async def held_behind_a_running_job(
+    ctl: Controller, journal: HeldJournal, peer: Peer, name: str
+) -> tuple[Job, Job]:
+    """The worker `peer` runs the Redis job "first" (handed out once on disk); then the Redis job
+    `name` comes while the journal holds its commit (its job_added is in the held commit):
+    (first, that job)."""
+    core = ctl.shell.core
+    await wait_until(lambda: core.idle_workers == 1)
+    first = redis_job(ctl, "first")
+    assert await peer.next_controls(1) == [(SET, first.task_id)]  # once on disk
+    await wait_until(journal.settled)
+    journal.hold()
+    later = redis_job(ctl, name)
+    await held_commit(journal)
+    return first, later
+
+
 def fetch_mismatches(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "answered task" in r.getMessage()]
 
@@ -216,16 +233,10 @@ async def test_a_job_canceled_before_its_commit_lands_never_reaches_the_worker(
         core = ctl.shell.core
         peer = await Peer.open(sockdir)
         with peer.sock:
-            await wait_until(lambda: core.idle_workers == 1)
+            first, canceled = await held_behind_a_running_job(ctl, journal, peer, "canceled")
             worker = core.workers[peer.wid]
-            first = redis_job(ctl, "first")
-            assert await peer.next_controls(1) == [(SET, first.task_id)]  # once on disk
-            await wait_until(journal.settled)
-            journal.hold()
-            canceled = redis_job(ctl, "canceled")
             canceled_task = canceled.task
             assert canceled_task is not None
-            await held_commit(journal)  # its job_added is in the held commit
             assert ctl.desk.cancel(canceled, trio.current_time())
             assert canceled.state is JobState.CANCELED
             assert out_of_order(peer.available()) == []
@@ -260,15 +271,9 @@ async def test_a_job_reclaimed_before_its_commit_lands_goes_to_the_idle_worker_o
         core = ctl.shell.core
         busy = await Peer.open(sockdir)
         with busy.sock:
-            await wait_until(lambda: core.idle_workers == 1)
-            first = redis_job(ctl, "first")
-            assert await busy.next_controls(1) == [(SET, first.task_id)]
-            await wait_until(journal.settled)
-            journal.hold()
-            second = redis_job(ctl, "second")
+            first, second = await held_behind_a_running_job(ctl, journal, busy, "second")
             second_task = second.task
             assert second_task is not None
-            await held_commit(journal)
             idle = await Peer.open(sockdir)
             with idle.sock:
                 await wait_until(lambda: idle.wid in core.workers)
@@ -305,14 +310,8 @@ async def test_a_later_set_task_does_not_overtake_one_waiting_for_its_commit(
         core = ctl.shell.core
         peer = await Peer.open(sockdir)
         with peer.sock:
-            await wait_until(lambda: core.idle_workers == 1)
+            first, second = await held_behind_a_running_job(ctl, journal, peer, "second")
             worker = core.workers[peer.wid]
-            first = redis_job(ctl, "first")
-            assert await peer.next_controls(1) == [(SET, first.task_id)]
-            await wait_until(journal.settled)
-            journal.hold()
-            second = redis_job(ctl, "second")
-            await held_commit(journal)
             peer.outcome(first.task_id, b"r1")
             await wait_until(lambda: first.state.final)
             third = http_job(ctl, "third")
