@@ -369,9 +369,10 @@ class Scheduler:
             if limited and task.opts.queue in limited:
                 self.limits.started(task, now)
             worker.kind.place(worker, task, actions)
-        if self._new_idle or self.next_tasks.ahead:  # most calls: neither
+        nexts = self.next_tasks
+        if self._new_idle or nexts.ahead or nexts.look_again:  # what after_dispatch acts on
             new_idle, self._new_idle = self._new_idle, []
-            self.next_tasks.after_dispatch(new_idle, idle, actions, now)
+            nexts.after_dispatch(new_idle, idle, actions, now)
 
     # ------------------------------------------------------------ endings and retries
 
