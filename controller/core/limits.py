@@ -9,8 +9,8 @@ unblocked when a task of it stops counting, or when its next token is due (a dea
 scheduler's heap, so the shell's timer wakes for it without any new event).
 
 The bucket holds up to `rate` tokens, full when a rate is set or changed, and gains rate/per
-tokens a second. Queues with no limit cost the hot path one attribute test per placement and per end
-(`Task.limited`).
+tokens a second. Queues with no limit cost the hot path one attribute test per placement and
+per end (`Task.limited`).
 """
 
 from __future__ import annotations

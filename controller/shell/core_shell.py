@@ -248,7 +248,7 @@ class CoreShell:
             now = trio.current_time()
         return self.core.submit(task_id, payload, job, now, options, wait, dispatch)
 
-    def dispatch(self, _: object = None) -> None:
+    def dispatch(self) -> None:
         """Hand pending tasks to the workers free to take them, now."""
         self.execute(self.core.dispatch(trio.current_time()))
 

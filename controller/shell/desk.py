@@ -266,7 +266,7 @@ class JobDesk:
         if self.on_change is not None:
             self.on_change(job)
         if journal_first:
-            self.write_ahead.after_commit(self.scheduling.dispatch, None)
+            self.write_ahead.after_commit(lambda _: self.scheduling.dispatch(), None)
         else:
             self.scheduling.execute(actions)
         return job
