@@ -201,6 +201,12 @@ async def _read_frame(sock, msg_type, timeout: float = 5.0):
     return await wire.recv_frame(sock, msg_type, timeout=timeout)
 
 
+def _send_outcome(chan: stdsocket.socket, task_id: int, result: bytes) -> None:
+    """A job's outcome on the channel, as a worker writes it: a success with its result."""
+    response = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=task_id)
+    chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, response, result, pb.CTRL_FETCH))
+
+
 async def _frames(sock, decoder, count: int) -> list[tuple[pb.ChannelFrame, bytes]]:
     got: list[tuple[pb.ChannelFrame, bytes]] = []
     with trio.fail_after(5):
@@ -231,7 +237,9 @@ async def test_a_fake_worker_speaks_the_channel_and_its_end_re_places_the_job(so
             assert frame.control.limits.file_size == 1 << 20  # the job's limits travel with it
             response = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
             response.usage.wall = 0.5
-            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, response, b"done", 1))
+            chan.sendall(
+                wire.encode_channel(wire.CHANNEL_RESPONSE, response, b"done", pb.CTRL_FETCH)
+            )
             [done] = await outcomes.wait(1)
             assert (done.task_id, done.result) == (5, b"done")
             task = shell.submit(6, b"again")
@@ -258,8 +266,7 @@ async def test_a_pulse_of_an_unknown_type_is_answered_and_the_channel_stays(sock
             chan.sendall(wire.encode_channel(wire.CHANNEL_PULSE, odd))
             [(frame, _)] = await _frames(chan, decoder, 1)
             assert frame.pulse_response.error == pb.CTRL_ERR_UNKNOWN_TYPE
-            response = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=7)
-            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, response, b"done", 1))
+            _send_outcome(chan, 7, b"done")
             [done] = await outcomes.wait(1)
             assert (done.task_id, done.result) == (7, b"done")
             assert wid in shell.links.channels
@@ -279,8 +286,7 @@ async def test_a_pulse_written_before_the_worker_read_its_task_is_no_mismatch(so
             assert frame.control.type == pb.CTRL_SET_TASK
             early = pb.WorkerPulse(type=pb.PULSE_OK, worker_id=wid, task_id=0, next_pulse=5)
             chan.sendall(wire.encode_channel(wire.CHANNEL_PULSE, early))  # no answer to an OK
-            response = pb.WorkerResponse(error=pb.WORKER_ERR_OK, task_id=5)
-            chan.sendall(wire.encode_channel(wire.CHANNEL_RESPONSE, response, b"done", 1))
+            _send_outcome(chan, 5, b"done")
             [done] = await outcomes.wait(1)
             assert (done.task_id, done.result) == (5, b"done")
             # The pulse was read before the outcome: a GET_STATUS would be waiting by now.
